@@ -1,0 +1,1 @@
+"""Long-Short Transformer models for timm."""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
+#   bash run.sh demo   runs the main job on built-in small data
+#   bash run.sh test   runs the test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+fi
+if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q -e ".[test,bench]"
+fi
+case "${1:-}" in
+    demo) shift; exec "$VENV/bin/python" -m bench.bench_attention --quick "$@" ;;
+    test) shift; exec "$VENV/bin/python" -m pytest -q -n 2 "$@" ;;
+    *) echo "usage: bash run.sh demo|test [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,94 @@
+"""The slow, obviously correct Long-Short attention: dense n x n scores with the LS mask spelled out.
+
+Built from the paper's definitions (Sec. 3.2-3.4, Eq. 3-7, Appendix D) with explicit loops over positions,
+sharing no code with ``ls_hf.long_short_attention`` apart from reading its parameters.
+"""
+
+import math
+
+import torch
+
+
+def _ln(module, name, x):
+    """DualLN over the full width of a (L, H*d) tensor; identity when DualLN is off."""
+    if not module.use_dual_ln:
+        return x
+    key_name = name + "_key"
+    ln = getattr(module, key_name, None) if x.shape[-1] != module.num_heads * module.head_dim else None
+    ln = ln or getattr(module, name)
+    return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def reference_attention(module, x, mask=None, cls=None):
+    """Long-Short attention of ``module``'s weights on x (B, n, d), one sample at a time."""
+    B, n, _ = x.shape
+    mask = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
+    outs = [_one(module, x[b], mask[b], None if cls is None else cls[b]) for b in range(B)]
+    return torch.stack(outs)
+
+
+def _one(m, x, valid, cls):
+    n = x.shape[0]
+    H, w, r = m.num_heads, m.window_size, m.projection_rank
+    dq = m.qk_head_dim
+    q = m.query(x).view(n, H, dq)
+    k = _ln(m, "dual_ln_local", m.key(x)).view(n, H, dq)
+    v = _ln(m, "dual_ln_local", m.value(x)).view(n, H, -1)
+    # Projected rows and which query sees which row.
+    rows_k, rows_v, rows_seen = [], [], []  # rows_seen[j](i) -> bool
+    if cls is not None:
+        rows_k.append(m.key(cls).view(1, -1))
+        rows_v.append(m.value(cls).view(1, -1))
+        rows_seen.append(lambda i: True)
+    if r:
+        scores = m.dynamic_projection(x).view(n, H, r)
+        seg_len = m.segment_length if m.causal else n
+        for s in range(n // seg_len):
+            pos = [t for t in range(s * seg_len, (s + 1) * seg_len) if valid[t]]
+            if not pos:
+                continue
+            p = scores[pos].softmax(dim=0)  # (|pos|, H, r), softmax over the segment's real tokens (Eq. 3)
+            kb = torch.einsum("lhr,lhd->rhd", p, k[pos]).reshape(r, -1)
+            vb = torch.einsum("lhr,lhd->rhd", p, v[pos]).reshape(r, -1)
+            for j in range(r):
+                rows_k.append(kb[j : j + 1])
+                rows_v.append(vb[j : j + 1])
+                rows_seen.append((lambda i, s=s: s < i // seg_len) if m.causal else (lambda i: True))
+    R = len(rows_k)
+    if R:
+        kbar = _ln(m, "dual_ln_global", torch.cat(rows_k)).view(R, H, dq)
+        vbar = _ln(m, "dual_ln_global", torch.cat(rows_v)).view(R, H, -1)
+
+    def window_sees(i, j):
+        if not valid[j]:
+            return False
+        seg = (i // w) * w
+        if m.causal:
+            return seg - w <= j <= i
+        e = max(w // 2, 1)
+        return seg - e <= j < seg + w + e
+
+    context = torch.zeros(n, H, v.shape[-1], dtype=x.dtype)
+    for i in range(n):
+        if not valid[i]:
+            continue  # padded queries get context 0
+        cols_k, cols_v = [], []
+        for j in range(R):
+            if rows_seen[j](i):
+                cols_k.append(kbar[j])
+                cols_v.append(vbar[j])
+        for j in range(n):
+            if w and window_sees(i, j):
+                cols_k.append(k[j])
+                cols_v.append(v[j])
+        ks, vs = torch.stack(cols_k, 1), torch.stack(cols_v, 1)  # (H, K, d)
+        prob = (torch.einsum("hd,hkd->hk", q[i], ks) / math.sqrt(dq)).softmax(-1)
+        context[i] = torch.einsum("hk,hkd->hd", prob, vs)
+    if cls is not None:  # the cls token attends to its raw key/value and the tokens' contexts
+        qc = m.query(cls).view(H, dq)
+        kc, vc = m.key(cls).view(1, H, -1), m.value(cls).view(1, H, -1)
+        real = context[valid]
+        ks, vs = torch.cat([kc, real]), torch.cat([vc, real])
+        prob = (torch.einsum("hd,khd->hk", qc, ks) / math.sqrt(dq)).softmax(-1)
+        context = torch.cat([torch.einsum("hk,khd->hd", prob, vs)[None], context])
+    return m.output(context.reshape(context.shape[0], -1))
