@@ -146,26 +146,20 @@ class CausalState:
 
 
 def _pad_seq(x: Tensor, left: int, right: int) -> Tensor:
-    """Zero/False-pad (or crop, for negative amounts) dim 1 of a (B, L, ...) tensor."""
-    pad = [0, 0] * (x.dim() - 2) + [left, right]
-    if x.dtype == torch.bool:
-        return F.pad(x.view(torch.uint8), pad).view(torch.bool)
-    return F.pad(x, pad)
+    """Zero-pad (or crop, for negative amounts) dim 1 of a (B, L, ...) tensor."""
+    if left == 0 and right == 0:
+        return x
+    return F.pad(x, [0, 0] * (x.dim() - 2) + [left, right])
 
 
-def _unfold(x: Tensor, x_start: int, first_group: int, groups: int, window: int, before: int, after: int) -> Tensor:
-    """Tile dim 1 of ``x`` (positions ``[x_start, x_start + L)``) into ``groups`` windows of positions
-    ``[g w - before, g w + w + after)``, zero/False outside ``x``: (B, L, *rest) -> (B, G, *rest, S)."""
-    span = before + window + after
-    lo = first_group * window - before
-    hi = (first_group + groups) * window + after
-    x = _pad_seq(x, x_start - lo, hi - x_start - x.shape[1])
-    return x.unfold(1, span, window)
-
-
-def _heads_tiles(x: Tensor, *args) -> Tensor:
-    """``_unfold`` for (B, L, H, d) tensors, laid out for attention: (B, G, H, S, d)."""
-    return _unfold(x, *args).transpose(-1, -2)
+def _window_index(first_group: int, groups: int, window: int, before: int, after: int, k_start: int, length: int):
+    """Key positions of the windows ``[g w - before, g w + w + after)`` of groups ``first_group ..`` (G, S), and their
+    indices into keys held for positions ``[k_start, k_start + length)``; a position outside points at index
+    ``length`` (the caller's zero row, masked)."""
+    offsets = torch.arange(-before, window + after)
+    pos = (torch.arange(first_group, first_group + groups) * window)[:, None] + offsets
+    inside = (pos >= k_start) & (pos < k_start + length)
+    return pos, torch.where(inside, pos - k_start, length)
 
 
 class LongShortSelfAttention(nn.Module):
@@ -264,7 +258,8 @@ class LongShortSelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         if not need_weights:
             return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, dropout_p=dropout), None
-        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         prob = scores.masked_fill(~keep, float("-inf")).softmax(-1)
         prob = F.dropout(prob, dropout, self.training)
         return (prob.to(v.dtype) @ v.to(q.dtype)).to(q.dtype), prob
@@ -311,70 +306,93 @@ class LongShortSelfAttention(nn.Module):
         if self.causal:
             context, attn = self._causal(q, k, v, scores, valid, state if state is not None else CausalState(), output_attentions)
         else:
-            context, attn = self._bidirectional(q, k, v, scores, valid, hidden_states, cls_hidden, output_attentions)
+            context, attn = self._bidirectional(q, k, v, scores, valid, cls_hidden, output_attentions)
         return self.output(context.flatten(2)), attn
 
-    def _bidirectional(self, q, k, v, scores, valid, x, cls_hidden, need_weights):
+    def _bidirectional(self, q, k, v, scores, valid, cls_hidden, need_weights):
         B, n, H, _ = q.shape
-        w, r = self.window_size, self.projection_rank
         rows = []  # (keys, values, valid) blocks of the projected set, cls first
         if cls_hidden is not None:  # the raw cls key/value joins the projected rows (official code)
             rows.append((self._split(self.key(cls_hidden)), self._split(self.value(cls_hidden)), valid.new_ones(B, 1)))
-        if r:
+        if self.projection_rank:
             rows.append(self._project(scores, k, v, valid, segment=n))
-        rows_k = rows_v = rows_valid = None
         if rows:
             rows_k, rows_v, rows_valid = (torch.cat(block, 1) for block in zip(*rows))
-            rows_k = self._dual_ln(rows_k, "global", is_key=True)
-            rows_v = self._dual_ln(rows_v, "global", is_key=False)
-        if w:
-            groups, ext = -(-n // w), max(w // 2, 1)
-            q_tiles = _heads_tiles(q, 0, 0, groups, w, 0, 0)
-            q_valid = _unfold(valid, 0, 0, groups, w, 0, 0)
-            k_tiles, v_tiles = (_heads_tiles(t, 0, 0, groups, w, ext, ext) for t in (k, v))
-            keep = _unfold(valid, 0, 0, groups, w, ext, ext)[:, :, None, :]  # a segment shares its keys
-        else:  # projection only: one group of every query against the projected rows
-            q_tiles, q_valid = q.transpose(1, 2)[:, None], valid[:, None]
-            k_tiles, v_tiles = (t.new_zeros(B, 1, H, 0, t.shape[-1]) for t in (k, v))
-            keep = valid.new_zeros(B, 1, 1, 0)
-        context, attn = self._grouped_attention(q_tiles, q_valid, k_tiles, v_tiles, keep, rows_k, rows_v, rows_valid, None, need_weights)
-        context, attn = context[:, :n], (attn[:, :, :n] if attn is not None else None)
-        context = context * valid[:, :, None, None].to(context.dtype)
+            rows = (self._dual_ln(rows_k, "global", is_key=True), self._dual_ln(rows_v, "global", is_key=False),
+                    rows_valid, None)
+        else:
+            rows = None
+        if not self.window_size:  # projection only: no window keys
+            k, v, valid_keys = k[:, :0], v[:, :0], valid[:, :0]
+        else:
+            valid_keys = valid
+        context, attn = self._attend_groups(q, valid, 0, k, v, valid_keys, 0, rows, need_weights)
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
         return context, attn
 
-    def _grouped_attention(self, q_tiles, q_valid, k_tiles, v_tiles, keep, rows_k, rows_v, rows_valid, rows_keep, need_weights):
-        """Every group of queries attends to [projected rows; its window keys] in one SDPA call.
+    def _attend_groups(self, q, q_valid, q_start, k, v, k_valid, k_start, rows, need_weights):
+        """Queries at positions ``[q_start, q_start + m)`` attend to [projected rows; window keys] in one softmax.
 
-        q_tiles (B, G, H, Q, d_qk); q_valid (B, G, Q); k_tiles/v_tiles (B, G, H, S, d); keep (B, G, Q|1, S) window
-        visibility; rows_* (B, R, H, d) or None; rows_keep (G, Q, R) causal row visibility or None.
-        Returns the context (B, G*Q, H, d_v) and, if asked, the probabilities (B, H, G*Q, R + S).
+        q (B, m, H, d_qk), q_valid (B, m); k/v (B, L, H, d) window keys of positions ``[k_start, k_start + L)`` and
+        k_valid (B, L); rows = (rows_k (B, R, H, d_qk), rows_v, rows_valid (B, R), rows_segment (R,) or None for
+        rows that every query sees) or None. With at least ``w`` queries they are grouped by window segment, each
+        group seeing its window tile (the fast path); otherwise (a decoding step) all queries see all keys, masked.
+        Returns the context (B, m, H, d_v), zero for invalid queries, and the probabilities (B, H, m, R + S) if asked.
         """
-        B, G, H, Q, _ = q_tiles.shape
-        if rows_k is not None:
-            R = rows_k.shape[1]
-            k_tiles = torch.cat([rows_k.transpose(1, 2)[:, None].expand(B, G, H, R, -1).to(k_tiles.dtype), k_tiles], 3)
-            v_tiles = torch.cat([rows_v.transpose(1, 2)[:, None].expand(B, G, H, R, -1).to(v_tiles.dtype), v_tiles], 3)
-            row_mask = rows_valid[:, None, None, :]
-            if rows_keep is not None:
-                row_mask = row_mask & rows_keep
-            rows_q = max(row_mask.shape[2], keep.shape[2])
-            keep = torch.cat([row_mask.expand(B, G, rows_q, R), keep.expand(B, G, rows_q, -1)], -1)
-        # A padded query keeps every key: no all-masked row (no NaN); its output is zeroed afterwards.
-        keep = keep | ~q_valid[..., None]
-        S = k_tiles.shape[3]
+        B, m, H, _ = q.shape
+        w, L = self.window_size, k.shape[1]
+        R = rows[0].shape[1] if rows is not None else 0
+        device = q.device
+        if w and m >= w:
+            first = q_start // w
+            groups = -(-(q_start + m) // w) - first
+            skip = q_start - first * w
+            before, after = (w, 0) if self.causal else ((max(w // 2, 1),) * 2)
+            k_pos, index = _window_index(first, groups, w, before, after, k_start, L)
+            q_pos = (torch.arange(first * w, (first + groups) * w)).view(groups, w)
+        else:
+            groups, skip = 1, 0
+            k_pos = torch.arange(k_start, k_start + L)[None]
+            index = torch.arange(L)[None]
+            q_pos = torch.arange(q_start, q_start + m)[None]
+        Q = q_pos.shape[1]
+        k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
+
+        # Keys and values of every group, rows first, gathered in one copy: (B, G * (R + S), H, d).
+        def gather(x_rows, x, fill):
+            pieces = ([x_rows] if R else []) + [x, fill]
+            src = torch.cat(pieces, 1)
+            full_index = torch.cat([torch.arange(R, device=device).expand(groups, R), index + R], 1)
+            return src.index_select(1, full_index.flatten()), full_index.shape[1]
+
+        zeros = lambda t: t.new_zeros(B, 1, *t.shape[2:])  # noqa: E731
+        keys, S = gather(rows[0] if R else None, k, zeros(k))
+        values, _ = gather(rows[1] if R else None, v, zeros(v))
+        key_valid, _ = gather(rows[2] if R else None, k_valid, k_valid.new_zeros(B, 1))
+        keep = key_valid.view(B, groups, 1, S)
+        if L:  # window rule (per query when causal; the tile already bounds a bidirectional window)
+            rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
+            keep = keep & torch.cat([rule.new_ones(rule.shape[:-1] + (R,)), rule], -1)
+        if R and rows[3] is not None:  # causal rows: only finished segments before the query's own (Eq. 5)
+            seen = segment_keep(q_pos, rows[3], self.segment_length)
+            keep = keep & torch.cat([seen, seen.new_ones(seen.shape[:-1] + (S - R,))], -1)
+        # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed below.
+        keep = keep | ~keep.any(-1, keepdim=True)
+
+        q = _pad_seq(q, skip, groups * Q - skip - m)
         out, prob = self._attend(
-            q_tiles.reshape(B * G, H, Q, -1),
-            k_tiles.reshape(B * G, H, S, -1),
-            v_tiles.reshape(B * G, H, S, -1),
-            keep.reshape(B * G, 1, Q, S),
+            q.view(B * groups, Q, H, -1).transpose(1, 2),
+            keys.view(B * groups, S, H, -1).transpose(1, 2),
+            values.view(B * groups, S, H, -1).transpose(1, 2),
+            keep.view(B * groups, 1, keep.shape[2], S),
             need_weights,
         )
-        out = out.view(B, G, H, Q, -1).permute(0, 1, 3, 2, 4).flatten(1, 2)
+        context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
+        context = context * q_valid[:, :, None, None].to(context.dtype)
         if prob is not None:
-            prob = prob.view(B, G, H, Q, S).transpose(1, 2).flatten(2, 3)
-        return out, prob
+            prob = prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
+        return context, prob
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""
@@ -387,7 +405,7 @@ class LongShortSelfAttention(nn.Module):
 
     def _causal(self, q, k, v, scores, valid, state: CausalState, need_weights):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
-        B, n, H, _ = q.shape
+        n = q.shape[1]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
         p0, end = state.seen, state.seen + n
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
@@ -404,37 +422,21 @@ class LongShortSelfAttention(nn.Module):
             seg_start, done = (p0 // l) * l, (end // l) * l
             if done > seg_start:
                 span = slice(seg_start - k_start, done - k_start)
-                new_k, new_v, new_valid = self._project(all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l)
+                new_k, new_v, new_valid = self._project(
+                    all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l
+                )
                 new_k = self._dual_ln(new_k, "global", is_key=True)
                 new_v = self._dual_ln(new_v, "global", is_key=False)
                 if rows_k is not None:
-                    new_k, new_v, new_valid = (torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid)))
+                    new_k, new_v, new_valid = (
+                        torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))
+                    )
                 rows_k, rows_v, rows_valid = new_k, new_v, new_valid
             pending = all_scores[:, done - seg_start :]
-
-        q_pos = torch.arange(p0, end, device=q.device)
-        k_pos = torch.arange(k_start, end, device=q.device)
-        if n >= w:  # training / prefill: group the queries by window segment
-            g0, groups = p0 // w, -(-end // w) - p0 // w
-            q_tiles = _heads_tiles(q, p0, g0, groups, w, 0, 0)
-            q_valid = _unfold(valid, p0, g0, groups, w, 0, 0)
-            tq_pos = _unfold(q_pos[None], p0, g0, groups, w, 0, 0)[0]
-            k_tiles, v_tiles = (_heads_tiles(t, k_start, g0, groups, w, w, 0) for t in (k_all, v_all))
-            k_valid = _unfold(valid_all, k_start, g0, groups, w, w, 0)
-            tk_pos = _unfold(k_pos[None], k_start, g0, groups, w, w, 0)[0]
-            skip = p0 - g0 * w
-        else:  # decoding: one group of the new queries against the whole cached window
-            q_tiles, q_valid, tq_pos = q.transpose(1, 2)[:, None], valid[:, None], q_pos[None]
-            k_tiles, v_tiles = k_all.transpose(1, 2)[:, None], v_all.transpose(1, 2)[:, None]
-            k_valid, tk_pos, skip = valid_all[:, None], k_pos[None], 0
-        # Fill outside [k_start, end) is invalid; window_keep removes the future and keys left of the window.
-        keep = k_valid[:, :, None, :] & window_keep(tq_pos, tk_pos, w, causal=True)
-        rows_keep = None
+        rows = None
         if rows_k is not None:
-            rows_keep = segment_keep(tq_pos, torch.arange(rows_k.shape[1], device=q.device) // r, l)
-        context, attn = self._grouped_attention(q_tiles, q_valid, k_tiles, v_tiles, keep, rows_k, rows_v, rows_valid, rows_keep, need_weights)
-        context = context[:, skip : skip + n] * valid[:, :, None, None].to(context.dtype)
-        attn = attn[:, :, skip : skip + n] if attn is not None else None
+            rows = (rows_k, rows_v, rows_valid, torch.arange(rows_k.shape[1], device=q.device) // r)
+        context, attn = self._attend_groups(q, valid, p0, k_all, v_all, valid_all, k_start, rows, need_weights)
 
         # Keep the keys of the current and the previous window segment, and the unfinished segment's scores.
         keep_from = max(0, (end // w - 1) * w)
