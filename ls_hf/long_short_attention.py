@@ -22,19 +22,19 @@ layout. This file imports nothing from Transformers or timm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "LongShortSelfAttention",
     "CausalState",
+    "LongShortSelfAttention",
+    "segment_keep",
     "validate_long_short_args",
     "window_keep",
-    "segment_keep",
 ]
 
 
@@ -49,9 +49,9 @@ def validate_long_short_args(
     window_size: int,
     projection_rank: int,
     causal: bool = False,
-    segment_length: Optional[int] = None,
-    qk_head_dim: Optional[int] = None,
-    names: Optional[dict] = None,
+    segment_length: int | None = None,
+    qk_head_dim: int | None = None,
+    names: dict | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the offending parameter (``names`` maps ours to the caller's field names)."""
     names = names or {}
@@ -128,14 +128,16 @@ class CausalState:
     """
 
     seen: int = 0
-    keys: Optional[Tensor] = None  # (B, L, H, d_qk)
-    values: Optional[Tensor] = None  # (B, L, H, d_v)
-    valid: Optional[Tensor] = None  # (B, L) bool
-    rows_k: Optional[Tensor] = None  # (B, N, H, d_qk)
-    rows_v: Optional[Tensor] = None  # (B, N, H, d_v)
-    rows_valid: Optional[Tensor] = None  # (B, N) bool
-    pending: Optional[Tensor] = None  # (B, p, H, r)
-    _tensors: tuple = field(default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending"), repr=False)
+    keys: Tensor | None = None  # (B, L, H, d_qk)
+    values: Tensor | None = None  # (B, L, H, d_v)
+    valid: Tensor | None = None  # (B, L) bool
+    rows_k: Tensor | None = None  # (B, N, H, d_qk)
+    rows_v: Tensor | None = None  # (B, N, H, d_v)
+    rows_valid: Tensor | None = None  # (B, N) bool
+    pending: Tensor | None = None  # (B, p, H, r)
+    _tensors: tuple = field(
+        default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending"), repr=False
+    )
 
     def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Apply ``fn`` to every cached tensor (index_select for beam search, repeat_interleave, ...)."""
@@ -160,6 +162,16 @@ def _window_index(first_group: int, groups: int, window: int, before: int, after
     pos = (torch.arange(first_group, first_group + groups) * window)[:, None] + offsets
     inside = (pos >= k_start) & (pos < k_start + length)
     return pos, torch.where(inside, pos - k_start, length)
+
+
+def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
+    """For each of G groups, the R ``rows`` then the entries of ``x`` (B, L, ...) at ``index`` (G, S), where index L
+    stands for a zero entry: (B, G * (R + S), ...)."""
+    R = rows.shape[1] if rows is not None else 0
+    zero = x.new_zeros(x.shape[0], 1, *x.shape[2:])
+    src = torch.cat(([rows] if rows is not None else []) + [x, zero], 1)
+    rows_index = torch.arange(R, device=x.device).expand(index.shape[0], R)
+    return src.index_select(1, torch.cat([rows_index, index + R], 1).flatten())
 
 
 class LongShortSelfAttention(nn.Module):
@@ -187,9 +199,9 @@ class LongShortSelfAttention(nn.Module):
         projection_rank: int,
         *,
         causal: bool = False,
-        segment_length: Optional[int] = None,
+        segment_length: int | None = None,
         use_dual_ln: bool = True,
-        qk_head_dim: Optional[int] = None,
+        qk_head_dim: int | None = None,
         attention_dropout: float = 0.0,
         bias: bool = True,
         layer_norm_eps: float = 1e-5,
@@ -257,7 +269,9 @@ class LongShortSelfAttention(nn.Module):
         """One softmax per query over all its keys. q (B', H, Q, d), k/v (B', H, K, d), keep (B', 1, Q|1, K)."""
         dropout = self.attention_dropout if self.training else 0.0
         if not need_weights:
-            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, dropout_p=dropout), None
+            return F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, dropout_p=dropout
+            ), None
         dtype = torch.promote_types(q.dtype, torch.float32)
         scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         prob = scores.masked_fill(~keep, float("-inf")).softmax(-1)
@@ -268,10 +282,10 @@ class LongShortSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Tensor | None = None,
         *,
-        cls_hidden: Optional[Tensor] = None,
-        state: Optional[CausalState] = None,
+        cls_hidden: Tensor | None = None,
+        state: CausalState | None = None,
         output_attentions: bool = False,
     ):
         """Args:
@@ -304,13 +318,15 @@ class LongShortSelfAttention(nn.Module):
         v = self._dual_ln(self._split(self.value(hidden_states)), "local", is_key=False)
         scores = self._split(self.dynamic_projection(hidden_states)) if self.projection_rank else None
         if self.causal:
-            context, attn = self._causal(q, k, v, scores, valid, state if state is not None else CausalState(), output_attentions)
+            context, attn = self._causal(
+                q, k, v, scores, valid, state if state is not None else CausalState(), output_attentions
+            )
         else:
             context, attn = self._bidirectional(q, k, v, scores, valid, cls_hidden, output_attentions)
         return self.output(context.flatten(2)), attn
 
     def _bidirectional(self, q, k, v, scores, valid, cls_hidden, need_weights):
-        B, n, H, _ = q.shape
+        B, n = q.shape[:2]
         rows = []  # (keys, values, valid) blocks of the projected set, cls first
         if cls_hidden is not None:  # the raw cls key/value joins the projected rows (official code)
             rows.append((self._split(self.key(cls_hidden)), self._split(self.value(cls_hidden)), valid.new_ones(B, 1)))
@@ -318,8 +334,12 @@ class LongShortSelfAttention(nn.Module):
             rows.append(self._project(scores, k, v, valid, segment=n))
         if rows:
             rows_k, rows_v, rows_valid = (torch.cat(block, 1) for block in zip(*rows))
-            rows = (self._dual_ln(rows_k, "global", is_key=True), self._dual_ln(rows_v, "global", is_key=False),
-                    rows_valid, None)
+            rows = (
+                self._dual_ln(rows_k, "global", is_key=True),
+                self._dual_ln(rows_v, "global", is_key=False),
+                rows_valid,
+                None,
+            )
         else:
             rows = None
         if not self.window_size:  # projection only: no window keys
@@ -359,17 +379,9 @@ class LongShortSelfAttention(nn.Module):
         Q = q_pos.shape[1]
         k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
 
-        # Keys and values of every group, rows first, gathered in one copy: (B, G * (R + S), H, d).
-        def gather(x_rows, x, fill):
-            pieces = ([x_rows] if R else []) + [x, fill]
-            src = torch.cat(pieces, 1)
-            full_index = torch.cat([torch.arange(R, device=device).expand(groups, R), index + R], 1)
-            return src.index_select(1, full_index.flatten()), full_index.shape[1]
-
-        zeros = lambda t: t.new_zeros(B, 1, *t.shape[2:])  # noqa: E731
-        keys, S = gather(rows[0] if R else None, k, zeros(k))
-        values, _ = gather(rows[1] if R else None, v, zeros(v))
-        key_valid, _ = gather(rows[2] if R else None, k_valid, k_valid.new_zeros(B, 1))
+        # Keys and values of every group, projected rows first, each gathered in one copy: (B, G * (R + S), H, d).
+        keys, values, key_valid = (_gather(rows[i] if R else None, x, index) for i, x in enumerate((k, v, k_valid)))
+        S = R + index.shape[1]
         keep = key_valid.view(B, groups, 1, S)
         if L:  # window rule (per query when causal; the tile already bounds a bidirectional window)
             rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
