@@ -1,5 +1,43 @@
-"""Long-Short Transformer for Hugging Face Transformers."""
+"""Long-Short Transformer for Hugging Face Transformers.
 
+``import ls_hf`` registers ``LongShortConfig`` (model_type ``"long_short"``) and every head with the Auto classes.
+"""
+
+import transformers
+
+from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
+from .modeling_long_short import (
+    AUTO_CLASSES,
+    ROBERTA_KEY_MAPPING,
+    LongShortCache,
+    LongShortForCausalLM,
+    LongShortForMaskedLM,
+    LongShortForMultipleChoice,
+    LongShortForQuestionAnswering,
+    LongShortForSequenceClassification,
+    LongShortForTokenClassification,
+    LongShortModel,
+    LongShortPreTrainedModel,
+)
 
-__all__ = ["CausalState", "LongShortSelfAttention"]
+transformers.AutoConfig.register(LongShortConfig.model_type, LongShortConfig, exist_ok=True)
+for _auto_name, _model_class in AUTO_CLASSES.items():
+    getattr(transformers, _auto_name).register(LongShortConfig, _model_class, exist_ok=True)
+transformers.AutoTokenizer.register(LongShortConfig, transformers.RobertaTokenizer, exist_ok=True)
+
+__all__ = [
+    "ROBERTA_KEY_MAPPING",
+    "CausalState",
+    "LongShortCache",
+    "LongShortConfig",
+    "LongShortForCausalLM",
+    "LongShortForMaskedLM",
+    "LongShortForMultipleChoice",
+    "LongShortForQuestionAnswering",
+    "LongShortForSequenceClassification",
+    "LongShortForTokenClassification",
+    "LongShortModel",
+    "LongShortPreTrainedModel",
+    "LongShortSelfAttention",
+]

@@ -1,0 +1,358 @@
+"""Long-Short attention against dense and sliding-window peers: forward + backward time and peak memory.
+
+One attention module each (query/key/value/output projections included; hidden 768, 12 heads, batch 1):
+
+* ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512);
+* ``sdpa``: dense ``F.scaled_dot_product_attention``;
+* ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
+* ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
+  Linear.
+
+On CPU every (peer, n) runs in a forked process so that its peak memory is its own: the RSS high-water mark
+(``VmHWM``) minus the RSS before the first step. On CUDA it runs in-process: ``max_memory_allocated`` minus the
+memory allocated before the first step. A peer whose estimated need exceeds free memory is skipped, not run into
+the OOM killer.
+
+    python -m bench.bench_attention                 # CPU float32, n = 1024 ... 16384 (a few minutes)
+    python -m bench.bench_attention --quick         # n = 1024, 2048 (well under a minute)
+    python -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536
+
+Writes ``bench/results/attention_<device>.json`` and ``.png`` and prints markdown tables with the ratios against
+the bars of issue 2 (PASS/MISS). Times are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LongformerConfig
+from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+from bench.plot import plot_scaling
+from ls_hf.long_short_attention import LongShortSelfAttention
+
+HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
+LONGFORMER_WINDOW = 2 * WINDOW
+PEERS = ("long-short", "sdpa", "eager", "longformer")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RESULTS = Path(__file__).resolve().parent / "results"
+TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
+# (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
+# memory: peer memory / baseline memory <= target.
+BARS = (
+    ("n=4096: LS vs dense SDPA, speedup", "long-short", "sdpa", 4096, "time", 2.0),
+    ("n=4096: LS vs Longformer, speedup", "long-short", "longformer", 4096, "time", 3.0),
+    ("n=16384: LS vs dense SDPA, speedup", "long-short", "sdpa", 16384, "time", 6.0),
+    ("n=8192: LS peak memory / eager dense", "long-short", "eager", 8192, "memory", 0.1),
+)
+
+
+# ---------------------------------------------------------------------------------------------- peers
+class DenseAttention(nn.Module):
+    """Full multi-head attention with the same q/k/v/o Linear layers: fused SDPA or eager (materialised scores)."""
+
+    def __init__(self, hidden: int, heads: int, eager: bool):
+        super().__init__()
+        self.heads, self.eager = heads, eager
+        self.query, self.key, self.value, self.output = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value))
+        if self.eager:
+            context = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        else:
+            context = F.scaled_dot_product_attention(q, k, v)
+        return self.output(context.transpose(1, 2).flatten(2))
+
+
+class LongformerAttention(nn.Module):
+    """Hugging Face ``LongformerSelfAttention`` (local attention only, no global token) plus the output Linear."""
+
+    def __init__(self, hidden: int, heads: int, window: int):
+        super().__init__()
+        config = LongformerConfig(
+            hidden_size=hidden, num_attention_heads=heads, attention_window=[window], attention_probs_dropout_prob=0.0
+        )
+        self.attn = LongformerSelfAttention(config, layer_id=0)
+        self.output = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        # Longformer's per-layer mask convention: 0 = local attention, < 0 = padding, > 0 = global.
+        mask = x.new_zeros(x.shape[:2])
+        none = mask.bool()
+        out = self.attn(x, attention_mask=mask, is_index_masked=none, is_index_global_attn=none, is_global_attn=False)
+        return self.output(out[0])
+
+
+class LongShortAttention(nn.Module):
+    """``LongShortSelfAttention`` returning only its output."""
+
+    def __init__(self, hidden: int, heads: int, window: int, rank: int):
+        super().__init__()
+        self.attn = LongShortSelfAttention(hidden, heads, window, rank)
+
+    def forward(self, x):
+        return self.attn(x)[0]
+
+
+def build_peer(peer: str) -> nn.Module:
+    if peer == "long-short":
+        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK)
+    if peer in ("sdpa", "eager"):
+        return DenseAttention(HIDDEN, HEADS, eager=peer == "eager")
+    if peer == "longformer":
+        return LongformerAttention(HIDDEN, HEADS, LONGFORMER_WINDOW)
+    raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+
+
+# ------------------------------------------------------------------------------------- models of cost
+def model_flops(peer: str, n: int) -> float:
+    """Forward FLOPs (multiply-add = 2), projections included: performance.md Sec. 5."""
+    d = HIDDEN
+    projections = 8 * n * d * d
+    if peer in ("sdpa", "eager"):
+        return projections + 4 * n * n * d
+    if peer == "longformer":
+        return projections + 4 * n * (LONGFORMER_WINDOW + 1) * d
+    span = WINDOW + 2 * max(WINDOW // 2, 1)
+    dynamic_projection = 2 * n * d * HEADS * RANK + 4 * n * RANK * d
+    return projections + dynamic_projection + 4 * n * (span + RANK) * d
+
+
+def estimated_bytes(peer: str, n: int, element_size: int) -> float:
+    """Generous estimate of a training step's activations: eager keeps ~3 n x n score tensors per head."""
+    linear = 64 * BATCH * n * HIDDEN * element_size
+    if peer == "eager":
+        return linear + 3 * BATCH * HEADS * n * n * element_size
+    if peer == "longformer":
+        return linear + 8 * BATCH * HEADS * n * (LONGFORMER_WINDOW + 1) * element_size
+    return linear
+
+
+def free_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+# ------------------------------------------------------------------------------------------ one run
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(peer: str, n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
+    """Median forward + backward time of ``repeats`` steps after one warm-up, and the peak memory above baseline."""
+    torch.manual_seed(0)
+    module = build_peer(peer).to(device=device, dtype=dtype)
+    x = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        module(x).backward(grad)
+
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")
+        base = _proc_status_bytes("VmRSS")
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status_bytes("VmHWM")
+    times.sort()
+    return {"status": "ok", "time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": max(peak - base, 0)}
+
+
+def _child(conn, *args) -> None:
+    try:
+        conn.send(measure(*args))
+    except (RuntimeError, ValueError) as error:  # reported in the table, not raised
+        message = str(error).splitlines()[0][:200]
+        conn.send({"status": "oom" if "allocate" in message else "error", "reason": message})
+
+
+def run_isolated(peer: str, n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
+    """``measure`` in a forked process (CPU: its memory high-water mark is its own) or in-process (CUDA: the peak
+    counter resets); a skip when the estimate exceeds free memory, OOM when the run is killed or CUDA refuses."""
+    row = {"peer": peer, "n": n, "model_gflop_fwd_bwd": TRAIN_FACTOR * model_flops(peer, n) / 1e9}
+    need, free = estimated_bytes(peer, n, dtype.itemsize), free_bytes(device)
+    if need > 0.8 * free:
+        return row | {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
+    if device == "cuda":
+        try:
+            row |= measure(peer, n, device, dtype, repeats)
+        except torch.OutOfMemoryError:
+            row |= {"status": "oom", "reason": "CUDA out of memory"}
+        torch.cuda.empty_cache()
+    else:
+        # fork, not spawn: the children share the parent's imports (Transformers takes seconds to import). The
+        # parent runs no torch op, so the children start with a fresh OpenMP pool.
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(send, peer, n, device, dtype, repeats))
+        proc.start()
+        send.close()
+        try:
+            row |= receive.recv()
+        except EOFError:
+            row |= {"status": "oom", "reason": "process killed, out of memory?"}
+        proc.join()
+    if row["status"] == "ok":
+        row["gflop_per_s"] = row["model_gflop_fwd_bwd"] / row["time_s"]
+    return row
+
+
+# ------------------------------------------------------------------------------------------ report
+def _get(rows, peer, n):
+    return next((r for r in rows if r["peer"] == peer and r["n"] == n), None)
+
+
+def _cell(row, key, scale, fmt, base=None):
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
+    text = format(row[key] * scale, fmt)
+    if base is not None and base.get("status") == "ok" and base[key] > 0:
+        text += f" ({row[key] / base[key]:.2f}x)"
+    return text
+
+
+def tables(rows, peers, ns, memory_label) -> str:
+    """Markdown tables: time and memory (ratio to long-short in parentheses), GFLOP/s and the FLOP bound."""
+    lines = []
+    for title, key, scale, fmt in (
+        ("median time, forward + backward (ms); (x) = peer / long-short", "time_s", 1e3, ".1f"),
+        (f"{memory_label} (MiB); (x) = peer / long-short", "peak_mem_bytes", 2.0**-20, ".0f"),
+    ):
+        lines += [f"**{title}**", "", "| n | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
+        for n in ns:
+            base = _get(rows, "long-short", n)
+            cells = [_cell(_get(rows, p, n), key, scale, fmt, None if p == "long-short" else base) for p in peers]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "**effective GFLOP/s (model FLOPs of performance.md Sec. 5, projections included, x3 for fwd + bwd)**",
+        "",
+        "| n | " + " | ".join(peers) + " | FLOP bound dense / LS |",
+        "|---" * (len(peers) + 2) + "|",
+    ]
+    for n in ns:
+        cells = [_cell(_get(rows, p, n), "gflop_per_s", 1.0, ".0f") for p in peers]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {model_flops('sdpa', n) / model_flops('long-short', n):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def check_bars(rows) -> list[dict]:
+    """The bars of issue 2 (meant for the 2-core CPU, float32); PASS/MISS, or n/a when a run is missing."""
+    results = []
+    for name, peer, baseline, n, metric, target in BARS:
+        ours, theirs = _get(rows, peer, n), _get(rows, baseline, n)
+        key = "time_s" if metric == "time" else "peak_mem_bytes"
+        value = verdict = None
+        if ours and theirs and ours["status"] == theirs["status"] == "ok":
+            value = theirs[key] / ours[key] if metric == "time" else ours[key] / theirs[key]
+            verdict = "PASS" if (value >= target if metric == "time" else value <= target) else "MISS"
+        results.append({"bar": name, "value": value, "target": target, "verdict": verdict or "n/a"})
+    return results
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"nproc": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="n = 1024, 2048 and 1 timed step (under a minute)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--min-n", type=int, default=1024)
+    parser.add_argument("--max-n", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/attention_<device>)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_n = min(args.max_n, 2048)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    ns = [n for n in (2**k for k in range(10, 31)) if args.min_n <= n <= args.max_n]
+    memory_label = "peak CUDA memory above baseline" if args.device == "cuda" else "peak RSS above baseline"
+
+    rows = []
+    for n in ns:
+        for peer in args.peers:
+            rows.append(run_isolated(peer, n, args.device, DTYPES[args.dtype], args.repeats))
+            row = rows[-1]
+            shown = f"{row['time_s'] * 1e3:9.1f} ms {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if row["status"] == "ok" else ""
+            print(f"  n={n:<6} {peer:<11} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
+
+    command = "python -m bench.bench_attention " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = machine() | {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command.strip(),
+        "device": args.device,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "config": {"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK, "batch": BATCH,
+                   "longformer_attention_window": LONGFORMER_WINDOW},
+        "memory": "RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
+        if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
+        "time": f"median of {args.repeats} forward + backward steps after 1 warm-up",
+    }
+    bars = check_bars(rows)
+    report = tables(rows, args.peers, ns, memory_label)
+    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  {args.device} {args.dtype}")
+    print(f"memory: {meta['memory']}\n\n{report}")
+    for bar in bars:
+        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
+        print(f"{bar['verdict']:<5} {bar['bar']}: {value} (bar {bar['target']})")
+
+    out = args.out or RESULTS / f"attention_{args.device}{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows, "bars": bars}, indent=1))
+    title = f"one attention layer, fwd+bwd, d={HIDDEN}, H={HEADS}, w={WINDOW}, r={RANK}, {args.device} {args.dtype}"
+    plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

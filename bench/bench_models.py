@@ -1,0 +1,271 @@
+"""Whole models: a masked-LM training step against RoBERTa (SDPA) and Longformer, and cached generation.
+
+Training (issue 3): base width (hidden 768, 12 heads, intermediate 3072), batch 1, few layers on CPU:
+
+* ``long-short``: ``LongShortForMaskedLM`` with w = 256, r = 64;
+* ``roberta-sdpa``: ``RobertaForMaskedLM`` with SDPA attention and n + 2 positions;
+* ``longformer``: ``LongformerForMaskedLM`` with attention_window 512 (the same 2w span), no global tokens.
+
+One step = forward + backward of the MLM loss on all n tokens. The vocabulary is small (``--vocab``, 1024) so that
+the LM head, identical work for every peer (2 n d V FLOPs), does not hide the encoders when only 1-2 layers run.
+Each (peer, n) runs in a forked process: peak memory = RSS high-water mark minus RSS after building the model.
+A peer whose estimated need exceeds 80 % of free memory is skipped.
+
+Generation: ``LongShortForCausalLM`` (same width, 2 layers, w = 256, l = 16, r = 1 as the official enwik8
+models) decoding greedily after a prompt of 512, 2048 and 8192 tokens, with the ``LongShortCache`` and without
+(every step recomputes the whole sequence). Per-token time = (time of 1 + k new tokens - time of 1) / k.
+
+    python -m bench.bench_models                                   # 4096 (2 layers) and generation
+    python -m bench.bench_models --lengths 16384 --layers 1 --repeats 1 --skip-generation
+    python -m bench.bench_models --quick                           # n = 1024, short contexts: a smoke run
+
+Prints markdown tables with ratios and the issue's bars (PASS/MISS); times are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import sys
+import time
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LongformerConfig,
+    LongformerForMaskedLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
+
+from bench.bench_attention import _proc_status_bytes, free_bytes, machine
+from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
+
+BASE = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
+WINDOW, RANK, LONGFORMER_WINDOW = 256, 64, 512
+PEERS = ("long-short", "roberta-sdpa", "longformer")
+# (description, n, baseline peer, target): long-short throughput / baseline throughput >= target
+TRAIN_BARS = (
+    ("n=4096: LS vs Longformer throughput", 4096, "longformer", 1.5),
+    ("n=4096: LS vs RoBERTa-SDPA throughput", 4096, "roberta-sdpa", 1.3),
+    ("n=16384: LS vs RoBERTa-SDPA throughput", 16384, "roberta-sdpa", 2.5),
+)
+DECODE_BAR = 1.5  # cached per-token time at the longest context / at the shortest
+
+
+def build_mlm(peer: str, n: int, layers: int, vocab: int):
+    """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows)."""
+    common = {**BASE, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
+              "type_vocab_size": 1, "layer_norm_eps": 1e-5}
+    if peer == "long-short":
+        return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK))
+    if peer == "roberta-sdpa":
+        return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation="sdpa"))
+    if peer == "longformer":
+        return LongformerForMaskedLM(LongformerConfig(**common, attention_window=LONGFORMER_WINDOW))
+    raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+
+
+def estimated_bytes(peer: str, n: int, layers: int, vocab: int) -> float:
+    """Generous fp32 estimate of a training step: ~64 d floats per token and layer, logits x3, Longformer's bands."""
+    need = layers * 64 * n * BASE["hidden_size"] * 4 + 3 * n * vocab * 4
+    if peer == "longformer":
+        need += layers * 8 * BASE["num_attention_heads"] * n * (LONGFORMER_WINDOW + 1) * 4
+    return need
+
+
+def measure_training(peer: str, n: int, layers: int, vocab: int, repeats: int) -> dict:
+    """Median time of ``repeats`` training steps after one warm-up, and the peak RSS above the built model."""
+    torch.manual_seed(0)
+    model = build_mlm(peer, n, layers, vocab).train()
+    ids = torch.randint(3, vocab, (1, n))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+    base = _proc_status_bytes("VmRSS")
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": _proc_status_bytes("VmHWM") - base}
+
+
+def _child(conn, fn, args, threads) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        conn.send({"status": "ok", **fn(*args)})
+    except (RuntimeError, ValueError) as error:
+        conn.send({"status": "error", "reason": str(error).splitlines()[0][:200]})
+
+
+def forked(fn, *args, threads: int = 0) -> dict:
+    """``fn(*args)`` in a forked process (its own memory high-water mark and OpenMP pool) with ``threads`` torch
+    threads (0: torch's default); a killed child is reported as OOM."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args, threads))
+    proc.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = {"status": "oom", "reason": "process killed, out of memory?"}
+    proc.join()
+    return result
+
+
+def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:
+    rows = []
+    for n in lengths:
+        for peer in peers:
+            row = {"peer": peer, "n": n, "layers": layers}
+            need, free = estimated_bytes(peer, n, layers, vocab), free_bytes("cpu")
+            if need > 0.8 * free:
+                row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
+            else:
+                row |= forked(measure_training, peer, n, layers, vocab, repeats, threads=threads)
+            if row["status"] == "ok":
+                row["tokens_per_s"] = n / row["time_s"]
+            rows.append(row)
+            shown = f"{row['time_s']:8.2f} s {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if row["status"] == "ok" else ""
+            print(f"  train n={n:<6} {peer:<13} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
+    return rows
+
+
+def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int) -> dict:
+    """Per-token decoding time after a ``context``-token prompt, with or without the cache."""
+    torch.manual_seed(0)
+    config = LongShortConfig(**BASE, num_hidden_layers=layers, vocab_size=vocab, is_decoder=True, window_size=WINDOW,
+                             projection_rank=1, causal_segment_length=16, max_position_embeddings=context + new_tokens + 3)
+    model = LongShortForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=1, bos_token_id=0)
+    prompt = torch.randint(3, vocab, (1, context))
+
+    def timed(tokens):
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=tokens, do_sample=False, use_cache=use_cache)
+        return time.perf_counter() - start
+
+    timed(1)  # warm-up
+    first, total = timed(1), timed(1 + new_tokens)
+    per_token = max(total - first, 1e-9) / new_tokens
+    return {"prefill_s": first, "per_token_s": per_token, "tokens_per_s": 1 / per_token}
+
+
+def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads) -> list[dict]:
+    rows = []
+    for context in contexts:
+        for use_cache, tokens in ((True, cached_tokens), (False, uncached_tokens)):
+            row = {"context": context, "use_cache": use_cache, "new_tokens": tokens}
+            row |= forked(measure_generation, context, tokens, use_cache, layers, vocab, threads=threads)
+            rows.append(row)
+            shown = f"{row['per_token_s'] * 1e3:9.1f} ms/token" if row["status"] == "ok" else row.get("reason", "")
+            print(f"  generate context={context:<6} cache={use_cache!s:<5} {row['status']:<6} {shown}", flush=True)
+    return rows
+
+
+def _find(rows, **keys):
+    return next((r for r in rows if all(r.get(k) == v for k, v in keys.items()) and r["status"] == "ok"), None)
+
+
+def training_table(rows, peers, lengths) -> str:
+    lines = ["| n | layers | peer | s / step | tokens / s | LS speedup | peak RSS above model (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for n in lengths:
+        ours = _find(rows, peer="long-short", n=n)
+        for peer in peers:
+            row = next(r for r in rows if r["peer"] == peer and r["n"] == n)
+            if row["status"] != "ok":
+                lines.append(f"| {n} | {row['layers']} | {peer} | {row['status']} ({row.get('reason', '')}) | | | |")
+                continue
+            speedup = f"{ours['tokens_per_s'] / row['tokens_per_s']:.2f}x" if ours and peer != "long-short" else ""
+            lines.append(f"| {n} | {row['layers']} | {peer} | {row['time_s']:.2f} | {row['tokens_per_s']:.0f} | "
+                         f"{speedup} | {row['peak_mem_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def generation_table(rows, contexts) -> str:
+    lines = ["| context | cached tokens / s | uncached tokens / s | cache speedup | cached ms / token | prefill s |",
+             "|---|---|---|---|---|---|"]
+    for context in contexts:
+        cached, plain = _find(rows, context=context, use_cache=True), _find(rows, context=context, use_cache=False)
+        cells = [f"{cached['tokens_per_s']:.1f}" if cached else "-", f"{plain['tokens_per_s']:.2f}" if plain else "-",
+                 f"{cached['tokens_per_s'] / plain['tokens_per_s']:.0f}x" if cached and plain else "-",
+                 f"{cached['per_token_s'] * 1e3:.1f}" if cached else "-", f"{cached['prefill_s']:.2f}" if cached else "-"]
+        lines.append(f"| {context} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bars(train_rows, gen_rows, contexts) -> list[str]:
+    lines = []
+    for name, n, baseline, target in TRAIN_BARS:
+        ours, theirs = _find(train_rows, peer="long-short", n=n), _find(train_rows, peer=baseline, n=n)
+        if ours and theirs:
+            value = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            lines.append(f"{'PASS' if value >= target else 'MISS':<5} {name}: {value:.2f}x (bar {target}x)")
+    if gen_rows and len(contexts) > 1:
+        short, long = (_find(gen_rows, context=c, use_cache=True) for c in (contexts[0], contexts[-1]))
+        if short and long:
+            value = long["per_token_s"] / short["per_token_s"]
+            lines.append(f"{'PASS' if value <= DECODE_BAR else 'MISS':<5} cached decoding, per-token time at "
+                         f"{contexts[-1]} / at {contexts[0]}: {value:.2f}x (bar <= {DECODE_BAR}x)")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096], help="training sequence lengths")
+    parser.add_argument("--layers", type=int, default=2, help="encoder layers of every peer (training)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed training steps after one warm-up")
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size (LM head cost, same for all)")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="generation prompts")
+    parser.add_argument("--cached-tokens", type=int, default=32, help="timed new tokens with the cache")
+    parser.add_argument("--uncached-tokens", type=int, default=3, help="timed new tokens without the cache")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per measurement (0: torch default)")
+    parser.add_argument("--quick", action="store_true", help="n = 1024, 1 layer, contexts 256 and 1024")
+    args = parser.parse_args(argv)
+    for name in ("layers", "repeats", "vocab", "cached_tokens", "uncached_tokens", "threads"):
+        if getattr(args, name) < (0 if name == "threads" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'threads' else 1}, got {getattr(args, name)}")
+    if min(args.lengths + args.contexts) < 1:
+        parser.error("--lengths and --contexts must be positive")
+    if args.quick:
+        args.lengths, args.layers, args.repeats, args.contexts = [1024], 1, 1, [256, 1024]
+        args.cached_tokens, args.uncached_tokens = 8, 2
+
+    train_rows = [] if args.skip_training else run_training(
+        args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads
+    )
+    gen_rows = [] if args.skip_generation else run_generation(
+        args.contexts, 1 if args.quick else 2, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
+    )
+    info = machine()
+    command = "python -m bench.bench_models " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}  {info['cpu']}  "
+          f"nproc={info['nproc']} threads={args.threads or info['threads']}  torch {info['torch']}  float32\n`{command.strip()}`\n")
+    if train_rows:
+        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, median of {args.repeats} after 1 warm-up; "
+              f"LS w={WINDOW} r={RANK}, Longformer window {LONGFORMER_WINDOW}**\n")
+        print(training_table(train_rows, args.peers, args.lengths))
+    if gen_rows:
+        print(f"**Greedy decoding, LongShortForCausalLM d=768, w={WINDOW}, l=16, r=1; per-token time = "
+              f"(1 + k tokens - 1 token) / k, k = {args.cached_tokens} cached / {args.uncached_tokens} uncached**\n")
+        print(generation_table(gen_rows, args.contexts))
+    for line in bars(train_rows, gen_rows, args.contexts):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Shared plotting helper for the benchmarks: time and memory against sequence length, log-log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str) -> None:
+    """Two panels (median time, peak memory) against n, one line per peer.
+
+    ``rows``: dicts with ``peer``, ``n``, ``status`` and, when ``status == "ok"``, ``time_s`` and ``peak_mem_bytes``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("time_s", "median time per step (s)", 1.0), ("peak_mem_bytes", memory_label, 2.0**-20))
+    for ax, (key, label, scale) in zip(axes, panels):
+        for peer in dict.fromkeys(row["peer"] for row in rows):
+            done = [row for row in rows if row["peer"] == peer and row["status"] == "ok"]
+            if done:
+                ax.plot([r["n"] for r in done], [r[key] * scale for r in done], marker="o", label=peer)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel=label)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

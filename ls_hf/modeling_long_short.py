@@ -1,0 +1,649 @@
+# Copyright 2026 The transformer-ls authors. Licensed under the MIT License.
+"""LongShort models for Transformers: a RoBERTa encoder whose self-attention is Long-Short attention.
+
+Zhu et al., "Long-Short Transformer", NeurIPS 2021. The attention math lives in ``long_short_attention.py``;
+this file is the Transformers glue: embeddings, layers, heads, the decoding cache, generation.
+
+Module names mirror RoBERTa's, so a RoBERTa checkpoint loads with the short rename table
+``ROBERTA_KEY_MAPPING`` (``from_pretrained(..., key_mapping=ROBERTA_KEY_MAPPING)``). The one structural
+difference: the attention core owns its query/key/value/output projections, so RoBERTa's
+``attention.self.{query,key,value}`` land on it unchanged and ``attention.output.dense`` becomes
+``attention.self.output``. A converted RoBERTa with ``use_dual_ln=False``, ``projection_rank=0`` and a window
+covering the input computes RoBERTa's function.
+
+Causal models (``config.is_decoder=True``) decode with ``LongShortCache``: per layer the last window of
+keys/values and the projected rows of finished segments, so a step costs O(w + r n / l) instead of O(n).
+This file only uses single-dot relative imports: it is copied as-is into saved folders as Hub remote code.
+"""
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN, gelu
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.loss.loss_utils import fixed_cross_entropy
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_long_short import LongShortConfig
+from .long_short_attention import CausalState, LongShortSelfAttention
+
+__all__ = [
+    "ROBERTA_KEY_MAPPING",
+    "LongShortCache",
+    "LongShortForCausalLM",
+    "LongShortForMaskedLM",
+    "LongShortForMultipleChoice",
+    "LongShortForQuestionAnswering",
+    "LongShortForSequenceClassification",
+    "LongShortForTokenClassification",
+    "LongShortModel",
+    "LongShortPreTrainedModel",
+]
+
+# RoBERTa checkpoint key -> LongShort key (regex -> replacement, for `from_pretrained(key_mapping=...)`). Every other
+# RoBERTa key keeps its name; the LongShort-only parameters (dynamic_projection, dual_ln_*) are new.
+ROBERTA_KEY_MAPPING = {
+    r"^roberta\.": "long_short.",
+    r"\.attention\.output\.dense\.": ".attention.self.output.",
+}
+
+
+def roberta_position_ids(real: torch.Tensor, padding_idx: int, past_length: int = 0) -> torch.Tensor:
+    """RoBERTa positions: the k-th real token (k >= 1, counting ``past_length`` earlier ones) gets
+    ``padding_idx + k``, padding gets ``padding_idx``. real (B, n) bool -> (B, n) long."""
+    real = real.long()
+    return (real.cumsum(1) + past_length) * real + padding_idx
+
+
+class LongShortEmbeddings(nn.Module):
+    """Word + RoBERTa-style position + token type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.padding_idx = config.pad_token_id
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(
+            config.max_position_embeddings, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_length=0):
+        """input_ids / token_type_ids / position_ids (B, n), or inputs_embeds (B, n, d) -> (B, n, d)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if position_ids is None:
+            real = input_ids.ne(self.padding_idx) if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2], dtype=torch.bool)
+            position_ids = roberta_position_ids(real, self.padding_idx, past_length)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class LongShortSelfOutput(nn.Module):
+    """RoBERTa's ``attention.output`` without its dense layer (that is the core's ``output`` projection)."""
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dropout(hidden_states) + input_tensor)
+
+
+class LongShortAttention(nn.Module):
+    """Long-Short self-attention (``self``, paper Eq. 3-7) followed by dropout, residual and LayerNorm."""
+
+    def __init__(self, config: LongShortConfig, layer_idx: int):
+        super().__init__()
+        self.self = LongShortSelfAttention(**config.attention_kwargs(layer_idx))
+        self.output = LongShortSelfOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, state=None, output_attentions=False):
+        context, attentions = self.self(
+            hidden_states, attention_mask, state=state, output_attentions=output_attentions
+        )
+        return self.output(context, hidden_states), attentions
+
+
+class LongShortIntermediate(nn.Module):
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate_act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states):
+        return self.intermediate_act_fn(self.dense(hidden_states))
+
+
+class LongShortOutput(nn.Module):
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
+
+
+class LongShortLayer(GradientCheckpointingLayer):
+    """A post-LN RoBERTa layer with Long-Short attention: (B, n, d) -> (B, n, d)."""
+
+    def __init__(self, config: LongShortConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attention = LongShortAttention(config, layer_idx)
+        self.intermediate = LongShortIntermediate(config)
+        self.output = LongShortOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False, **kwargs):
+        state = past_key_values.layers[self.layer_idx].state if past_key_values is not None else None
+        attention_output, _ = self.attention(hidden_states, attention_mask, state, output_attentions)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+class LongShortEncoder(nn.Module):
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.layer = nn.ModuleList([LongShortLayer(config, i) for i in range(config.num_hidden_layers)])
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False):
+        for layer in self.layer:
+            # hidden_states positionally, for reentrant gradient checkpointing
+            hidden_states = layer(
+                hidden_states, attention_mask, past_key_values=past_key_values, output_attentions=output_attentions
+            )
+        return hidden_states
+
+
+class LongShortPooler(nn.Module):
+    """RoBERTa's pooler: dense + tanh on the first token."""
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states):
+        return torch.tanh(self.dense(hidden_states[:, 0]))
+
+
+class LongShortLMHead(nn.Module):
+    """RoBERTa's LM head: dense, gelu, LayerNorm, then the decoder tied to the word embeddings."""
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, features):
+        return self.decoder(self.layer_norm(gelu(self.dense(features))))
+
+
+class LongShortClassificationHead(nn.Module):
+    """RoBERTa's sequence classification head on the ``<s>`` token: dropout, dense, tanh, dropout, out_proj."""
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__()
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, features):
+        x = self.dropout(features[:, 0])
+        x = self.dropout(torch.tanh(self.dense(x)))
+        return self.out_proj(x)
+
+
+class LongShortCacheLayer(CacheLayerMixin):
+    """One layer's decoding cache: a ``CausalState`` that ``LongShortSelfAttention`` reads and extends in place."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state = CausalState()
+
+    def lazy_initialization(self, key_states, value_states):
+        """Nothing to allocate: the attention fills ``state`` on its first call."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("LongShortSelfAttention extends `state` itself; there are no raw K/V to append.")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.state.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = CausalState()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.state.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.state.map_batch(lambda t: t[indices])
+
+
+class LongShortCache(Cache):
+    """Decoding cache of a causal LongShort model, one ``LongShortCacheLayer`` per layer.
+
+    It holds only what causal Long-Short attention needs (Appendix D): window keys/values of the current and
+    previous window segment, the projected rows of every finished segment of l tokens and the projection scores of
+    the unfinished one. ``get_seq_length()`` is the number of tokens seen.
+    """
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__(layers=[LongShortCacheLayer() for _ in range(config.num_hidden_layers)])
+
+
+class LongShortPreTrainedModel(PreTrainedModel):
+    config_class = LongShortConfig
+    base_model_prefix = "long_short"
+    supports_gradient_checkpointing = True
+    _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
+    _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """RoBERTa's init: N(0, initializer_range) linears and embeddings (W^P included), unit LayerNorms (DualLN
+        included), zero biases."""
+        super()._init_weights(module)
+        if isinstance(module, LongShortLMHead):
+            init.zeros_(module.bias)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus this package's modeling files and an ``auto_map`` naming every
+        head, so that the folder also loads with ``trust_remote_code=True`` where ``ls_hf`` is not installed."""
+        self.config.auto_map = hub_auto_map()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+class LongShortModel(LongShortPreTrainedModel):
+    """The bare LongShort encoder (or decoder, with ``config.is_decoder=True``) with an optional RoBERTa pooler.
+
+    ``attentions`` (``output_attentions=True``) are, per layer, (B, H, n, R + S): each query's weights over the R
+    projected rows (r per head; causal: r per finished segment of l tokens) followed by its S window keys
+    (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w; in a cached decoding step the
+    cached window). Padded queries
+    output the attention output bias. LongShort has no user-set global tokens: the dynamic projection is the global
+    part. Inputs of any length up to ``config.max_input_length`` work (the attention pads internally).
+    """
+
+    def __init__(self, config: LongShortConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        config.check_long_short()  # the config may have been edited since construction (e.g. is_decoder=True)
+        self.embeddings = LongShortEmbeddings(config)
+        self.encoder = LongShortEncoder(config)
+        self.pooler = LongShortPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
+        (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
+        ``attention_mask`` may cover the cached tokens too (its last n columns are used)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+        if past_key_values is not None and not isinstance(past_key_values, LongShortCache):
+            raise ValueError(
+                f"past_key_values must be a LongShortCache (causal LongShort attention keeps windows and projected "
+                f"rows, not full K/V), got {type(past_key_values).__name__}."
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be 2-D (batch, length) with 1 for real tokens, got {attention_mask.dim()}-D.")
+        use_cache = bool(use_cache) and self.config.is_decoder
+        if use_cache and past_key_values is None:
+            past_key_values = LongShortCache(self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        length = past_length + (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if length > self.config.max_input_length:
+            raise ValueError(
+                f"Input length {length} exceeds the {self.config.max_input_length} tokens this model's position table "
+                f"holds (max_position_embeddings={self.config.max_position_embeddings}, positions start at "
+                f"pad_token_id + 1). Truncate the input (e.g. tokenizer(..., truncation=True, "
+                f"max_length={self.config.max_input_length})) or extend the position embeddings."
+            )
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+
+        hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, past_length)
+        hidden_states = self.encoder(hidden_states, attention_mask, past_key_values, output_attentions)
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+class LongShortForMaskedLM(LongShortPreTrainedModel):
+    _tied_weights_keys: ClassVar[dict] = {
+        "lm_head.decoder.weight": "long_short.embeddings.word_embeddings.weight",
+        "lm_head.decoder.bias": "lm_head.bias",
+    }
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        if config.is_decoder:
+            raise ValueError("LongShortForMaskedLM needs bidirectional attention: set is_decoder=False in the config.")
+        self.long_short = LongShortModel(config, add_pooling_layer=False)
+        self.lm_head = LongShortLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs,
+    ):
+        """labels (B, n): token ids to predict, -100 where no loss is taken."""
+        outputs = self.long_short(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+class LongShortForCausalLM(LongShortPreTrainedModel, GenerationMixin):
+    """Causal LongShort language model (Eq. 5, Appendix D). Needs ``config.is_decoder=True``.
+
+    ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards, padding
+    aware), continued from the cache during decoding.
+    """
+
+    _tied_weights_keys = LongShortForMaskedLM._tied_weights_keys
+
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        if not config.is_decoder:
+            raise ValueError(
+                "LongShortForCausalLM needs causal attention: build it from a config with is_decoder=True "
+                "(e.g. AutoConfig.for_model('long_short', is_decoder=True, ...))."
+            )
+        self.long_short = LongShortModel(config, add_pooling_layer=False)
+        self.lm_head = LongShortLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        use_cache=None,
+        labels=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        """labels (B, n): the input ids (shifted inside the loss), -100 where no loss is taken. logits_to_keep: an
+        int k keeps the last k positions' logits (0 = all), a tensor selects positions."""
+        if labels is not None:
+            use_cache = False
+        outputs = self.long_short(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            past_key_values=past_key_values, use_cache=use_cache, return_dict=True, **kwargs,
+        )
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Decode with a ``LongShortCache`` unless the caller passed a cache or turned caching off."""
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            model_kwargs["past_key_values"] = LongShortCache(self.config)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """RoBERTa positions from the attention mask (left padding gets ``pad_token_id``)."""
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.bool, device=inputs_tensor.device)
+        return roberta_position_ids(attention_mask.bool(), self.config.pad_token_id)
+
+
+class LongShortForSequenceClassification(LongShortPreTrainedModel):
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.long_short = LongShortModel(config, add_pooling_layer=False)
+        self.classifier = LongShortClassificationHead(config)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs,
+    ):
+        """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa)."""
+        outputs = self.long_short(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+        )
+        logits = self.classifier(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels, logits, self.config, **kwargs)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class LongShortForTokenClassification(LongShortPreTrainedModel):
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.long_short = LongShortModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs,
+    ):
+        """labels (B, n): class ids, -100 where no loss is taken."""
+        outputs = self.long_short(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class LongShortForQuestionAnswering(LongShortPreTrainedModel):
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        self.long_short = LongShortModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        **kwargs,
+    ):
+        """start_positions / end_positions (B,): the answer span's token indices."""
+        outputs = self.long_short(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits.contiguous(),
+            end_logits=end_logits.contiguous(),
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class LongShortForMultipleChoice(LongShortPreTrainedModel):
+    def __init__(self, config: LongShortConfig):
+        super().__init__(config)
+        self.long_short = LongShortModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs,
+    ):
+        """Inputs (B, C, n) (inputs_embeds (B, C, n, d)) for C choices; labels (B,): the right choice."""
+        first = input_ids if input_ids is not None else inputs_embeds
+        num_choices = first.shape[1]
+
+        def flat(x):
+            return x.flatten(0, 1) if x is not None else None
+
+        outputs = self.long_short(
+            flat(input_ids),
+            attention_mask=flat(attention_mask),
+            token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids),
+            inputs_embeds=flat(inputs_embeds),
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        loss = None
+        if labels is not None:
+            loss = fixed_cross_entropy(logits, labels.to(logits.device), kwargs.get("num_items_in_batch"))
+        return MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+# Auto class name -> model class: registered with Transformers on `import ls_hf`, and written into `auto_map`.
+AUTO_CLASSES = {
+    "AutoModel": LongShortModel,
+    "AutoModelForMaskedLM": LongShortForMaskedLM,
+    "AutoModelForCausalLM": LongShortForCausalLM,
+    "AutoModelForSequenceClassification": LongShortForSequenceClassification,
+    "AutoModelForTokenClassification": LongShortForTokenClassification,
+    "AutoModelForQuestionAnswering": LongShortForQuestionAnswering,
+    "AutoModelForMultipleChoice": LongShortForMultipleChoice,
+}
+
+
+def hub_auto_map() -> dict:
+    """``config.auto_map`` naming the config and every head by ``<module file>.<class>`` (Hub remote code)."""
+    classes = {"AutoConfig": LongShortConfig, **AUTO_CLASSES}
+    return {name: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}" for name, cls in classes.items()}
+
+
+# Saving copies this file and its relative imports next to the weights (Hub remote code).
+LongShortConfig.register_for_auto_class()
+for _auto_name, _model_class in AUTO_CLASSES.items():
+    _model_class.register_for_auto_class(_auto_name)

@@ -1,0 +1,162 @@
+"""CvT*-LS: Convolutional vision Transformer with Long-Short attention (Zhu et al., NeurIPS 2021).
+
+Paper: https://arxiv.org/abs/2107.02192 (Sec. 4.3, Table 5, Appendix E, Table 12). No official code or weights exist;
+this follows the paper on the CvT backbone (Wu et al., https://arxiv.org/abs/2103.15808, microsoft/CvT):
+
+* three stages; convolutional token embedding (7x7 stride 4, then 3x3 stride 2 twice; conv then LayerNorm);
+* q, k, v: per-branch depthwise 3x3 conv + BatchNorm on the map, then a Linear (CvT's conv projection), all at
+  stride 1 so the short-term window sees every token (CvT subsamples k/v by 2 for its full attention);
+* Long-Short attention (Eq. 6) with DualLN; the dynamic projection ``W^P`` of Eq. 3 is a depthwise-separable
+  conv whose 3x3 depthwise weights are standardised (Appendix E, footnote 2) followed by a Linear to ``r`` scores
+  per head (Eq. 3 defines one ``W_i^P`` of rank r per head), one projection shared by keys and values;
+* the cls token exists in stage 3 only, joins every patch query's keys and attends to the patch outputs (the
+  official Long-Short "post-cls" form); the head reads the final-normed cls token;
+* no position encoding; pre-norm blocks, MLP ratio 4, GELU, LayerNorm eps 1e-5; scale head_dim^-0.5.
+
+Paper settings (Appendix E): ``r = [64, 16, 4]``, ``w = [8, 4, 2]`` at 224; ``w = [12, 6, 3]`` at 384;
+``r = [128, 32, 8]``, ``w = [16, 8, 4]`` at 448 (picked from ``img_size``; any size works, maps are padded to w).
+
+Parameters, this reading vs the paper (Table 5): CvT*-LS-13 20.17M vs 20.3M; -17 23.54M vs 23.7M; -21 31.90M vs
+32.1M; -21S 30.74M vs 30.1M (Table 12's layout: its backbone alone counts 30.41M, so no reading reaches 30.1M).
+Separate dynamic projections for keys and values would fit the counts more closely but contradict Eq. 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+
+from .hierarchical import HierarchicalTransformer, Stage
+from .long_short_attention_2d import LongShortAttention2d
+
+__all__ = ["PAPER_SETTINGS", "CvtLs"]
+
+# Input side -> (projection ranks r, window sizes w) per stage (Appendix E).
+PAPER_SETTINGS = {224: ((64, 16, 4), (8, 4, 2)), 384: ((64, 16, 4), (12, 6, 3)), 448: ((128, 32, 8), (16, 8, 4))}
+
+
+class CvtLs(HierarchicalTransformer):
+    """CvT*-LS.
+
+    Args:
+        img_size: picks the paper's ``projection_rank`` / ``window_size`` (the largest ``PAPER_SETTINGS`` side not
+            above it) when those are not given; the model itself runs at any input size.
+        embed_dims, depths, num_heads: per-stage layout (CvT-13: 64/192/384, 1/2/10, 1/3/6).
+        patch_sizes, patch_strides, patch_paddings: convolutional token embeddings.
+        projection_rank, window_size: r per head and w per stage.
+        qk_dims: optional LMSA query/key width per stage (stage 3 must keep the full width for its cls token).
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dims: Sequence[int] = (64, 192, 384),
+        depths: Sequence[int] = (1, 2, 10),
+        num_heads: Sequence[int] = (1, 3, 6),
+        patch_sizes: Sequence[int] = (7, 3, 3),
+        patch_strides: Sequence[int] = (4, 2, 2),
+        patch_paddings: Sequence[int] = (2, 1, 1),
+        num_global_tokens: Sequence[int] = (0, 0, 1),
+        projection_rank: Sequence[int] | None = None,
+        window_size: Sequence[int] | None = None,
+        qk_dims: Sequence[int | None] | None = None,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_layer: Callable = nn.LayerNorm,
+        act_layer: Callable = nn.GELU,
+        device=None,
+        dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        side = max(to_2tuple(img_size))
+        paper = PAPER_SETTINGS[max([s for s in PAPER_SETTINGS if s <= side], default=224)]
+        projection_rank = projection_rank or paper[0]
+        window_size = window_size or paper[1]
+        num_stages = len(depths)
+        qk_dims = qk_dims or (None,) * num_stages
+        for name, value in (("embed_dims", embed_dims), ("num_heads", num_heads), ("patch_sizes", patch_sizes),
+                            ("patch_strides", patch_strides), ("patch_paddings", patch_paddings),
+                            ("num_global_tokens", num_global_tokens), ("projection_rank", projection_rank),
+                            ("window_size", window_size), ("qk_dims", qk_dims)):
+            if len(value) != num_stages:
+                raise ValueError(f"{name} needs one entry per stage ({num_stages}, as depths), got {len(value)}.")
+        rates = torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))
+        stages, in_chs = [], in_chans
+        for i in range(num_stages):
+            attn = partial(LongShortAttention2d, embed_dims[i], num_heads[i], window_size[i], projection_rank[i],
+                           num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
+                           conv_proj=True, conv_dynamic_proj=True, attn_drop=attn_drop_rate,
+                           proj_drop=proj_drop_rate, **dd)
+            stages.append(Stage(in_chs, embed_dims[i], patch_sizes[i], patch_strides[i], patch_paddings[i],
+                                num_global_tokens[i], attn, rates[i].tolist(), mlp_ratio, proj_drop_rate, norm_layer,
+                                act_layer, dd))
+            in_chs = embed_dims[i]
+        super().__init__(stages, patch_strides, num_classes, global_pool, drop_rate, norm_layer, dd)
+
+
+def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:
+    out_indices = kwargs.pop("out_indices", (0, 1, 2))
+    return build_model_with_cfg(
+        CvtLs, variant, pretrained,
+        feature_cfg={"out_indices": out_indices, "feature_cls": "getter"},
+        **kwargs,
+    )
+
+
+def _cfg(url: str = "", **kwargs) -> dict:
+    return {
+        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": 0.875, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stages.0.embed.proj", "classifier": "head", "license": "mit",
+        "paper_ids": "arXiv:2107.02192", "paper_name": "Long-Short Transformer: Efficient Transformers for Language and "
+        "Vision", **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "cvt_ls_13": _cfg(),
+    "cvt_ls_17": _cfg(),
+    "cvt_ls_21": _cfg(),
+    "cvt_ls_21s": _cfg(),
+})
+
+
+@register_model
+def cvt_ls_13(pretrained: bool = False, **kwargs) -> CvtLs:
+    """CvT*-LS-13: CvT-13 stages (64/192/384 wide, depths 1/2/10, heads 1/3/6). 20.17M params (paper 20.3M)."""
+    model_args = {"embed_dims": (64, 192, 384), "depths": (1, 2, 10), "num_heads": (1, 3, 6)}
+    return _create_cvt_ls("cvt_ls_13", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_ls_17(pretrained: bool = False, **kwargs) -> CvtLs:
+    """CvT*-LS-17 (Table 12): 128/256/384 wide, depths 3/4/10, heads 2/4/6. 23.54M params (paper 23.7M)."""
+    model_args = {"embed_dims": (128, 256, 384), "depths": (3, 4, 10), "num_heads": (2, 4, 6)}
+    return _create_cvt_ls("cvt_ls_17", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_ls_21(pretrained: bool = False, **kwargs) -> CvtLs:
+    """CvT*-LS-21: CvT-21 stages (64/192/384 wide, depths 1/4/16, heads 1/3/6). 31.90M params (paper 32.1M)."""
+    model_args = {"embed_dims": (64, 192, 384), "depths": (1, 4, 16), "num_heads": (1, 3, 6)}
+    return _create_cvt_ls("cvt_ls_21", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_ls_21s(pretrained: bool = False, **kwargs) -> CvtLs:
+    """CvT*-LS-21S (Table 12): 128/256/384 wide, depths 3/4/14, heads 2/4/6. 30.74M params (paper 30.1M)."""
+    model_args = {"embed_dims": (128, 256, 384), "depths": (3, 4, 14), "num_heads": (2, 4, 6)}
+    return _create_cvt_ls("cvt_ls_21s", pretrained=pretrained, **dict(model_args, **kwargs))

@@ -1,0 +1,221 @@
+"""The multi-stage backbone shared by ViL-LS and CvT-LS (Zhu et al., NeurIPS 2021, Sec. 4.3, Appendix E).
+
+Each stage embeds the previous map with a convolution and a LayerNorm, optionally prepends its own global (cls)
+tokens, runs pre-norm transformer blocks, and hands its patch tokens on as an NCHW map (global tokens are dropped
+between stages, as in ViL and CvT). The attention of each stage is chosen by the model file (``vil_ls``,
+``cvt_ls``); the 2-D Long-Short math itself lives in ``long_short_attention_2d``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint
+from torch import Tensor, nn
+
+__all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage"]
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + DropPath(attn(LN(x)))`` then ``x + DropPath(MLP(LN(x)))``; x (B, g + HW, C)."""
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, drop_path: float, proj_drop: float,
+                 norm_layer: Callable, act_layer: Callable, dd: dict):
+        super().__init__()
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class ConvEmbed(nn.Module):
+    """Convolutional token embedding: Conv2d then LayerNorm; (B, C_in, H, W) -> (B, H'W', C), (H', W')."""
+
+    def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, norm_layer: Callable,
+                 dd: dict):
+        super().__init__()
+        self.proj = nn.Conv2d(in_chs, dim, kernel_size, stride, padding, **dd)
+        self.norm = norm_layer(dim, **dd)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        x = self.proj(x)
+        feat_size = (x.shape[-2], x.shape[-1])
+        return self.norm(x.flatten(2).transpose(1, 2)), feat_size
+
+
+class Stage(nn.Module):
+    """Conv embedding, ``num_prefix_tokens`` learned global tokens, then ``len(drop_paths)`` blocks.
+
+    ``attn_layer(dim)`` builds one block's attention. Input (B, C_in, H, W); output tokens (B, g + H'W', C).
+    """
+
+    def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, num_prefix_tokens: int,
+                 attn_layer: Callable[[], nn.Module], drop_paths: Sequence[float], mlp_ratio: float,
+                 proj_drop: float, norm_layer: Callable, act_layer: Callable, dd: dict):
+        super().__init__()
+        self.num_prefix_tokens = num_prefix_tokens
+        self.embed = ConvEmbed(in_chs, dim, kernel_size, stride, padding, norm_layer, dd)
+        self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd)) if num_prefix_tokens else None
+        self.blocks = nn.ModuleList([
+            Block(dim, attn_layer(), mlp_ratio, dp, proj_drop, norm_layer, act_layer, dd) for dp in drop_paths])
+        self.grad_checkpointing = False
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        x, feat_size = self.embed(x)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, feat_size)
+            else:
+                x = blk(x, feat_size)
+        return x, feat_size
+
+
+def to_map(x: Tensor, num_prefix_tokens: int, feat_size: tuple[int, int]) -> Tensor:
+    """Patch tokens (B, g + HW, C) -> NCHW map (B, C, H, W) (global tokens dropped)."""
+    return x[:, num_prefix_tokens:].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)
+
+
+class HierarchicalTransformer(nn.Module):
+    """timm model API over a list of ``Stage``s, a final LayerNorm and a linear classifier.
+
+    ``forward_features`` returns the normed last-stage map (B, C, H, W) when that stage has no global tokens (ViL),
+    else its normed tokens (B, g + HW, C) (CvT's cls token). ``global_pool``: ``'avg'`` (mean over patches),
+    ``'token'`` (first global token) or ``''``.
+    """
+
+    def __init__(self, stages: list[Stage], strides: Sequence[int], num_classes: int, global_pool: str,
+                 drop_rate: float, norm_layer: Callable, dd: dict):
+        super().__init__()
+        dims = [s.embed.proj.out_channels for s in stages]
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = dims[-1]
+        self.num_prefix_tokens = stages[-1].num_prefix_tokens
+        self.stages = nn.Sequential(*stages)
+        reductions = [int(torch.tensor(strides[: i + 1]).prod()) for i in range(len(strides))]
+        self.feature_info = [{"num_chs": d, "reduction": r, "module": f"stages.{i}"}
+                             for i, (d, r) in enumerate(zip(dims, reductions))]
+        self.norm = norm_layer(dims[-1], **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self._check_pool(global_pool)
+        self.global_pool = global_pool
+        self.head = nn.Linear(dims[-1], num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.apply(self._init_weights)
+        for stage in stages:
+            if stage.cls_token is not None:
+                trunc_normal_(stage.cls_token, std=0.02)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        for name, p in m.named_parameters(recurse=False):
+            if "relative_position" in name:
+                trunc_normal_(p, std=0.02)
+
+    def _check_pool(self, global_pool: str) -> None:
+        if global_pool not in ("avg", "token", ""):
+            raise ValueError(f"global_pool must be 'avg', 'token' or '', got {global_pool!r}.")
+        if global_pool == "token" and not self.num_prefix_tokens:
+            raise ValueError("global_pool='token' needs a global token in the last stage; use 'avg'.")
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {n for n, _ in self.named_parameters() if "cls_token" in n or "relative_position" in n}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        return {
+            "stem": r"^stages\.0\.(embed|cls_token)",
+            "blocks": r"^stages\.(\d+)" if coarse else [
+                (r"^stages\.(\d+)\.(embed|cls_token)", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ],
+        }
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self._check_pool(global_pool)
+            self.global_pool = global_pool
+        dd = {"device": self.norm.weight.device, "dtype": self.norm.weight.dtype} if hasattr(self.norm, "weight") \
+            else {}
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+
+    def _final(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        x = self.norm(x)
+        return x if self.num_prefix_tokens else to_map(x, 0, feat_size)
+
+    def forward_intermediates(self, x: Tensor, indices: int | list[int] | None = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """Stage outputs as NCHW maps (the last one normed if ``norm``), and the ``forward_features`` output."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}.")
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        stages = self.stages if not stop_early else self.stages[: max_index + 1]
+        intermediates, last = [], len(self.stages) - 1
+        for i, stage in enumerate(stages):
+            x, feat_size = stage(x)
+            if i in take_indices:
+                tokens = self.norm(x) if norm and i == last else x
+                intermediates.append(to_map(tokens, stage.num_prefix_tokens, feat_size))
+            if i < last:
+                x = to_map(x, stage.num_prefix_tokens, feat_size)
+        if intermediates_only:
+            return intermediates
+        if len(stages) <= last:  # stopped early: the map of the last stage run
+            return x, intermediates
+        return self._final(x, feat_size), intermediates
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        for i, stage in enumerate(self.stages):
+            x, feat_size = stage(x)
+            if i < len(self.stages) - 1:
+                x = to_map(x, stage.num_prefix_tokens, feat_size)
+        return self._final(x, feat_size)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == "avg":
+            x = x.mean((2, 3)) if x.ndim == 4 else x[:, self.num_prefix_tokens:].mean(1)
+        elif self.global_pool == "token":
+            x = x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))

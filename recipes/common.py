@@ -1,0 +1,202 @@
+"""What the recipes share: argument dataclasses, parsing with clear errors, data loading, logging, resuming."""
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import transformers
+from datasets import DatasetDict, load_dataset
+from transformers import HfArgumentParser
+from transformers.trainer_utils import get_last_checkpoint
+
+logger = logging.getLogger("recipes")
+
+
+class UsageError(ValueError):
+    """A bad argument or unusable data; the message names the argument and the fix."""
+
+
+def cli(main):
+    """Decorate a recipe's ``main(argv=None)``: a ``UsageError`` exits with status 2 and its message, no traceback."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        except UsageError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from err
+
+    return run
+
+# File extension -> datasets builder for --train_file / --validation_file.
+BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        metadata={"help": "LongShort checkpoint: a folder written by ls-convert-roberta or a recipe, or a Hub id."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the checkpoint's own code (a Hub LongShort model without ls_hf)."}
+    )
+
+    def check(self) -> None:
+        path = Path(self.model_name_or_path).expanduser()
+        looks_local = path.exists() or self.model_name_or_path.startswith((".", "/", "~"))
+        if looks_local and not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model_name_or_path {self.model_name_or_path!r}: no model folder there (no config.json); pass a "
+                f"folder written by ls-convert-roberta or a recipe, or a Hub id."
+            )
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset to load with load_dataset (ignored when --train_file is given)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local training data (.csv, .json, .jsonl, .txt)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local evaluation data (same formats)."})
+    eval_split: str = field(default="validation", metadata={"help": "Split of --dataset_name used for evaluation."})
+    text_column_name: str = field(default="text", metadata={"help": "Column holding the text."})
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Tokens per example; default: what the model and tokenizer allow."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the argument if the data cannot be loaded."""
+        if self.dataset_name is None and self.train_file is None:
+            raise ValueError("no data: pass --dataset_name (a Hub dataset) or --train_file (a local file).")
+        if self.validation_file is not None and self.train_file is None:
+            raise ValueError("--validation_file needs --train_file (local files are used together).")
+        for name in ("train_file", "validation_file"):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            if Path(path).suffix not in BUILDERS:
+                raise ValueError(f"--{name} {path!r}: unsupported extension; use one of {', '.join(BUILDERS)}.")
+            if not Path(path).is_file():
+                raise ValueError(f"--{name} {path!r}: no such file.")
+        if self.validation_file and BUILDERS[Path(self.validation_file).suffix] != BUILDERS[Path(self.train_file).suffix]:
+            raise ValueError("--train_file and --validation_file must have the same format (extension).")
+        for name in ("max_seq_length", "max_train_samples", "max_eval_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}.")
+
+
+def parse_args(types, argv=None):
+    """Parse ``argv`` (default: the command line, or a single .json/.yaml file) into the ``types`` dataclasses.
+
+    Invalid values, including those the dataclasses' ``check()`` or ``TrainingArguments`` reject, and a run with
+    neither --do_train nor --do_eval exit with status 2 and a message naming the argument.
+    """
+    parser = HfArgumentParser(types)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            args = parser.parse_json_file(argv[0])
+        elif len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+            args = parser.parse_yaml_file(argv[0])
+        else:
+            args = parser.parse_args_into_dataclasses(argv)
+        for group in args:
+            if hasattr(group, "check"):
+                group.check()
+            if isinstance(group, transformers.TrainingArguments) and not (group.do_train or group.do_eval):
+                raise ValueError("nothing to do: pass --do_train and/or --do_eval.")
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def setup_logging(training_args) -> None:
+    """Log to stderr at the Trainer's level for this process (info on the main process, warnings elsewhere)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[logging.StreamHandler()])
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+
+
+def load_data(data_args: DataArguments, columns: list[str], need_eval: bool) -> DatasetDict:
+    """``train`` and, when there is one (required if ``need_eval``), ``validation``, with ``columns`` checked."""
+    if data_args.train_file is not None:
+        files = {"train": data_args.train_file, "validation": data_args.validation_file}
+        files = {split: path for split, path in files.items() if path is not None}
+        raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
+        splits = {split: split for split in files}
+    else:
+        raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        splits = {"train": "train", "validation": data_args.eval_split}
+    if need_eval and "validation" not in splits:
+        raise UsageError("evaluation needs data: pass --validation_file (or a --dataset_name with --eval_split).")
+    for split, source in splits.items():
+        if source not in raw and (split == "train" or need_eval):
+            raise UsageError(f"the dataset has no split {source!r} (it has {list(raw)}); pick one with --eval_split.")
+    data = DatasetDict({split: raw[source] for split, source in splits.items() if source in raw})
+    for split, dataset in data.items():
+        missing = [column for column in columns if column not in dataset.column_names]
+        if missing:
+            raise UsageError(
+                f"{split} data has no column {missing[0]!r} (columns: {dataset.column_names}); name the right one "
+                f"with --{'text' if missing[0] == data_args.text_column_name else 'label'}_column_name."
+            )
+    for split, limit in (("train", data_args.max_train_samples), ("validation", data_args.max_eval_samples)):
+        if split in data and limit is not None:
+            data[split] = data[split].select(range(min(limit, len(data[split]))))
+    return data
+
+
+def max_tokens(config, tokenizer, requested: int | None) -> int:
+    """Tokens per example: ``requested``, capped by the position table and the tokenizer."""
+    limit = min(config.max_position_embeddings - config.pad_token_id - 1, tokenizer.model_max_length)
+    if requested is not None and requested > limit:
+        logger.warning("max_seq_length %d exceeds what the model reads (%d); using %d.", requested, limit, limit)
+    return min(requested or limit, limit)
+
+
+def checkpoint_to_resume(training_args) -> str | None:
+    """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour)."""
+    if training_args.resume_from_checkpoint is not None:
+        return training_args.resume_from_checkpoint
+    output_dir = Path(training_args.output_dir)
+    if training_args.do_train and output_dir.is_dir():
+        last = get_last_checkpoint(output_dir)
+        if last is not None:
+            logger.info("Resuming training from %s (use a new --output_dir to start over).", last)
+        return last
+    return None
+
+
+def finish(trainer, training_args, data_args, checkpoint, eval_metrics=None) -> dict:
+    """Train (resuming from ``checkpoint``) and/or evaluate, then save the model, metrics and state.
+
+    ``eval_metrics`` adds derived numbers to the evaluation metrics, which also name the evaluation data
+    (``eval_dataset``: a Hub dataset or a local file name, for model cards). Returns all metrics.
+    """
+    results = {}
+    if training_args.do_train:
+        train = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        trainer.log_metrics("train", train.metrics)
+        trainer.save_metrics("train", train.metrics)
+        trainer.save_state()
+        results.update(train.metrics)
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        metrics.update(eval_metrics(metrics) if eval_metrics else {})
+        local = data_args.validation_file or data_args.train_file
+        metrics["eval_dataset"] = Path(local).name if local else data_args.dataset_name
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results.update(metrics)
+    return results

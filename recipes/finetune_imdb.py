@@ -1,0 +1,131 @@
+"""Fine-tune a LongShort model for sequence classification on IMDb (paper Table 3) with the Transformers Trainer.
+
+    python recipes/finetune_imdb.py --model_name_or_path roberta-ls-base --output_dir imdb-ls \\
+        --do_train --do_eval --bf16
+
+Data: ``load_dataset("stanfordnlp/imdb")`` (train, evaluated on test) by default, or local CSV/JSON files with
+text,label columns (``--train_file/--validation_file``). Reports accuracy (``evaluate``'s metric when it can be
+loaded, the same computation locally otherwise), keeps the best checkpoint by accuracy and saves it to
+``--output_dir``; an interrupted run resumes from its last checkpoint. Runs under ``accelerate launch`` as is.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from datasets import ClassLabel
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+import ls_hf  # noqa: F401  (registers LongShort with the Auto classes)
+from recipes.common import (
+    DataArguments,
+    ModelArguments,
+    UsageError,
+    checkpoint_to_resume,
+    cli,
+    finish,
+    load_data,
+    logger,
+    max_tokens,
+    parse_args,
+    setup_logging,
+)
+
+
+@dataclass
+class ImdbDataArguments(DataArguments):
+    dataset_name: str | None = field(
+        default="stanfordnlp/imdb", metadata={"help": "Hub dataset (ignored when --train_file is given)."}
+    )
+    eval_split: str = field(default="test", metadata={"help": "Split of --dataset_name to evaluate on (IMDb: test)."})
+    label_column_name: str = field(default="label", metadata={"help": "Column holding the class label."})
+
+
+@dataclass
+class ImdbTrainingArguments(TrainingArguments):
+    """TrainingArguments with defaults for keeping the best model: evaluate and save every epoch."""
+
+    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate (no, steps, epoch)."})
+    save_strategy: str = field(default="epoch", metadata={"help": "When to save a checkpoint (same choices)."})
+    load_best_model_at_end: bool = field(default=True, metadata={"help": "Keep the checkpoint with the best metric."})
+    metric_for_best_model: str | None = field(default="accuracy", metadata={"help": "Metric choosing the best model."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one is kept too)."})
+    learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
+
+
+def accuracy_metric():
+    """``compute_metrics`` for the Trainer. ``evaluate.load("accuracy")`` fetches its script from the Hub; offline
+    the same number, the fraction of argmax predictions equal to the labels, is computed here."""
+    import evaluate
+
+    try:
+        metric = evaluate.load("accuracy")
+    except Exception as err:  # noqa: BLE001 (offline: FileNotFoundError, or the HTTP client's connection errors)
+        logger.warning("evaluate's accuracy could not be loaded (%s); computing accuracy locally.", err)
+        return lambda pred: {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}
+    logger.info("Accuracy computed with evaluate.load('accuracy').")
+    return lambda pred: metric.compute(predictions=pred.predictions.argmax(-1), references=pred.label_ids)
+
+
+@cli
+def main(argv=None) -> dict:
+    model_args, data_args, training_args = parse_args((ModelArguments, ImdbDataArguments, ImdbTrainingArguments), argv)
+    setup_logging(training_args)
+    set_seed(training_args.seed)
+
+    text, label = data_args.text_column_name, data_args.label_column_name
+    need_eval = training_args.do_eval or training_args.eval_strategy != "no"
+    data = load_data(data_args, [text, label], need_eval=need_eval)
+    feature = data["train"].features[label]
+    values = sorted(set(data["train"][label]))
+    names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
+    label_ids = {value: i for i, value in enumerate(values)}
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path,
+        num_labels=len(values),
+        id2label=dict(enumerate(names)),
+        label2id={name: i for i, name in enumerate(names)},
+        dtype=torch.float32,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    length = max_tokens(model.config, tokenizer, data_args.max_seq_length)
+
+    def tokenize(batch):
+        unknown = set(batch[label]) - set(label_ids)
+        if unknown:
+            raise UsageError(f"labels {sorted(unknown)} do not occur in the training data (labels: {values}).")
+        encoded = tokenizer(batch[text], truncation=True, max_length=length)
+        encoded["labels"] = [label_ids[value] for value in batch[label]]
+        return encoded
+
+    with training_args.main_process_first(desc="tokenization"):
+        data = data.map(
+            tokenize,
+            batched=True,
+            remove_columns=data["train"].column_names,
+            num_proc=data_args.preprocessing_num_workers,
+            desc="Tokenizing",
+        )
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"] if training_args.do_train else None,
+        eval_dataset=data.get("validation"),
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=accuracy_metric(),
+    )
+    return finish(trainer, training_args, data_args, checkpoint_to_resume(training_args))
+
+
+if __name__ == "__main__":
+    main()

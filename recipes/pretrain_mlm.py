@@ -1,0 +1,136 @@
+"""Continue masked-LM pretraining of a converted LongShort model on long documents, the Longformer way.
+
+    python -m recipes.pretrain_mlm --model_name_or_path roberta-ls-base --dataset_name wikitext \\
+        --dataset_config_name wikitext-103-raw-v1 --output_dir roberta-ls-base-mlm --do_train --do_eval --bf16
+
+Documents are tokenized, concatenated and cut into blocks of the model length (4096 tokens after
+``ls-convert-roberta``); 15% of the tokens are masked; the learning rate warms up, then decays (Longformer: peak 3e-5,
+500 warmup steps, polynomial decay of power 3). Evaluation reports the loss, perplexity and bits per token on a
+validation split (``--validation_file``, the dataset's split, or ``--validation_split_percentage`` of the training
+documents). An interrupted run resumes from its last checkpoint.
+"""
+
+import math
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+from transformers import (
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+import ls_hf  # noqa: F401  (registers LongShort with the Auto classes)
+from recipes.common import (
+    DataArguments,
+    ModelArguments,
+    UsageError,
+    checkpoint_to_resume,
+    cli,
+    finish,
+    load_data,
+    max_tokens,
+    parse_args,
+    setup_logging,
+)
+
+
+@dataclass
+class MlmDataArguments(DataArguments):
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked."})
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percent of the training documents held out when there is no validation split."}
+    )
+
+    def check(self) -> None:
+        super().check()
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}.")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage must be in 1..99, got {self.validation_split_percentage}.")
+
+
+@dataclass
+class MlmTrainingArguments(TrainingArguments):
+    """TrainingArguments with Longformer's continued-pretraining schedule as defaults."""
+
+    learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
+    warmup_steps: int = field(default=500, metadata={"help": "Linear warmup steps."})
+    lr_scheduler_type: str = field(default="polynomial", metadata={"help": "Decay after warmup."})
+    lr_scheduler_kwargs: dict | str | None = field(
+        default_factory=lambda: {"power": 3.0}, metadata={"help": "Scheduler options (JSON), e.g. the decay power."}
+    )
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "AdamW epsilon."})
+
+
+def group_texts(examples: dict, block: int) -> dict:
+    """Concatenate tokenized documents and cut them into blocks of ``block`` tokens (the remainder is dropped)."""
+    joined = {key: list(chain.from_iterable(values)) for key, values in examples.items()}
+    usable = len(joined["input_ids"]) // block * block
+    return {key: [values[i : i + block] for i in range(0, usable, block)] for key, values in joined.items()}
+
+
+def language_model_data(data, tokenizer, data_args, training_args, block: int):
+    """Raw documents -> blocks of ``block`` tokens (with a held-out split when the data has none)."""
+    if training_args.do_eval and "validation" not in data:
+        split = data["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
+        data["train"], data["validation"] = split["train"], split["test"]
+    with training_args.main_process_first(desc="tokenization and grouping"):
+        data = data.map(
+            lambda batch: tokenizer(batch[data_args.text_column_name], return_special_tokens_mask=True),
+            batched=True,
+            remove_columns=data["train"].column_names,
+            num_proc=data_args.preprocessing_num_workers,
+            desc="Tokenizing",
+        )
+        data = data.map(
+            group_texts,
+            fn_kwargs={"block": block},
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            desc=f"Packing into blocks of {block} tokens",
+        )
+    for split, dataset in data.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data holds fewer than {block} tokens; lower --max_seq_length or add text.")
+    return data
+
+
+def language_model_metrics(metrics: dict) -> dict:
+    """Perplexity and bits per token from the evaluation loss (nats per masked token)."""
+    loss = metrics["eval_loss"]
+    return {"perplexity": math.exp(min(loss, 700)), "bits_per_token": loss / math.log(2)}
+
+
+@cli
+def main(argv=None) -> dict:
+    model_args, data_args, training_args = parse_args((ModelArguments, MlmDataArguments, MlmTrainingArguments), argv)
+    setup_logging(training_args)
+    set_seed(training_args.seed)
+
+    data = load_data(data_args, [data_args.text_column_name], need_eval=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    model = AutoModelForMaskedLM.from_pretrained(
+        model_args.model_name_or_path, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code
+    )
+    block = max_tokens(model.config, tokenizer, data_args.max_seq_length)
+    data = language_model_data(data, tokenizer, data_args, training_args, block)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"] if training_args.do_train else None,
+        eval_dataset=data.get("validation"),
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=data_args.mlm_probability),
+    )
+    return finish(trainer, training_args, data_args, checkpoint_to_resume(training_args), language_model_metrics)
+
+
+if __name__ == "__main__":
+    main()

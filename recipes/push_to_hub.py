@@ -1,0 +1,149 @@
+"""Publish a trained LongShort model on the Hugging Face Hub, loadable with or without this package.
+
+    python -m recipes.push_to_hub MODEL_DIR REPO_ID            # build the repo folder and upload it
+    python -m recipes.push_to_hub MODEL_DIR REPO_ID --dry-run DIR   # only write the folder to DIR
+
+The folder holds the safetensors weights, ``config.json`` whose ``auto_map`` names every head, the remote-code files
+(``trust_remote_code=True`` works where ``ls_hf`` is not installed), the tokenizer and ``README.md``: the model card
+``model_cards/<repo name>.md`` (or ``--model-card``; ``model_cards/template.md`` otherwise) with the metrics measured
+by the recipes (``MODEL_DIR/all_results.json``) filled into its metadata and results section.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import EvalResult, HfApi, ModelCard
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoConfig, AutoTokenizer
+
+import ls_hf
+from ls_hf.convert_roberta import write_folder
+from ls_hf.modeling_long_short import AUTO_CLASSES
+
+CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+RESULTS_MARKER = "<!-- measured results -->"
+PIPELINE_TAGS = {
+    "LongShortModel": "feature-extraction",
+    "LongShortForMaskedLM": "fill-mask",
+    "LongShortForCausalLM": "text-generation",
+    "LongShortForSequenceClassification": "text-classification",
+    "LongShortForTokenClassification": "token-classification",
+    "LongShortForQuestionAnswering": "question-answering",
+    "LongShortForMultipleChoice": "multiple-choice",
+}
+# Trainer metric -> (model-index metric type, display name).
+METRICS = {
+    "eval_accuracy": ("accuracy", "Accuracy"),
+    "perplexity": ("perplexity", "Perplexity"),
+    "bits_per_token": ("bits_per_token", "Bits per token"),
+    "eval_loss": ("loss", "Evaluation loss"),
+}
+
+
+def load_model(model_dir: Path):
+    """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer."""
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"MODEL_DIR {str(model_dir)!r} has no config.json; pass the --output_dir of a recipe.")
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type != ls_hf.LongShortConfig.model_type:
+        raise ValueError(
+            f"MODEL_DIR holds a {config.model_type!r} model, not LongShort; convert RoBERTa with ls-convert-roberta."
+        )
+    architecture = (config.architectures or ["LongShortModel"])[0]
+    model = getattr(ls_hf, architecture).from_pretrained(model_dir)
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def measured_metrics(model_dir: Path) -> tuple[dict, str | None]:
+    """The card's metrics and the data they were measured on, from the recipe's ``all_results.json``."""
+    path = model_dir / "all_results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    return {key: results[key] for key in METRICS if key in results}, results.get("eval_dataset")
+
+
+def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str | None = None) -> str:
+    """Fill ``template``: ``{{repo_id}}``, ``{{auto_class}}``, ``{{architecture}}``, the metadata defaults, and the
+    ``metrics`` measured on ``dataset`` (model-index metadata and the table at ``<!-- measured results -->``)."""
+    architecture = type(model).__name__
+    auto_class = next(name for name, cls in AUTO_CLASSES.items() if cls is type(model))
+    c = model.config
+    summary = (
+        f"{architecture}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {c.max_input_length} tokens, "
+        f"window_size={c.window_size}, projection_rank={c.projection_rank}, use_dual_ln={c.use_dual_ln}"
+    )
+    for key, value in {"repo_id": repo_id, "auto_class": auto_class, "architecture": summary}.items():
+        template = template.replace("{{" + key + "}}", value)
+    card = ModelCard(template)
+    card.data.library_name = card.data.library_name or "transformers"
+    card.data.pipeline_tag = card.data.pipeline_tag or PIPELINE_TAGS[architecture]
+    if not metrics:
+        card.text = card.text.replace(RESULTS_MARKER, "Not measured yet: no `all_results.json` in the model folder.")
+        return str(card)
+    dataset = dataset or (card.data.datasets or ["local data"])[0]
+    card.data.model_name = repo_id.split("/")[-1]
+    card.data.eval_results = [
+        EvalResult(
+            task_type=card.data.pipeline_tag,
+            dataset_type=dataset,
+            dataset_name=dataset,
+            metric_type=METRICS[key][0],
+            metric_name=METRICS[key][1],
+            metric_value=round(value, 4),
+        )
+        for key, value in metrics.items()
+    ]
+    rows = "\n".join(f"| {METRICS[key][1]} | {value:.4f} |" for key, value in metrics.items())
+    card.text = card.text.replace(RESULTS_MARKER, f"| metric ({dataset}) | value |\n|---|---|\n{rows}")
+    return str(card)
+
+
+def build_repo_folder(model_dir, repo_id: str, folder, card_path=None, overwrite: bool = False) -> Path:
+    """Write the Hub repo folder for ``model_dir`` to ``folder``; ``ValueError`` names a bad argument."""
+    model_dir = Path(model_dir)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"REPO_ID {repo_id!r} is not a valid repo id such as user/roberta-ls-base ({err}).") from err
+    if card_path is None:
+        named = CARDS / f"{repo_id.split('/')[-1]}.md"
+        card_path = named if named.is_file() else CARDS / "template.md"
+    if not Path(card_path).is_file():
+        raise ValueError(f"--model-card {str(card_path)!r}: no such file.")
+    if Path(folder).exists() and not overwrite:
+        raise ValueError(f"--dry-run {str(folder)!r} already exists; pick a new folder or pass --overwrite.")
+    model, tokenizer = load_model(model_dir)
+    card = model_card(Path(card_path).read_text(), repo_id, model, *measured_metrics(model_dir))
+    return write_folder(folder, model, tokenizer, {"README.md": card}, overwrite=overwrite)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recipes.push_to_hub", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a LongShort model folder (a recipe's --output_dir)")
+    parser.add_argument("repo_id", metavar="REPO_ID", help="Hub repository, e.g. user/roberta-ls-base-imdb")
+    parser.add_argument("--dry-run", metavar="DIR", help="write the repo folder to DIR and upload nothing")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --dry-run DIR")
+    parser.add_argument("--model-card", metavar="PATH", help="card template (default: model_cards/<repo name>.md)")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", help="Hub token (default: the one saved by `hf auth login`)")
+    parser.add_argument("--commit-message", default="Upload LongShort model", help="commit message of the upload")
+    args = parser.parse_args(argv)
+    try:
+        if args.dry_run:
+            folder = build_repo_folder(args.model_dir, args.repo_id, args.dry_run, args.model_card, args.overwrite)
+            print(f"wrote the Hub repo folder for {args.repo_id} to {folder} (nothing uploaded)")
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_repo_folder(args.model_dir, args.repo_id, Path(tmp) / "repo", args.model_card)
+            api = HfApi(token=args.token)
+            url = api.create_repo(args.repo_id, private=args.private, exist_ok=True)
+            api.upload_folder(folder_path=folder, repo_id=args.repo_id, commit_message=args.commit_message)
+            print(f"uploaded {args.model_dir} to {url}")
+    except ValueError as err:
+        parser.error(str(err))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""Long-Short attention core against the dense oracle, the official implementation's outputs, and its invariants.
+
+Everything here is checked, never timed. Shapes are small so the whole file runs in about a minute with ``-n 2``.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
+from tests.reference import reference_attention
+
+TOL = 1e-5
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def make(hidden=8, heads=2, window=3, rank=2, seed=0, **kwargs) -> LongShortSelfAttention:
+    """A float64 module in eval mode whose DualLN weights are perturbed (so a misplaced LN cannot hide)."""
+    torch.manual_seed(seed)
+    module = LongShortSelfAttention(hidden, heads, window, rank, **kwargs).double().eval()
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.startswith("dual_ln"):
+                param.add_(0.3 * torch.randn_like(param))
+    return module
+
+
+def make_mask(kind: str, batch: int, n: int, pad: int, seed: int = 0) -> torch.Tensor | None:
+    """None, or a (B, n) 0/1 mask: ``right``/``left`` padding of ``pad`` tokens on the last sample, or ``random``."""
+    if kind == "none":
+        return None
+    mask = torch.ones(batch, n)
+    pad = min(pad, n)
+    if kind == "right":
+        mask[-1, n - pad :] = 0
+    elif kind == "left":
+        mask[-1, :pad] = 0
+    else:
+        mask = (torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) > 0.3).double()
+    return mask
+
+
+def inputs(module, batch, n, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = module.output.in_features
+    x = torch.randn(batch, n, hidden, generator=generator, dtype=torch.float64)
+    cls = torch.randn(batch, 1, hidden, generator=generator, dtype=torch.float64)
+    return x, cls
+
+
+def assert_rows_are_distributions(attn, mask):
+    """Every real query's probabilities are >= 0 and sum to 1."""
+    sums = attn.sum(-1)  # (B, H, n)
+    real = torch.ones_like(sums, dtype=torch.bool) if mask is None else mask.bool()[:, None, :].expand_as(sums)
+    assert (attn >= 0).all()
+    torch.testing.assert_close(sums[real], torch.ones_like(sums[real]), atol=1e-6, rtol=0)
+
+
+@st.composite
+def heads_and_dims(draw):
+    heads = draw(st.integers(1, 3))
+    head_dim = draw(st.integers(2, 4))
+    qk = draw(st.one_of(st.none(), st.integers(1, head_dim - 1)))  # LMSA: qk_head_dim < head_dim
+    return {"hidden": heads * head_dim, "heads": heads, "qk_head_dim": qk, "use_dual_ln": draw(st.booleans())}
+
+
+masks = st.sampled_from(["none", "right", "left", "random"])
+
+
+# ------------------------------------------------------------------------------ oracle (bidirectional)
+@PROPERTY
+@given(
+    dims=heads_and_dims(),
+    window=st.integers(0, 6),
+    rank=st.integers(0, 3),
+    n=st.integers(1, 20),
+    batch=st.integers(1, 2),
+    mask_kind=masks,
+    pad=st.integers(1, 8),
+    with_cls=st.booleans(),
+    output_attentions=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bidirectional_matches_oracle(dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed):
+    if window == rank == 0:
+        rank = 1
+    with_cls = with_cls and dims["qk_head_dim"] is None  # cls needs qk_head_dim == head_dim
+    module = make(window=window, rank=rank, seed=seed, **dims)
+    x, cls = inputs(module, batch, n, seed)
+    cls = cls if with_cls else None
+    mask = make_mask(mask_kind, batch, n, pad, seed)
+    with torch.no_grad():
+        out, attn = module(x, mask, cls_hidden=cls, output_attentions=output_attentions)
+        expected = reference_attention(module, x, mask, cls)
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    if output_attentions:
+        assert attn.shape[:3] == (batch, dims["heads"], n)
+        assert_rows_are_distributions(attn, mask)
+    else:
+        assert attn is None
+
+
+# ------------------------------------------------------------------------------------ oracle (causal)
+@st.composite
+def causal_configs(draw):
+    window = draw(st.integers(1, 6))
+    rank = draw(st.integers(0, 3))
+    segment = draw(st.integers(1, window)) if rank else None
+    return {"window": window, "rank": rank, "segment_length": segment, "causal": True, **draw(heads_and_dims())}
+
+
+@PROPERTY
+@given(
+    config=causal_configs(),
+    n=st.integers(1, 24),
+    batch=st.integers(1, 2),
+    mask_kind=masks,
+    pad=st.integers(1, 8),
+    output_attentions=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_causal_matches_oracle(config, n, batch, mask_kind, pad, output_attentions, seed):
+    module = make(seed=seed, **config)
+    x, _ = inputs(module, batch, n, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed)
+    with torch.no_grad():
+        out, attn = module(x, mask, output_attentions=output_attentions)
+        expected = reference_attention(module, x, mask)
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    if output_attentions:
+        assert attn.shape[:3] == (batch, config["heads"], n)
+        assert_rows_are_distributions(attn, mask)
+
+
+def _chunks(draw_sizes, n):
+    """Split range(n) into consecutive chunks of the drawn sizes (the last one cut to fit)."""
+    bounds, start = [], 0
+    for size in draw_sizes:
+        if start >= n:
+            break
+        bounds.append((start, min(n, start + size)))
+        start += size
+    if start < n:
+        bounds.append((start, n))
+    return bounds
+
+
+def decode(module, x, mask, bounds, output_attentions=False):
+    """Feed x through a ``CausalState`` chunk by chunk; the mask given so far grows, as in ``generate``."""
+    state, outs = CausalState(), []
+    for start, end in bounds:
+        step_mask = None if mask is None else mask[:, :end]
+        out, attn = module(x[:, start:end], step_mask, state=state, output_attentions=output_attentions)
+        assert state.seen == end
+        if output_attentions:
+            assert attn.shape[:3] == (x.shape[0], module.num_heads, end - start)
+            assert_rows_are_distributions(attn, None if mask is None else mask[:, start:end])
+        outs.append(out)
+    return torch.cat(outs, 1)
+
+
+@PROPERTY
+@given(
+    config=causal_configs(),
+    n=st.integers(1, 30),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    one_by_one=st.booleans(),
+    batch=st.integers(1, 2),
+    mask_kind=st.sampled_from(["none", "left", "random"]),
+    pad=st.integers(1, 8),
+    output_attentions=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_causal_cache_matches_full_forward(config, n, sizes, one_by_one, batch, mask_kind, pad, output_attentions, seed):
+    module = make(seed=seed, **config)
+    x, _ = inputs(module, batch, n, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed)
+    bounds = [(t, t + 1) for t in range(n)] if one_by_one else _chunks(sizes, n)
+    with torch.no_grad():
+        full, _ = module(x, mask)
+        chunked = decode(module, x, mask, bounds, output_attentions)
+    torch.testing.assert_close(chunked, full, atol=TOL, rtol=0)
+
+
+def test_causal_state_map_batch_reorders_the_cache():
+    """Beam search reorders the cache with ``map_batch``; decoding then continues on the reordered sequences."""
+    module = make(window=3, rank=2, segment_length=2, causal=True)
+    x, _ = inputs(module, 2, 11)
+    with torch.no_grad():
+        state = CausalState()
+        module(x[:, :5], state=state)
+        state.map_batch(lambda t: t.flip(0))
+        tail = torch.cat([module(x.flip(0)[:, t : t + 1], state=state)[0] for t in range(5, 11)], 1)
+        full, _ = module(x.flip(0))
+    torch.testing.assert_close(tail, full[:, 5:], atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------- official implementation
+def _fixture_cases():
+    if not (FIXTURES / "lra_attention_ls.json").exists():
+        return []
+    return sorted(json.loads((FIXTURES / "lra_attention_ls.json").read_text())["cases"])
+
+
+OFFICIAL_NAMES = {
+    "W_q": "query",
+    "W_k": "key",
+    "W_v": "value",
+    "W_o": "output",
+    "dconv_fc": "dynamic_projection",
+    "dual_ln_l": "dual_ln_local",
+    "dual_ln_s": "dual_ln_global",
+}
+
+
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"official fixtures not found at {FIXTURES}")
+@pytest.mark.parametrize("output_attentions", [False, True])
+@pytest.mark.parametrize("case", _fixture_cases() or ["a"])
+def test_official_lra_outputs(case, output_attentions):
+    """``lra/attention_transformer_ls.py`` outputs (seven cases, float64, padding, cls) reproduced after renaming."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((FIXTURES / "lra_attention_ls.json").read_text())["cases"][case]
+    tensors = load_file(FIXTURES / "lra_attention_ls.safetensors")
+    config = meta["config"]
+    assert config["num_head"] * config["head_dim"] == config["transformer_dim"]
+    module = LongShortSelfAttention(
+        config["transformer_dim"], config["num_head"], config["window_size"], config["num_landmarks"]
+    ).double().eval()
+    prefix = f"{case}.param."
+    state = {}
+    for key, value in tensors.items():
+        if key.startswith(prefix) and value.numel():
+            official, _, leaf = key[len(prefix) :].rpartition(".")
+            state[f"{OFFICIAL_NAMES[official]}.{leaf}"] = value
+    module.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        out, _ = module(
+            tensors[f"{case}.x"],
+            tensors[f"{case}.mask"],
+            cls_hidden=tensors.get(f"{case}.cls"),
+            output_attentions=output_attentions,
+        )
+    torch.testing.assert_close(out, tensors[f"{case}.out"], atol=TOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------- padding invariance
+@PROPERTY
+@given(
+    window=st.integers(0, 5),
+    rank=st.integers(0, 3),
+    n=st.integers(1, 14),
+    extra=st.integers(1, 9),
+    with_cls=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bidirectional_padding_invariance(window, rank, n, extra, with_cls, seed):
+    """Appending padding tokens, or changing what the padded positions hold, leaves the real tokens' outputs."""
+    if window == rank == 0:
+        window = 1
+    module = make(window=window, rank=rank, seed=seed)
+    x, cls = inputs(module, 1, n + extra, seed)
+    cls = cls if with_cls else None
+    mask = torch.cat([torch.ones(1, n), torch.zeros(1, extra)], 1)
+    with torch.no_grad():
+        short, _ = module(x[:, :n], cls_hidden=cls)
+        padded, _ = module(x, mask, cls_hidden=cls)
+        changed, _ = module(torch.where(mask.bool()[..., None], x, 100 * torch.randn_like(x)), mask, cls_hidden=cls)
+    rows = n + int(with_cls)
+    torch.testing.assert_close(padded[:, :rows], short, atol=TOL, rtol=0)
+    torch.testing.assert_close(changed, padded, atol=TOL, rtol=0)
+
+
+@PROPERTY
+@given(config=causal_configs(), n=st.integers(1, 16), multiple=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_causal_left_padding_invariance(config, n, multiple, seed):
+    """Left padding by a whole number of window and projection segments leaves the real tokens' outputs; any left
+    padding is invisible to what its content is; appended padding changes nothing before it."""
+    module = make(seed=seed, **config)
+    pad = multiple * math.lcm(config["window"], config["segment_length"] or 1)
+    x, _ = inputs(module, 1, pad + n + 3, seed)
+    mask = torch.cat([torch.zeros(1, pad), torch.ones(1, n), torch.zeros(1, 3)], 1)
+    noise = torch.where(mask.bool()[..., None], x, 100 * torch.randn_like(x))
+    with torch.no_grad():
+        plain, _ = module(x[:, pad : pad + n])
+        padded, _ = module(x, mask)
+        changed, _ = module(noise, mask)
+    torch.testing.assert_close(padded[:, pad : pad + n], plain, atol=TOL, rtol=0)
+    torch.testing.assert_close(changed, padded, atol=TOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- causality
+@PROPERTY
+@given(
+    config=causal_configs(),
+    n=st.integers(2, 24),
+    data=st.data(),
+    mask_kind=masks,
+    pad=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_causal_no_leakage(config, n, data, mask_kind, pad, seed):
+    """Perturbing token t changes no output before t (and does change the output at t when t is real)."""
+    t = data.draw(st.integers(0, n - 1), label="t")
+    module = make(seed=seed, **config)
+    x, _ = inputs(module, 2, n, seed)
+    mask = make_mask(mask_kind, 2, n, pad, seed)
+    y = x.clone()
+    y[:, t] += 3 * torch.randn_like(y[:, t])
+    with torch.no_grad():
+        before, _ = module(x, mask)
+        after, _ = module(y, mask)
+    torch.testing.assert_close(after[:, :t], before[:, :t], atol=1e-12, rtol=0)
+    real_t = torch.ones(2, dtype=torch.bool) if mask is None else mask[:, t].bool()
+    assert ((after[:, t] - before[:, t]).abs().amax(-1) > 1e-9)[real_t].all()
+
+
+# ----------------------------------------------------------------------------------------- gradients
+GRAD_CASES = {  # name: (module kwargs, with cls)
+    "bidirectional": ({"window": 3, "rank": 2}, False),
+    "bidirectional-cls": ({"window": 2, "rank": 1}, True),
+    "bidirectional-lmsa": ({"window": 2, "rank": 2, "qk_head_dim": 3}, False),
+    "causal": ({"window": 3, "rank": 2, "segment_length": 2, "causal": True}, False),
+    "causal-lmsa": ({"window": 2, "rank": 1, "segment_length": 1, "causal": True, "qk_head_dim": 3}, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_gradcheck(name):
+    kwargs, with_cls = GRAD_CASES[name]
+    module = make(**kwargs)
+    x, cls = inputs(module, 2, 7)
+    mask = make_mask("right", 2, 7, 2)
+    cls = cls.requires_grad_() if with_cls else None
+    x.requires_grad_()
+
+    def fn(x, *cls):
+        return module(x, mask, cls_hidden=cls[0] if cls else None)[0]
+
+    assert torch.autograd.gradcheck(fn, (x,) if cls is None else (x, cls), fast_mode=True)
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_output_attentions_path_keeps_float64(name):
+    """Asking for the probabilities must not lower the precision: in float64 both code paths agree to 1e-12."""
+    kwargs, with_cls = GRAD_CASES[name]
+    module = make(**kwargs)
+    x, cls = inputs(module, 2, 9)
+    cls = cls if with_cls else None
+    with torch.no_grad():
+        fast, _ = module(x, cls_hidden=cls)
+        weighted, attn = module(x, cls_hidden=cls, output_attentions=True)
+    assert attn.dtype == torch.float64
+    torch.testing.assert_close(weighted, fast, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_parameter_gradients_match_oracle(name, output_attentions):
+    """Backward through either code path equals backward through the dense oracle for every parameter."""
+    kwargs, with_cls = GRAD_CASES[name]
+    module = make(**kwargs)
+    x, cls = inputs(module, 2, 9)
+    mask = make_mask("left", 2, 9, 3)
+    cls = cls if with_cls else None
+    weights = torch.randn(2, 9 + (cls is not None), module.output.out_features, dtype=torch.float64)
+    grads = []
+    for forward in (
+        lambda: module(x, mask, cls_hidden=cls, output_attentions=output_attentions)[0],
+        lambda: reference_attention(module, x, mask, cls),
+    ):
+        module.zero_grad()
+        (forward() * weights).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for key in grads[0]:
+        torch.testing.assert_close(grads[0][key], grads[1][key], atol=TOL, rtol=0, msg=key)
+
+
+# ---------------------------------------------------------------------------------- numerical safety
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_autocast_and_fully_padded_rows_are_finite(causal):
+    """bf16 autocast forward + backward, with a fully padded sample and padded rows, produces no NaN/inf."""
+    torch.manual_seed(0)
+    kwargs = {"causal": True, "segment_length": 4} if causal else {}
+    module = LongShortSelfAttention(32, 4, 8, 4, **kwargs)
+    x = torch.randn(3, 37, 32, requires_grad=True)
+    mask = torch.ones(3, 37)
+    mask[1, :20] = 0  # left padding
+    mask[2] = 0  # a fully padded sequence
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = module(x, mask)
+    out.float().square().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_padded_sequence_gives_output_bias(causal, output_attentions):
+    kwargs = {"causal": True, "segment_length": 2} if causal else {}
+    module = make(window=4, rank=2, **kwargs)
+    x, _ = inputs(module, 2, 10)
+    mask = torch.zeros(2, 10)
+    x.requires_grad_()
+    out, attn = module(x, mask, output_attentions=output_attentions)
+    out.sum().backward()
+    torch.testing.assert_close(out, module.output.bias.expand_as(out), atol=1e-12, rtol=0)
+    assert torch.isfinite(x.grad).all() and (attn is None or torch.isfinite(attn).all())
+
+
+# ------------------------------------------------------------------------------------ output_attentions
+def test_output_attentions_layout_bidirectional():
+    """(B, H, n, R + S): cls first, then the r projected rows, then w + 2e window keys (w even: 2w)."""
+    module = make(hidden=12, heads=3, window=4, rank=2)
+    x, cls = inputs(module, 2, 13)
+    _, attn = module(x, cls_hidden=cls, output_attentions=True)
+    assert attn.shape == (2, 3, 13, 1 + 2 + 8)
+    assert_rows_are_distributions(attn, None)
+    # The query at position 0 (segment 0) sees window keys [-2, 6): the first two window columns are outside.
+    assert (attn[:, :, 0, 3:5] == 0).all() and (attn[:, :, 0, 5:] > 0).all()
+
+
+def test_output_attentions_layout_short_sequence():
+    """The documented layout (S = w + 2e window columns, bidirectional) also holds when n < w."""
+    module = make(hidden=8, heads=2, window=4, rank=2)
+    x, _ = inputs(module, 1, 3)
+    _, attn = module(x, output_attentions=True)
+    assert attn.shape == (1, 2, 3, 2 + 8)
+
+
+def test_output_attentions_layout_causal():
+    """Full causal forward: R = r * (n // l) rows of finished segments, then 2w window keys."""
+    module = make(hidden=8, heads=2, window=4, rank=2, segment_length=2, causal=True)
+    x, _ = inputs(module, 1, 12)
+    _, attn = module(x, output_attentions=True)
+    assert attn.shape == (1, 2, 12, 2 * (12 // 2) + 8)
+    assert_rows_are_distributions(attn, None)
+    # Query 0 sees no projected row (no finished segment) and only itself in the window.
+    assert attn[0, :, 0, :12].eq(0).all() and attn[0, :, 0].count_nonzero(-1).eq(1).all()
+
+
+# -------------------------------------------------------------------------------------- configuration
+BAD_CONFIGS = [
+    ({"window_size": -1}, "window_size"),
+    ({"window_size": 2.5}, "window_size"),
+    ({"window_size": True}, "window_size"),
+    ({"projection_rank": -2}, "projection_rank"),
+    ({"projection_rank": 1.0}, "projection_rank"),
+    ({"window_size": 0, "projection_rank": 0}, "window_size"),
+    ({"hidden_size": 10, "num_heads": 3}, "num_heads"),
+    ({"num_heads": 0}, "num_heads"),
+    ({"qk_head_dim": 0}, "qk_head_dim"),
+    ({"causal": True, "window_size": 0, "segment_length": 1}, "window_size"),
+    ({"causal": True, "segment_length": 5}, "segment_length"),
+    ({"causal": True, "segment_length": 0}, "segment_length"),
+    ({"causal": True, "segment_length": None}, "segment_length"),
+    ({"causal": True, "segment_length": 2.0}, "segment_length"),
+]
+
+
+@pytest.mark.parametrize("change, name", BAD_CONFIGS, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_CONFIGS)])
+def test_bad_configuration_names_the_parameter(change, name):
+    kwargs = {"hidden_size": 8, "num_heads": 2, "window_size": 4, "projection_rank": 2} | change
+    with pytest.raises(ValueError, match=name):
+        LongShortSelfAttention(**kwargs)
+
+
+def test_misuse_of_forward_raises():
+    causal = make(window=2, rank=1, segment_length=1, causal=True)
+    bidirectional = make(window=2, rank=1)
+    x, cls = inputs(causal, 1, 4)
+    with pytest.raises(ValueError, match="cls_hidden"):
+        causal(x, cls_hidden=cls)
+    with pytest.raises(ValueError, match="state"):
+        bidirectional(x, state=CausalState())

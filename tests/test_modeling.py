@@ -1,0 +1,348 @@
+"""Conformance of the LongShort model family: our own version of what Transformers' common model tests check."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    RobertaConfig,
+    RobertaForMaskedLM,
+    RobertaForSequenceClassification,
+)
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+import ls_hf
+from ls_hf import (
+    ROBERTA_KEY_MAPPING,
+    LongShortConfig,
+    LongShortForCausalLM,
+    LongShortForMaskedLM,
+    LongShortForMultipleChoice,
+    LongShortForQuestionAnswering,
+    LongShortForSequenceClassification,
+    LongShortForTokenClassification,
+    LongShortModel,
+)
+
+VOCAB = 99
+
+
+def tiny_config(**overrides) -> LongShortConfig:
+    """A 2-layer, 32-wide LongShort config (w=4, r=3; causal: l=2) without dropout."""
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 130,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "window_size": 4,
+        "projection_rank": 3,
+        "causal_segment_length": 2,
+        "num_labels": 3,
+    }
+    if overrides.get("is_decoder"):
+        kwargs["projection_rank"] = 2
+    return LongShortConfig(**{**kwargs, **overrides})
+
+
+def tokens(batch=2, length=19, seed=0):
+    """Random non-special token ids (>= 3: no pad/bos/eos)."""
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+HEADS = [
+    (LongShortModel, AutoModel, BaseModelOutputWithPoolingAndCrossAttentions, {}),
+    (LongShortForMaskedLM, AutoModelForMaskedLM, MaskedLMOutput, {}),
+    (LongShortForCausalLM, AutoModelForCausalLM, CausalLMOutputWithPast, {"is_decoder": True}),
+    (LongShortForSequenceClassification, AutoModelForSequenceClassification, SequenceClassifierOutput, {}),
+    (LongShortForTokenClassification, AutoModelForTokenClassification, TokenClassifierOutput, {}),
+    (LongShortForQuestionAnswering, AutoModelForQuestionAnswering, QuestionAnsweringModelOutput, {"num_labels": 2}),
+    (LongShortForMultipleChoice, AutoModelForMultipleChoice, MultipleChoiceModelOutput, {}),
+]
+
+
+def head_inputs(model_class, batch=2, length=19):
+    """Inputs with labels for each head (multiple choice: 3 choices)."""
+    ids = tokens(batch, length)
+    if model_class is LongShortForMultipleChoice:
+        return {"input_ids": ids[:, None].expand(-1, 3, -1).contiguous(), "labels": torch.tensor([0, 2])}
+    labels = {
+        LongShortForMaskedLM: {"labels": ids},
+        LongShortForCausalLM: {"labels": ids},
+        LongShortForSequenceClassification: {"labels": torch.tensor([0, 2])},
+        LongShortForTokenClassification: {"labels": ids % 3},
+        LongShortForQuestionAnswering: {"start_positions": torch.tensor([1, 3]), "end_positions": torch.tensor([4, 5])},
+    }.get(model_class, {})
+    return {"input_ids": ids, **labels}
+
+
+@pytest.mark.parametrize("model_class, auto_class, output_class, overrides", HEADS, ids=lambda v: getattr(v, "__name__", ""))
+def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, output_class, overrides):
+    config = tiny_config(**overrides)
+    model = auto_class.from_config(config)
+    assert type(model) is model_class
+    inputs = head_inputs(model_class)
+    outputs = model(**inputs, output_hidden_states=True, output_attentions=True)
+    assert type(outputs) is output_class
+    B = 2 * (3 if model_class is LongShortForMultipleChoice else 1)
+    assert len(outputs.hidden_states) == config.num_hidden_layers + 1
+    assert all(h.shape == (B, 19, 32) for h in outputs.hidden_states)
+    # each query: its weights over R projected rows, then S window keys
+    R = 2 * (19 // 2) if config.is_decoder else 3  # causal: r rows per finished segment of l = 2
+    S = 2 * 4
+    assert [a.shape for a in outputs.attentions] == [(B, 4, 19, R + S)] * 2
+    torch.testing.assert_close(outputs.attentions[0].sum(-1), torch.ones(B, 4, 19))
+    if model_class is not LongShortModel:
+        assert outputs.loss is not None and outputs.loss.ndim == 0 and torch.isfinite(outputs.loss)
+        outputs.loss.backward()
+        as_tuple = model(**inputs, return_dict=False)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[0], outputs.loss)
+
+
+def test_masked_lm_refuses_causal_config_and_causal_lm_refuses_bidirectional():
+    with pytest.raises(ValueError, match="is_decoder=False"):
+        LongShortForMaskedLM(tiny_config(is_decoder=True))
+    with pytest.raises(ValueError, match="is_decoder=True"):
+        LongShortForCausalLM(tiny_config())
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
+    """A RoBERTa checkpoint loads with ROBERTA_KEY_MAPPING; with use_dual_ln=False, r=0 and a window covering the
+    input the LongShort model computes RoBERTa's logits (MLM and classification heads)."""
+    roberta_config = RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        max_position_embeddings=40, type_vocab_size=1, layer_norm_eps=1e-5, num_labels=3,
+        attn_implementation=attn_implementation,
+    )
+    config = LongShortConfig.from_roberta(roberta_config, window_size=32, projection_rank=0, use_dual_ln=False)
+    ids = tokens(2, 30)
+    mask = torch.ones_like(ids)
+    ids[1, 21:], mask[1, 21:] = config.pad_token_id, 0
+    real = mask.bool()
+    torch.manual_seed(0)
+    for roberta_class, ours_class in (
+        (RobertaForMaskedLM, LongShortForMaskedLM),
+        (RobertaForSequenceClassification, LongShortForSequenceClassification),
+    ):
+        roberta = roberta_class(roberta_config).eval()
+        roberta.save_pretrained(tmp_path / roberta_class.__name__)
+        ours, info = ours_class.from_pretrained(
+            tmp_path / roberta_class.__name__, config=config, key_mapping=ROBERTA_KEY_MAPPING, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        with torch.no_grad():
+            expected, got = roberta(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        if ours_class is LongShortForMaskedLM:
+            expected, got = expected[real], got[real]
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_class, overrides", [(LongShortForMaskedLM, {}), (LongShortForCausalLM, {"is_decoder": True}),
+                                                    (LongShortForMultipleChoice, {"qk_head_dim": 4})])
+def test_every_parameter_is_initialised_by_init_weights(model_class, overrides):
+    config = tiny_config(**overrides)
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.fill_(float("nan"))
+    model.init_weights()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert not tensor.isnan().any(), f"{name} is not initialised by _init_weights"
+    attention = model.long_short.encoder.layer[0].attention.self
+    assert attention.dynamic_projection.weight.std().item() == pytest.approx(config.initializer_range, rel=0.3)
+    assert torch.equal(attention.dual_ln_local.weight, torch.ones(32))
+    assert not model.long_short.embeddings.word_embeddings.weight[config.pad_token_id].any()
+
+
+def test_save_load_round_trip_safetensors_and_tied_weights(tmp_path):
+    model = LongShortForMaskedLM(tiny_config()).eval()
+    embedding = model.long_short.embeddings.word_embeddings.weight
+    assert model.lm_head.decoder.weight is embedding
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    assert "long_short.embeddings.word_embeddings.weight" in state and "lm_head.decoder.weight" not in state
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    assert type(loaded) is LongShortForMaskedLM and not loaded.training
+    assert loaded.lm_head.decoder.weight is loaded.long_short.embeddings.word_embeddings.weight
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_causal_lm_saves_generation_config(tmp_path):
+    model = LongShortForCausalLM(tiny_config(is_decoder=True))
+    assert model.can_generate()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "generation_config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, LongShortForCausalLM) and loaded.config.is_decoder
+
+
+def test_resize_token_embeddings_keeps_tying():
+    model = LongShortForMaskedLM(tiny_config())
+    model.resize_token_embeddings(VOCAB + 13)
+    assert model.config.vocab_size == VOCAB + 13
+    assert model.lm_head.decoder.weight is model.long_short.embeddings.word_embeddings.weight
+    assert model.lm_head.bias.shape == (VOCAB + 13,)
+    ids = tokens()
+    ids[0, 0] = VOCAB + 12
+    assert model(ids).logits.shape == (2, 19, VOCAB + 13)
+
+
+def test_training_steps_reduce_the_loss():
+    torch.manual_seed(0)
+    model = LongShortForMaskedLM(tiny_config()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = tokens(4, 24)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
+def test_gradient_checkpointing_gives_the_same_gradients(overrides):
+    model_class = LongShortForCausalLM if overrides else LongShortForMaskedLM
+    model = model_class(tiny_config(**overrides)).train()
+    ids = tokens()
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert all(layer.gradient_checkpointing for layer in model.long_short.encoder.layer)
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys() and len(plain) > 20
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
+def test_right_padding_does_not_change_real_positions(overrides):
+    model = LongShortModel(tiny_config(**overrides)).eval()
+    ids = tokens(1, 13)
+    padded = torch.cat([ids, torch.full((1, 10), 1)], 1)
+    mask = torch.cat([torch.ones(1, 13), torch.zeros(1, 10)], 1).long()
+    with torch.no_grad():
+        alone = model(ids).last_hidden_state
+        batch = model(torch.cat([padded, tokens(1, 23, seed=1)]), attention_mask=torch.cat([mask, torch.ones_like(mask)]))
+    torch.testing.assert_close(batch.last_hidden_state[:1, :13], alone)
+
+
+def test_no_future_leakage_through_the_causal_model():
+    model = LongShortForCausalLM(tiny_config(is_decoder=True)).eval()
+    ids = tokens(1, 29)
+    with torch.no_grad():
+        base = model(ids).logits
+        for t in (3, 8, 17, 28):
+            changed = ids.clone()
+            changed[0, t] = (changed[0, t] + 1 - 3) % (VOCAB - 3) + 3
+            logits = model(changed).logits
+            torch.testing.assert_close(logits[:, :t], base[:, :t], rtol=0, atol=1e-6)
+            assert not torch.allclose(logits[:, t], base[:, t])
+
+
+def test_bidirectional_model_sees_both_directions():
+    model = LongShortModel(tiny_config()).eval()
+    ids = tokens(1, 29)
+    changed = ids.clone()
+    changed[0, 28] = 3 if ids[0, 28] != 3 else 4
+    with torch.no_grad():
+        delta = (model(changed).last_hidden_state - model(ids).last_hidden_state).abs().amax(-1)
+    assert (delta[0, :28] > 1e-6).all()  # the projected rows carry the change to every position
+
+
+def test_inputs_embeds_match_input_ids_and_token_types_matter():
+    model = LongShortModel(tiny_config(type_vocab_size=2)).eval()
+    ids = tokens()
+    with torch.no_grad():
+        from_ids = model(ids).last_hidden_state
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).last_hidden_state
+        with_types = model(ids, token_type_ids=torch.ones_like(ids)).last_hidden_state
+    torch.testing.assert_close(from_embeds, from_ids)
+    assert not torch.allclose(with_types, from_ids)
+
+
+def test_any_length_up_to_the_position_limit_and_a_clear_error_beyond():
+    config = tiny_config(max_position_embeddings=40)  # 38 tokens
+    model = LongShortForMaskedLM(config).eval()
+    for length in (1, 5, 37, 38):
+        assert model(tokens(1, length)).logits.shape == (1, length, VOCAB)
+    with pytest.raises(ValueError, match="exceeds the 38 tokens"):
+        model(tokens(1, 39))
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model()
+
+
+def test_output_attentions_from_config():
+    config = tiny_config(output_attentions=True)
+    outputs = LongShortModel(config)(tokens())
+    assert len(outputs.attentions) == 2
+
+
+def test_trainer_style_loss_with_num_items_in_batch():
+    model = LongShortForMaskedLM(tiny_config()).eval()
+    ids = tokens()
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    count = (labels != -100).sum()
+    with torch.no_grad():
+        mean = model(ids, labels=labels).loss
+        summed = model(ids, labels=labels, num_items_in_batch=2 * count).loss
+    torch.testing.assert_close(summed * 2, mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_forward_and_backward(dtype):
+    model = LongShortForMaskedLM(tiny_config()).eval()
+    ids = tokens()
+    with torch.no_grad():
+        reference = model(ids).logits
+    model.to(dtype)
+    outputs = model(ids, labels=ids)
+    assert outputs.logits.dtype == dtype
+    outputs.loss.backward()
+    torch.testing.assert_close(outputs.logits.float(), reference, atol=0.1, rtol=0.05)
+
+
+def test_lmsa_and_per_layer_settings():
+    config = tiny_config(qk_head_dim=4, window_size=[4, 8], projection_rank=[0, 5], use_dual_ln=False)
+    model = LongShortModel(config)
+    first, second = (layer.attention.self for layer in model.encoder.layer)
+    assert (first.window_size, first.projection_rank, second.window_size, second.projection_rank) == (4, 0, 8, 5)
+    assert first.query.out_features == 4 * 4 and not hasattr(first, "dual_ln_local")
+    outputs = model(tokens(), output_attentions=True)
+    assert [a.shape[-1] for a in outputs.attentions] == [8, 5 + 16]
+
+
+def test_package_exports():
+    assert {"CausalState", "LongShortSelfAttention", "LongShortConfig", "LongShortCache"} <= set(ls_hf.__all__)

@@ -1,0 +1,114 @@
+"""push_to_hub --dry-run: the repo folder is complete, its card carries the measured metrics, and it loads with
+trust_remote_code=True in a clean process where ls_hf cannot be imported."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import AutoTokenizer
+
+from ls_hf import LongShortForSequenceClassification
+from recipes import finetune_imdb, push_to_hub
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, tiny_long_short
+
+CHILD = """
+import json, sys
+try:
+    import ls_hf
+except ImportError:
+    pass
+else:
+    sys.exit("ls_hf is importable in the child")
+import torch
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
+folder = sys.argv[1]
+model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+ids = tokenizer(["A wonderful film, the acting was superb.", "Dull and lifeless."], padding=True, return_tensors="pt")
+with torch.no_grad():
+    logits = model(**ids).logits
+classes = [type(model).__module__, type(AutoModel.from_pretrained(folder, trust_remote_code=True)).__name__,
+           type(AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)).__name__]
+print(json.dumps({"logits": logits.tolist(), "classes": classes}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A LongShort classifier trained for a few steps by finetune_imdb (its output folder, with all_results.json)."""
+    root = tmp_path_factory.mktemp("push")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        finetune_imdb.main([
+            "--model_name_or_path", str(tiny_long_short(root / "ls-tiny")), "--train_file", str(IMDB_TRAIN),
+            "--validation_file", str(IMDB_TEST), "--output_dir", str(root / "imdb"), "--do_train", "--do_eval",
+            "--max_steps", "4", "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end", "False",
+            "--learning_rate", "1e-3", "--disable_tqdm", "True",
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    return root / "imdb"
+
+
+def test_dry_run_folder_is_complete_and_loads_without_ls_hf(trained, tmp_path):
+    folder = tmp_path / "hub"
+    push_to_hub.main([str(trained), "someone/roberta-ls-tiny-demo", "--dry-run", str(folder)])
+    assert {p.name for p in folder.iterdir()} >= {
+        "model.safetensors", "config.json", "configuration_long_short.py", "modeling_long_short.py",
+        "long_short_attention.py", "tokenizer.json", "tokenizer_config.json", "README.md",
+    }
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert {"AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForCausalLM",
+            "AutoModelForSequenceClassification"} <= set(auto_map)
+
+    results = json.loads((trained / "all_results.json").read_text())
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.pipeline_tag == "text-classification"
+    accuracy = next(r for r in card.data.eval_results if r.metric_type == "accuracy")
+    assert accuracy.metric_value == round(results["eval_accuracy"], 4) and accuracy.dataset_name == IMDB_TEST.name
+    assert f"| Accuracy | {results['eval_accuracy']:.4f} |" in card.text
+    assert 'from_pretrained("someone/roberta-ls-tiny-demo", trust_remote_code=True)' in card.text
+
+    # A clean child process: ls_hf blocked, run from an empty folder, its own cache for remote modules.
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text("import sys\nsys.modules['ls_hf'] = None\n")
+    env = {**os.environ, "PYTHONPATH": str(guard), "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(folder)], cwd=guard, env=env, check=False, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    loaded = json.loads(child.stdout.strip().splitlines()[-1])
+    assert loaded["classes"][0].startswith("transformers_modules")
+    assert loaded["classes"][1:] == ["LongShortModel", "LongShortForMaskedLM"]
+
+    model = LongShortForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(["A wonderful film, the acting was superb.", "Dull and lifeless."], padding=True,
+                    return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**ids).logits
+    assert torch.allclose(torch.tensor(loaded["logits"]), expected, atol=1e-5)
+
+
+def test_named_card_and_errors(trained, tmp_path, capsys):
+    folder = tmp_path / "hub"
+    push_to_hub.main([str(trained), "someone/roberta-ls-base-imdb", "--dry-run", str(folder)])
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.base_model == "FacebookAI/roberta-base" and "Table 3" in card.text
+
+    for argv, message in [
+        ([str(trained), "someone/x", "--dry-run", str(folder)], "already exists"),
+        ([str(trained), "someone/x", "--dry-run", str(tmp_path / "new"), "--model-card", "nope.md"], "--model-card"),
+        ([str(trained / "checkpoint-0"), "someone/x", "--dry-run", str(tmp_path / "new")], "no config.json"),
+        ([str(trained.parent / "ls-tiny-roberta"), "someone/x", "--dry-run", str(tmp_path / "new")], "not LongShort"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            push_to_hub.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
