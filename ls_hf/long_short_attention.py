@@ -296,8 +296,8 @@ class LongShortSelfAttention(nn.Module):
             state: ``CausalState`` to read and extend (causal decoding).
             output_attentions: also return the joint probabilities, (B, H, n, R + S): for each query its weights
                 over the R projected rows (cls first; causal: all finished segments' rows) and then the S window
-                keys of its segment in position order (bidirectional S = w + 2e; causal S = 2w; in a decoding
-                step the whole cached window).
+                keys of its segment in position order (bidirectional S = w + 2e; causal S = 2w, or the whole cached
+                window when fewer than w tokens are fed).
 
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
@@ -356,15 +356,15 @@ class LongShortSelfAttention(nn.Module):
 
         q (B, m, H, d_qk), q_valid (B, m); k/v (B, L, H, d) window keys of positions ``[k_start, k_start + L)`` and
         k_valid (B, L); rows = (rows_k (B, R, H, d_qk), rows_v, rows_valid (B, R), rows_segment (R,) or None for
-        rows that every query sees) or None. With at least ``w`` queries they are grouped by window segment, each
-        group seeing its window tile (the fast path); otherwise (a decoding step) all queries see all keys, masked.
+        rows that every query sees) or None. Queries are grouped by window segment, each group seeing its window tile
+        (the fast path), except for fewer than ``w`` causal queries (a decoding step): they see all keys, masked.
         Returns the context (B, m, H, d_v), zero for invalid queries, and the probabilities (B, H, m, R + S) if asked.
         """
         B, m, H, _ = q.shape
         w, L = self.window_size, k.shape[1]
         R = rows[0].shape[1] if rows is not None else 0
         device = q.device
-        if w and m >= w:
+        if w and (m >= w or not self.causal):
             first = q_start // w
             groups = -(-(q_start + m) // w) - first
             skip = q_start - first * w
