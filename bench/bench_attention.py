@@ -309,7 +309,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/attention_<device>)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/attention_<device>...)")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_n = min(args.max_n, 2048)
@@ -339,20 +339,29 @@ def main(argv=None) -> None:
         "time": f"median of {args.repeats} forward + backward steps after 1 warm-up",
     }
     bars = check_bars(rows)
-    report = tables(rows, args.peers, ns, memory_label)
-    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  {args.device} {args.dtype}")
-    print(f"memory: {meta['memory']}\n\n{report}")
+    lines = [
+        f"{meta['date']}, {meta['cpu']}, nproc {meta['nproc']}, torch {meta['torch']}, {args.device} {args.dtype}",
+        f"(torch threads {meta['threads']}); command: `{meta['command']}`",
+        f"time: {meta['time']}; memory: {meta['memory']}.",
+        "",
+        tables(rows, args.peers, ns, memory_label),
+        "**bars (issue 2, meant for the 2-core CPU in float32)**",
+        "",
+    ]
     for bar in bars:
         value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
-        print(f"{bar['verdict']:<5} {bar['bar']}: {value} (bar {bar['target']})")
+        lines.append(f"- {bar['verdict']} {bar['bar']}: {value} (bar {bar['target']})")
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
 
-    out = args.out or RESULTS / f"attention_{args.device}{'_quick' if args.quick else ''}.json"
+    suffix = ("" if args.dtype == "fp32" else f"_{args.dtype}") + ("_quick" if args.quick else "")
+    out = args.out or RESULTS / f"attention_{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows, "bars": bars}, indent=1))
+    out.with_suffix(".md").write_text(text)
     title = f"one attention layer, fwd+bwd, d={HIDDEN}, H={HEADS}, w={WINDOW}, r={RANK}, {args.device} {args.dtype}"
     plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
-
+    print(f"wrote {out} and its .md, .png")
 
 if __name__ == "__main__":
     main()

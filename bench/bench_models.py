@@ -8,12 +8,17 @@ Training (issue 3): base width (hidden 768, 12 heads, intermediate 3072), batch 
 
 One step = forward + backward of the MLM loss on all n tokens. The vocabulary is small (``--vocab``, 1024) so that
 the LM head, identical work for every peer (2 n d V FLOPs), does not hide the encoders when only 1-2 layers run.
-Each (peer, n) runs in a forked process: peak memory = RSS high-water mark minus RSS after building the model.
-A peer whose estimated need exceeds 80 % of free memory is skipped.
+Attention dropout is 0 for every peer (hidden dropout stays 0.1): with attention dropout PyTorch's CPU SDPA leaves
+its fused kernel for the n x n math path (measured 3.4x slower at n = 4096), which would not be RoBERTa-SDPA.
+Peak memory: each (peer, n) runs one step in its own forked process, RSS high-water mark minus the RSS of the built
+model. Time: the peers of one n are built in one forked process and stepped in turn, round after round, so that
+the load of other processes on this shared machine hits them alike. A peer whose estimated need exceeds 80 % of
+free memory is skipped.
 
-Generation: ``LongShortForCausalLM`` (same width, 2 layers, w = 256, l = 16, r = 1 as the official enwik8
+Generation: ``LongShortForCausalLM`` (same width and layers, w = 256, l = 16, r = 1 as the official enwik8
 models) decoding greedily after a prompt of 512, 2048 and 8192 tokens, with the ``LongShortCache`` and without
-(every step recomputes the whole sequence). Per-token time = (time of 1 + k new tokens - time of 1) / k.
+(every step recomputes the whole sequence). Per-token time = median time between consecutive decoding steps
+inside ``generate`` (a stopping criterion records the clock), so the prefill is not counted.
 
     python -m bench.bench_models                                   # 4096 (2 layers) and generation
     python -m bench.bench_models --lengths 16384 --layers 1 --repeats 1 --skip-generation
@@ -37,6 +42,8 @@ from transformers import (
     LongformerForMaskedLM,
     RobertaConfig,
     RobertaForMaskedLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
 
 from bench.bench_attention import _proc_status_bytes, free_bytes, machine
@@ -57,7 +64,7 @@ DECODE_BAR = 1.5  # cached per-token time at the longest context / at the shorte
 def build_mlm(peer: str, n: int, layers: int, vocab: int):
     """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows)."""
     common = {**BASE, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
-              "type_vocab_size": 1, "layer_norm_eps": 1e-5}
+              "type_vocab_size": 1, "layer_norm_eps": 1e-5, "attention_probs_dropout_prob": 0.0}
     if peer == "long-short":
         return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK))
     if peer == "roberta-sdpa":
@@ -75,8 +82,8 @@ def estimated_bytes(peer: str, n: int, layers: int, vocab: int) -> float:
     return need
 
 
-def measure_training(peer: str, n: int, layers: int, vocab: int, repeats: int) -> dict:
-    """Median time of ``repeats`` training steps after one warm-up, and the peak RSS above the built model."""
+def training_step(peer: str, n: int, layers: int, vocab: int):
+    """A closure running one training step (forward + backward of the MLM loss) of a freshly built peer."""
     torch.manual_seed(0)
     model = build_mlm(peer, n, layers, vocab).train()
     ids = torch.randint(3, vocab, (1, n))
@@ -85,17 +92,31 @@ def measure_training(peer: str, n: int, layers: int, vocab: int, repeats: int) -
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
+    return step
+
+
+def measure_memory(peer: str, n: int, layers: int, vocab: int) -> dict:
+    """Peak RSS of one training step above the RSS of the built model."""
+    step = training_step(peer, n, layers, vocab)
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
         f.write("5")
     base = _proc_status_bytes("VmRSS")
     step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": _proc_status_bytes("VmHWM") - base}
+    return {"peak_mem_bytes": _proc_status_bytes("VmHWM") - base}
+
+
+def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
+    """Step times of all peers built in one process and run in turn, ``repeats`` rounds after a warm-up round, so
+    that load from other processes hits every peer alike. Returns {peer: sorted times}."""
+    steps = {peer: training_step(peer, n, layers, vocab) for peer in peers}
+    times = {peer: [] for peer in peers}
+    for round_ in range(repeats + 1):
+        for peer, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_:
+                times[peer].append(time.perf_counter() - start)
+    return {peer: sorted(values) for peer, values in times.items()}
 
 
 def _child(conn, fn, args, threads) -> None:
@@ -124,41 +145,59 @@ def forked(fn, *args, threads: int = 0) -> dict:
 
 
 def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:
+    """Per n: peak memory of each peer in its own process, then the interleaved timing of the peers that fit."""
     rows = []
     for n in lengths:
+        fitting = []
         for peer in peers:
             row = {"peer": peer, "n": n, "layers": layers}
             need, free = estimated_bytes(peer, n, layers, vocab), free_bytes("cpu")
             if need > 0.8 * free:
                 row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
             else:
-                row |= forked(measure_training, peer, n, layers, vocab, repeats, threads=threads)
-            if row["status"] == "ok":
-                row["tokens_per_s"] = n / row["time_s"]
+                row |= forked(measure_memory, peer, n, layers, vocab, threads=threads)
+                if row["status"] == "ok":
+                    fitting.append(peer)
             rows.append(row)
-            shown = f"{row['time_s']:8.2f} s {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if row["status"] == "ok" else ""
-            print(f"  train n={n:<6} {peer:<13} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
+            print(f"  memory n={n:<6} {peer:<13} {row['status']:<8} "
+                  f"{row.get('peak_mem_bytes', 0) / 2**20:8.0f} MiB {row.get('reason', '')}", flush=True)
+        timed = forked(measure_times, fitting, n, layers, vocab, repeats, threads=threads) if fitting else {}
+        for row in rows[-len(peers):]:
+            if row["peer"] in fitting and timed["status"] == "ok":
+                times = timed[row["peer"]]
+                row |= {"time_s": times[len(times) // 2], "times_s": times, "tokens_per_s": n / times[len(times) // 2]}
+                print(f"  time   n={n:<6} {row['peer']:<13} {row['time_s']:8.2f} s", flush=True)
+            elif row["peer"] in fitting:
+                row |= {"status": timed["status"], "reason": timed.get("reason", "")}
     return rows
 
 
+class StepClock(StoppingCriteria):
+    """Records the time of every decoding step of ``generate``; never stops it."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int) -> dict:
-    """Per-token decoding time after a ``context``-token prompt, with or without the cache."""
+    """Median per-token decoding time after a ``context``-token prompt, with or without the cache."""
     torch.manual_seed(0)
     config = LongShortConfig(**BASE, num_hidden_layers=layers, vocab_size=vocab, is_decoder=True, window_size=WINDOW,
                              projection_rank=1, causal_segment_length=16, max_position_embeddings=context + new_tokens + 3)
     model = LongShortForCausalLM(config).eval()
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=1, bos_token_id=0)
     prompt = torch.randint(3, vocab, (1, context))
-
-    def timed(tokens):
-        start = time.perf_counter()
-        model.generate(prompt, max_new_tokens=tokens, do_sample=False, use_cache=use_cache)
-        return time.perf_counter() - start
-
-    timed(1)  # warm-up
-    first, total = timed(1), timed(1 + new_tokens)
-    per_token = max(total - first, 1e-9) / new_tokens
-    return {"prefill_s": first, "per_token_s": per_token, "tokens_per_s": 1 / per_token}
+    clock = StepClock()
+    start = time.perf_counter()
+    model.generate(prompt, max_new_tokens=new_tokens + 1, do_sample=False, use_cache=use_cache,
+                   stopping_criteria=StoppingCriteriaList([clock]))
+    steps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
+    per_token = steps[len(steps) // 2]
+    return {"prefill_s": clock.times[0] - start, "per_token_s": per_token, "tokens_per_s": 1 / per_token}
 
 
 def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads) -> list[dict]:
@@ -224,7 +263,7 @@ def bars(train_rows, gen_rows, contexts) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096], help="training sequence lengths")
-    parser.add_argument("--layers", type=int, default=2, help="encoder layers of every peer (training)")
+    parser.add_argument("--layers", type=int, default=2, help="layers of every model (training and generation)")
     parser.add_argument("--repeats", type=int, default=2, help="timed training steps after one warm-up")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size (LM head cost, same for all)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
@@ -249,19 +288,20 @@ def main(argv=None) -> None:
         args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads
     )
     gen_rows = [] if args.skip_generation else run_generation(
-        args.contexts, 1 if args.quick else 2, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
+        args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
     )
     info = machine()
     command = "python -m bench.bench_models " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"\n{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}  {info['cpu']}  "
           f"nproc={info['nproc']} threads={args.threads or info['threads']}  torch {info['torch']}  float32\n`{command.strip()}`\n")
     if train_rows:
-        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, median of {args.repeats} after 1 warm-up; "
+        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, median of {args.repeats} rounds after a warm-up "
+              f"round, peers interleaved in one process; "
               f"LS w={WINDOW} r={RANK}, Longformer window {LONGFORMER_WINDOW}**\n")
         print(training_table(train_rows, args.peers, args.lengths))
     if gen_rows:
-        print(f"**Greedy decoding, LongShortForCausalLM d=768, w={WINDOW}, l=16, r=1; per-token time = "
-              f"(1 + k tokens - 1 token) / k, k = {args.cached_tokens} cached / {args.uncached_tokens} uncached**\n")
+        print(f"**Greedy decoding, LongShortForCausalLM d=768, {args.layers} layers, w={WINDOW}, l=16, r=1; median time between "
+              f"decoding steps over {args.cached_tokens} cached / {args.uncached_tokens} uncached steps**\n")
         print(generation_table(gen_rows, args.contexts))
     for line in bars(train_rows, gen_rows, args.contexts):
         print(line)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str) -> None:
-    """Two panels (median time, peak memory) against n, one line per peer.
+def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str,
+                 xlabel: str = "sequence length n") -> None:
+    """Two panels (median time, peak memory) against n (named ``xlabel``), one line per peer.
 
     ``rows``: dicts with ``peer``, ``n``, ``status`` and, when ``status == "ok"``, ``time_s`` and ``peak_mem_bytes``.
     """
@@ -22,7 +23,7 @@ def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str) ->
             done = [row for row in rows if row["peer"] == peer and row["status"] == "ok"]
             if done:
                 ax.plot([r["n"] for r in done], [r[key] * scale for r in done], marker="o", label=peer)
-        ax.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel=label)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=label)
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()

@@ -60,7 +60,7 @@ def _load_source(src: str):
     path = Path(src).expanduser()
     looks_local = src.startswith((".", "/", "~")) or src.count("/") > 1 or path.exists()
     if looks_local and not path.is_dir():
-        raise ValueError(f"SRC {src!r}: no such folder. Pass a local checkpoint folder or a Hub id such as roberta-base.")
+        raise ValueError(f"SRC {src!r}: no such folder. Pass a local checkpoint folder or a Hub id (roberta-base).")
     src = str(path) if looks_local else src
     try:
         config = AutoConfig.from_pretrained(src)
@@ -76,7 +76,12 @@ def _load_source(src: str):
             f"SRC {src!r} uses position_embedding_type={config.position_embedding_type!r}; only RoBERTa's absolute "
             f"positions can be extended."
         )
-    source = AutoModelForMaskedLM.from_pretrained(src, dtype=torch.float32)
+    source, info = AutoModelForMaskedLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"]:
+        raise ValueError(
+            f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass a *ForMaskedLM checkpoint "
+            f"(e.g. roberta-base), not a bare encoder."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as err:
@@ -123,9 +128,10 @@ def _copy_weights(source, model, log) -> None:
     log(f"mapped {len(state)} tensors from SRC:")
     for (old, target), count in renamed.items():
         log(f"  {old} -> {target}" + (f"  (x{count})" if count > 1 else ""))
-    log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, learned rows tiled)")
+    log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled)")
     if new:
-        log(f"initialised {len(new)} new tensors (W^P: N(0, {model.config.initializer_range}); DualLN: weight 1, bias 0):")
+        std = model.config.initializer_range
+        log(f"initialised {len(new)} new tensors (W^P: N(0, {std}); DualLN: weight 1, bias 0):")
     for key in sorted({_pattern(key) for key in new}):
         log(f"  {key}")
 
@@ -174,7 +180,7 @@ def convert_roberta(
     """
     out = Path(out).expanduser()
     if not isinstance(max_position_embeddings, int) or max_position_embeddings < 1:
-        raise ValueError(f"max_position_embeddings must be a positive number of tokens, got {max_position_embeddings!r}.")
+        raise ValueError(f"max_position_embeddings must be a positive token count, got {max_position_embeddings!r}.")
     if out.exists() and not overwrite:
         raise ValueError(f"OUT {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it.")
     config, source, tokenizer = _load_source(src)
@@ -202,7 +208,7 @@ def main(argv=None) -> None:
     parser.add_argument("src", metavar="SRC", help="local checkpoint folder or Hub id of a RoBERTa-family masked LM")
     parser.add_argument("out", metavar="OUT", help="output folder (created; see --overwrite)")
     parser.add_argument("--max-position-embeddings", type=int, default=4096, help="tokens the model reads (4096)")
-    parser.add_argument("--window-size", type=int, help="Long-Short window segment length w (LongShortConfig's default)")
+    parser.add_argument("--window-size", type=int, help="window segment length w (default: LongShortConfig's)")
     parser.add_argument("--projection-rank", type=int, help="dynamic projection rank r; 0 turns it off")
     parser.add_argument("--no-dual-ln", action="store_true", help="leave DualLN out (exact RoBERTa function)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

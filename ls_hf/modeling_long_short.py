@@ -293,9 +293,9 @@ class LongShortModel(LongShortPreTrainedModel):
     ``attentions`` (``output_attentions=True``) are, per layer, (B, H, n, R + S): each query's weights over the R
     projected rows (r per head; causal: r per finished segment of l tokens) followed by its S window keys
     (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w; in a cached decoding step the
-    cached window). Padded queries
-    output the attention output bias. LongShort has no user-set global tokens: the dynamic projection is the global
-    part. Inputs of any length up to ``config.max_input_length`` work (the attention pads internally).
+    cached window). Padded queries output the attention output bias. LongShort has no user-set global tokens: the
+    dynamic projection is the global part. Inputs of any length up to ``config.max_input_length`` work (the
+    attention pads internally); window segments are counted from the first column, so pad on the right.
     """
 
     def __init__(self, config: LongShortConfig, add_pooling_layer: bool = True):
@@ -315,15 +315,8 @@ class LongShortModel(LongShortPreTrainedModel):
     @merge_with_config_defaults
     @capture_outputs
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        past_key_values=None,
-        use_cache=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        past_key_values=None, use_cache=None, **kwargs,
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
@@ -362,7 +355,9 @@ class LongShortModel(LongShortPreTrainedModel):
         )
 
 
-class LongShortForMaskedLM(LongShortPreTrainedModel):
+class LongShortLanguageModel(LongShortPreTrainedModel):
+    """The backbone with RoBERTa's LM head tied to the word embeddings: the base of the masked and causal LMs."""
+
     _tied_weights_keys: ClassVar[dict] = {
         "lm_head.decoder.weight": "long_short.embeddings.word_embeddings.weight",
         "lm_head.decoder.bias": "lm_head.bias",
@@ -370,8 +365,6 @@ class LongShortForMaskedLM(LongShortPreTrainedModel):
 
     def __init__(self, config: LongShortConfig):
         super().__init__(config)
-        if config.is_decoder:
-            raise ValueError("LongShortForMaskedLM needs bidirectional attention: set is_decoder=False in the config.")
         self.long_short = LongShortModel(config, add_pooling_layer=False)
         self.lm_head = LongShortLMHead(config)
         self.post_init()
@@ -382,16 +375,17 @@ class LongShortForMaskedLM(LongShortPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
 
+
+class LongShortForMaskedLM(LongShortLanguageModel):
+    def __init__(self, config: LongShortConfig):
+        if config.is_decoder:
+            raise ValueError("LongShortForMaskedLM needs bidirectional attention: set is_decoder=False in the config.")
+        super().__init__(config)
+
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        labels=None, **kwargs,
     ):
         """labels (B, n): token ids to predict, -100 where no loss is taken."""
         outputs = self.long_short(
@@ -404,45 +398,27 @@ class LongShortForMaskedLM(LongShortPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-class LongShortForCausalLM(LongShortPreTrainedModel, GenerationMixin):
+class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     """Causal LongShort language model (Eq. 5, Appendix D). Needs ``config.is_decoder=True``.
 
     ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards, padding
-    aware), continued from the cache during decoding.
+    aware), continued from the cache during decoding. Left-padded batches work (padded keys are masked, and cached
+    and uncached decoding agree), but window segments count from the first column, so a left-padded prompt is not
+    bit-identical to the same prompt unpadded.
     """
 
-    _tied_weights_keys = LongShortForMaskedLM._tied_weights_keys
-
     def __init__(self, config: LongShortConfig):
-        super().__init__(config)
         if not config.is_decoder:
             raise ValueError(
                 "LongShortForCausalLM needs causal attention: build it from a config with is_decoder=True "
                 "(e.g. AutoConfig.for_model('long_short', is_decoder=True, ...))."
             )
-        self.long_short = LongShortModel(config, add_pooling_layer=False)
-        self.lm_head = LongShortLMHead(config)
-        self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head.decoder = new_embeddings
+        super().__init__(config)
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        past_key_values=None,
-        use_cache=None,
-        labels=None,
-        logits_to_keep=0,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        past_key_values=None, use_cache=None, labels=None, logits_to_keep=0, **kwargs,
     ):
         """labels (B, n): the input ids (shifted inside the loss), -100 where no loss is taken. logits_to_keep: an
         int k keeps the last k positions' logits (0 = all), a tensor selects positions."""
@@ -489,14 +465,8 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        labels=None, **kwargs,
     ):
         """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa)."""
         outputs = self.long_short(
@@ -523,14 +493,8 @@ class LongShortForTokenClassification(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        labels=None, **kwargs,
     ):
         """labels (B, n): class ids, -100 where no loss is taken."""
         outputs = self.long_short(
@@ -554,15 +518,8 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        start_positions=None,
-        end_positions=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        start_positions=None, end_positions=None, **kwargs,
     ):
         """start_positions / end_positions (B,): the answer span's token indices."""
         outputs = self.long_short(
@@ -591,14 +548,8 @@ class LongShortForMultipleChoice(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs,
+        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+        labels=None, **kwargs,
     ):
         """Inputs (B, C, n) (inputs_embeds (B, C, n, d)) for C choices; labels (B,): the right choice."""
         first = input_ids if input_ids is not None else inputs_embeds

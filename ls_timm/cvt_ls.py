@@ -26,9 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import to_2tuple
+from timm.layers import calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
@@ -93,7 +92,7 @@ class CvtLs(HierarchicalTransformer):
                             ("window_size", window_size), ("qk_dims", qk_dims)):
             if len(value) != num_stages:
                 raise ValueError(f"{name} needs one entry per stage ({num_stages}, as depths), got {len(value)}.")
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))
+        rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
             attn = partial(LongShortAttention2d, embed_dims[i], num_heads[i], window_size[i], projection_rank[i],
@@ -101,7 +100,7 @@ class CvtLs(HierarchicalTransformer):
                            conv_proj=True, conv_dynamic_proj=True, attn_drop=attn_drop_rate,
                            proj_drop=proj_drop_rate, **dd)
             stages.append(Stage(in_chs, embed_dims[i], patch_sizes[i], patch_strides[i], patch_paddings[i],
-                                num_global_tokens[i], attn, rates[i].tolist(), mlp_ratio, proj_drop_rate, norm_layer,
+                                num_global_tokens[i], attn, rates[i], mlp_ratio, proj_drop_rate, norm_layer,
                                 act_layer, dd))
             in_chs = embed_dims[i]
         super().__init__(stages, patch_strides, num_classes, global_pool, drop_rate, norm_layer, dd)

@@ -8,6 +8,7 @@ between stages, as in ViL and CvT). The attention of each stage is chosen by the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -102,7 +103,7 @@ class HierarchicalTransformer(nn.Module):
         self.num_features = self.head_hidden_size = dims[-1]
         self.num_prefix_tokens = stages[-1].num_prefix_tokens
         self.stages = nn.Sequential(*stages)
-        reductions = [int(torch.tensor(strides[: i + 1]).prod()) for i in range(len(strides))]
+        reductions = [math.prod(strides[: i + 1]) for i in range(len(strides))]
         self.feature_info = [{"num_chs": d, "reduction": r, "module": f"stages.{i}"}
                              for i, (d, r) in enumerate(zip(dims, reductions))]
         self.norm = norm_layer(dims[-1], **dd)
@@ -141,9 +142,9 @@ class HierarchicalTransformer(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
         return {
-            "stem": r"^stages\.0\.(embed|cls_token)",
+            "stem": r"^stages\.0\.(?:embed|cls_token)",
             "blocks": r"^stages\.(\d+)" if coarse else [
-                (r"^stages\.(\d+)\.(embed|cls_token)", (0,)),
+                (r"^stages\.(\d+)\.(?:embed|cls_token)", (0,)),
                 (r"^stages\.(\d+)\.blocks\.(\d+)", None),
                 (r"^norm", (99999,)),
             ],

@@ -108,6 +108,10 @@ class LongShortAttention2d(nn.Module):
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
     """
 
+    # Maps of at most this many patches attend through one dense masked call (measured faster on CPU than
+    # blocks of few queries, e.g. CvT stage 3 at 224: 14 x 14, w = 2); both layouts give the same result.
+    dense_max_tokens: int = 256
+
     def __init__(
         self,
         dim: int,
@@ -199,7 +203,7 @@ class LongShortAttention2d(nn.Module):
         return self._heads(ln_k(rows_k)), self._heads(self.dual_ln_global(rows_v))
 
     def _layout(self, feat_size: tuple[int, int], rows: int, device):
-        """Index tensors of the grouped layout: G = gh * gw blocks of Q = w * w queries, each against its
+        """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w queries, each against its
         T x T key tile (T = w + 2e), the ``rows`` projected rows and the global tokens (K = T^2 + rows + g keys).
 
         Returns ``q_index`` (G * Q) into the tokens, ``k_index`` (G, K) into [tokens; projected rows], ``keep``
@@ -227,25 +231,13 @@ class LongShortAttention2d(nn.Module):
         out_index = ((yx[:, 0] // w) * gw + yx[:, 1] // w) * (w * w) + (yx[:, 0] % w) * w + yx[:, 1] % w
         return q_index, k_index, keep, out_index
 
-    def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
-        """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out."""
-        B, N, C = x.shape
-        g, w, heads = self.num_prefix_tokens, self.window_size, self.num_heads
-        x_map = None
-        if self.conv_proj is not None or self.dp_conv is not None:  # the patch tokens as a channels-last map
-            x_map = x[:, g:].transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
-        q, k, v = self._qkv(x, x_map)
-        ln_k = self.dual_ln_local if self.dual_ln_local_k is None else self.dual_ln_local_k
-        q, k, v = self._heads(q), self._heads(ln_k(k)), self._heads(self.dual_ln_local(v))
-        if self.projection_rank:  # the projected rows (Eq. 3) follow the tokens
-            rows_k, rows_v = self._project(x, x_map, k[:, :, g:], v[:, :, g:])
-            k_all, v_all = torch.cat([k, rows_k], 2), torch.cat([v, rows_v], 2)
-        else:
-            k_all, v_all = k, v
-        q_index, k_index, keep, out_index = self._layout(feat_size, k_all.shape[2] - N, x.device)
+    def _attend_blocked(self, q: Tensor, k_all: Tensor, v_all: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        """Every w x w query block against its key tile + projected/global rows, as (B, heads * G, ...) groups of
+        one SDPA call. q (B, heads, N, d); k_all/v_all (B, heads, N + R, d) = [tokens; rows]. -> (B, HW, heads, d)."""
+        B, heads, N, _ = q.shape
+        w = self.window_size
+        q_index, k_index, keep, out_index = self._layout(feat_size, k_all.shape[2] - N, q.device)
         G, K = k_index.shape
-
-        # Grouped layout (B, heads * G, ...): one SDPA call over every block of every head.
         q_blocks = q.index_select(2, q_index).view(B, heads * G, w * w, -1)
         keys = k_all.index_select(2, k_index.flatten()).view(B, heads * G, K, -1)
         values = v_all.index_select(2, k_index.flatten()).view(B, heads * G, K, -1)
@@ -257,9 +249,53 @@ class LongShortAttention2d(nn.Module):
             mask = torch.cat([bias.unsqueeze(1).expand(heads, G, w * w, tile),
                               bias.new_zeros(heads, G, w * w, K - tile)], -1)
             mask = mask.masked_fill(~keep[:, None, :], float("-inf")).reshape(1, heads * G, w * w, K)
-        dropout = self.attn_drop if self.training else 0.0
-        out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask, dropout_p=dropout)
-        out = out.view(B, heads, G * w * w, -1).transpose(1, 2).index_select(1, out_index)  # (B, HW, heads, d)
+        out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask,
+                                             dropout_p=self.attn_drop if self.training else 0.0)
+        return out.view(B, heads, G * w * w, -1).transpose(1, 2).index_select(1, out_index)
+
+    def _attend_dense(self, q: Tensor, k_all: Tensor, v_all: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        """All patch queries against all keys [global; patches; rows] with the (HW, N + R) visibility mask: one SDPA
+        call, cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
+        (H, W), w, g = feat_size, self.window_size, self.num_prefix_tokens
+        rows = k_all.shape[2] - q.shape[2]
+        yx = _grid(H, W, q.device).flatten(0, 1)
+        keep = window_keep_2d(yx, yx, w, feat_size)  # (HW, HW)
+        if self.relative_position_bias_table is None:
+            mask = torch.cat([keep.new_ones(H * W, g), keep, keep.new_ones(H * W, rows)], 1)
+        else:  # the tile coordinates of every key around each query's block, then the official bias index
+            e = max(w // 2, 1)
+            T = w + 2 * e
+            tile = yx.unsqueeze(0) - (torch.div(yx, w, rounding_mode="floor") * w - e).unsqueeze(1)  # (HW, HW, 2)
+            tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
+            local = (yx[:, 0] % w) * w + yx[:, 1] % w
+            bias = self.relative_position_bias_table[self.relative_position_index[local.unsqueeze(1), tile]]
+            bias = bias.permute(2, 0, 1).to(q.dtype).masked_fill(~keep, float("-inf"))
+            heads = bias.shape[0]
+            mask = torch.cat([bias.new_zeros(heads, H * W, g), bias, bias.new_zeros(heads, H * W, rows)], 2)
+        out = F.scaled_dot_product_attention(q[:, :, g:], k_all, v_all, attn_mask=mask.view(1, -1, H * W, mask.shape[-1]),
+                                             dropout_p=self.attn_drop if self.training else 0.0)
+        return out.transpose(1, 2)
+
+    def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
+
+        Maps of at most ``dense_max_tokens`` patches use the dense masked layout, larger ones the blocked layout.
+        """
+        B, N, C = x.shape
+        g = self.num_prefix_tokens
+        x_map = None
+        if self.conv_proj is not None or self.dp_conv is not None:  # the patch tokens as a channels-last map
+            x_map = x[:, g:].transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
+        q, k, v = self._qkv(x, x_map)
+        ln_k = self.dual_ln_local if self.dual_ln_local_k is None else self.dual_ln_local_k
+        q, k, v = self._heads(q), self._heads(ln_k(k)), self._heads(self.dual_ln_local(v))
+        if self.projection_rank:  # the projected rows (Eq. 3) follow the tokens
+            rows_k, rows_v = self._project(x, x_map, k[:, :, g:], v[:, :, g:])
+            k_all, v_all = torch.cat([k, rows_k], 2), torch.cat([v, rows_v], 2)
+        else:
+            k_all, v_all = k, v
+        attend = self._attend_dense if feat_size[0] * feat_size[1] <= self.dense_max_tokens else self._attend_blocked
+        out = attend(q, k_all, v_all, feat_size)  # (B, HW, heads, d)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
             patches = out.transpose(1, 2)
             glob = F.scaled_dot_product_attention(

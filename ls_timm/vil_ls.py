@@ -14,6 +14,7 @@ MLP ratio 4 with GELU; the head averages the final-normed stage-4 tokens.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -21,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import to_2tuple
+from timm.layers import calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
@@ -139,8 +140,8 @@ class VilLs(HierarchicalTransformer):
             sides.append(side)
         if min(sides[-1]) < 1:
             raise ValueError(f"img_size={img_size} is smaller than the total patch stride "
-                             f"{int(torch.tensor(list(patch_sizes)).prod())}; use a larger img_size.")
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))
+                             f"{math.prod(patch_sizes)}; use a larger img_size.")
+        rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
             if long_short[i]:
@@ -152,7 +153,7 @@ class VilLs(HierarchicalTransformer):
                                num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,
                                proj_drop=proj_drop_rate, **dd)
             stages.append(Stage(in_chs, embed_dims[i], patch_sizes[i], patch_sizes[i], 0, num_global_tokens[i], attn,
-                                rates[i].tolist(), mlp_ratio, proj_drop_rate, norm_layer, act_layer, dd))
+                                rates[i], mlp_ratio, proj_drop_rate, norm_layer, act_layer, dd))
             in_chs = embed_dims[i]
         super().__init__(stages, patch_sizes, num_classes, global_pool, drop_rate, norm_layer, dd)
 

@@ -1,0 +1,1 @@
+"""Recipes: convert RoBERTa, pretrain, fine-tune, launch, publish (see README.md)."""

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import torch
 import transformers
 from datasets import DatasetDict, load_dataset
-from transformers import HfArgumentParser
+from transformers import AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 logger = logging.getLogger("recipes")
+# File extension -> datasets builder for --train_file / --validation_file.
+BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}
 
 
 class UsageError(ValueError):
@@ -32,9 +35,6 @@ def cli(main):
 
     return run
 
-# File extension -> datasets builder for --train_file / --validation_file.
-BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}
-
 
 @dataclass
 class ModelArguments:
@@ -53,6 +53,12 @@ class ModelArguments:
                 f"--model_name_or_path {self.model_name_or_path!r}: no model folder there (no config.json); pass a "
                 f"folder written by ls-convert-roberta or a recipe, or a Hub id."
             )
+
+    def load(self, auto_class, **kwargs):
+        """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config)."""
+        name, remote = self.model_name_or_path, self.trust_remote_code
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+        return tokenizer, auto_class.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote, **kwargs)
 
 
 @dataclass
@@ -86,7 +92,8 @@ class DataArguments:
                 raise ValueError(f"--{name} {path!r}: unsupported extension; use one of {', '.join(BUILDERS)}.")
             if not Path(path).is_file():
                 raise ValueError(f"--{name} {path!r}: no such file.")
-        if self.validation_file and BUILDERS[Path(self.validation_file).suffix] != BUILDERS[Path(self.train_file).suffix]:
+        formats = {BUILDERS[Path(path).suffix] for path in (self.train_file, self.validation_file) if path}
+        if len(formats) > 1:
             raise ValueError("--train_file and --validation_file must have the same format (extension).")
         for name in ("max_seq_length", "max_train_samples", "max_eval_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

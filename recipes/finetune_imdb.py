@@ -1,6 +1,6 @@
 """Fine-tune a LongShort model for sequence classification on IMDb (paper Table 3) with the Transformers Trainer.
 
-    python recipes/finetune_imdb.py --model_name_or_path roberta-ls-base --output_dir imdb-ls \\
+    python -m recipes.finetune_imdb --model_name_or_path roberta-ls-base --output_dir imdb-ls \\
         --do_train --do_eval --bf16
 
 Data: ``load_dataset("stanfordnlp/imdb")`` (train, evaluated on test) by default, or local CSV/JSON files with
@@ -11,11 +11,9 @@ loaded, the same computation locally otherwise), keeps the best checkpoint by ac
 
 from dataclasses import dataclass, field
 
-import torch
 from datasets import ClassLabel
 from transformers import (
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
@@ -60,17 +58,18 @@ class ImdbTrainingArguments(TrainingArguments):
 
 
 def accuracy_metric():
-    """``compute_metrics`` for the Trainer. ``evaluate.load("accuracy")`` fetches its script from the Hub; offline
-    the same number, the fraction of argmax predictions equal to the labels, is computed here."""
+    """``(compute_metrics, source)`` for the Trainer. ``evaluate.load("accuracy")`` fetches its script from the Hub
+    (source ``"evaluate"``); offline the same number, the fraction of argmax predictions equal to the labels, is
+    computed here (source ``"local"``)."""
     import evaluate
 
     try:
         metric = evaluate.load("accuracy")
     except Exception as err:  # noqa: BLE001 (offline: FileNotFoundError, or the HTTP client's connection errors)
         logger.warning("evaluate's accuracy could not be loaded (%s); computing accuracy locally.", err)
-        return lambda pred: {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}
+        return lambda pred: {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}, "local"
     logger.info("Accuracy computed with evaluate.load('accuracy').")
-    return lambda pred: metric.compute(predictions=pred.predictions.argmax(-1), references=pred.label_ids)
+    return lambda pred: metric.compute(predictions=pred.predictions.argmax(-1), references=pred.label_ids), "evaluate"
 
 
 @cli
@@ -87,14 +86,11 @@ def main(argv=None) -> dict:
     names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
     label_ids = {value: i for i, value in enumerate(values)}
 
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path,
+    tokenizer, model = model_args.load(
+        AutoModelForSequenceClassification,
         num_labels=len(values),
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
-        dtype=torch.float32,
-        trust_remote_code=model_args.trust_remote_code,
     )
     length = max_tokens(model.config, tokenizer, data_args.max_seq_length)
 
@@ -115,6 +111,7 @@ def main(argv=None) -> dict:
             desc="Tokenizing",
         )
 
+    compute_accuracy, source = accuracy_metric()
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -122,9 +119,10 @@ def main(argv=None) -> dict:
         eval_dataset=data.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=accuracy_metric(),
+        compute_metrics=compute_accuracy,
     )
-    return finish(trainer, training_args, data_args, checkpoint_to_resume(training_args))
+    checkpoint = checkpoint_to_resume(training_args)
+    return finish(trainer, training_args, data_args, checkpoint, lambda metrics: {"accuracy_computed_by": source})
 
 
 if __name__ == "__main__":

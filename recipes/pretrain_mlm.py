@@ -14,10 +14,8 @@ import math
 from dataclasses import dataclass, field
 from itertools import chain
 
-import torch
 from transformers import (
     AutoModelForMaskedLM,
-    AutoTokenizer,
     DataCollatorForLanguageModeling,
     Trainer,
     TrainingArguments,
@@ -114,10 +112,7 @@ def main(argv=None) -> dict:
     set_seed(training_args.seed)
 
     data = load_data(data_args, [data_args.text_column_name], need_eval=False)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
-    model = AutoModelForMaskedLM.from_pretrained(
-        model_args.model_name_or_path, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code
-    )
+    tokenizer, model = model_args.load(AutoModelForMaskedLM)
     block = max_tokens(model.config, tokenizer, data_args.max_seq_length)
     data = language_model_data(data, tokenizer, data_args, training_args, block)
 

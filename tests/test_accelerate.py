@@ -13,7 +13,7 @@ import torch
 
 from ls_hf import LongShortForSequenceClassification
 from recipes import finetune_imdb
-from recipes.tiny import IMDB_TEST, IMDB_TRAIN, tiny_long_short
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
 
 ROOT = Path(__file__).parents[1]
 
@@ -27,7 +27,8 @@ def free_port() -> int:
 def artefacts(output_dir: Path) -> set[str]:
     """Relative file names, with checkpoint steps and per-process RNG files folded together."""
     names = {str(path.relative_to(output_dir)) for path in output_dir.rglob("*") if path.is_file()}
-    return {re.sub(r"rng_state(_\d+)?\.pth", "rng_state.pth", re.sub(r"checkpoint-\d+", "checkpoint-N", n)) for n in names}
+    names = {re.sub(r"checkpoint-\d+", "checkpoint-N", name) for name in names}
+    return {re.sub(r"rng_state(_\d+)?\.pth", "rng_state.pth", name) for name in names}
 
 
 def test_two_process_cpu_launch_matches_one_process(tmp_path):
@@ -44,12 +45,8 @@ def test_two_process_cpu_launch_matches_one_process(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         finetune_imdb.main([*args, "--output_dir", str(tmp_path / "one")])
-    finally:
-        torch.set_num_threads(threads)
 
     two, one = (json.loads((tmp_path / name / "trainer_state.json").read_text()) for name in ("two", "one"))
     assert two["global_step"] == 4 and one["global_step"] == 8  # 64 examples in batches of 8 on 2 processes vs 1

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, RobertaForMaskedLM
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, RobertaForMaskedLM, RobertaModel
 
 from ls_hf import LongShortForMaskedLM
 from ls_hf.convert_roberta import convert_roberta, main
@@ -74,6 +74,11 @@ def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
                                intermediate_size=16)).save_pretrained(bert)
     with pytest.raises(ValueError, match="'bert' checkpoint.*not RoBERTa-family"):
         convert_roberta(bert, tmp_path / "out")
+    bare = tmp_path / "bare"
+    RobertaModel.from_pretrained(roberta).save_pretrained(bare)
+    AutoTokenizer.from_pretrained(roberta).save_pretrained(bare)
+    with pytest.raises(ValueError, match="lacks masked-LM weights"):
+        convert_roberta(bare, tmp_path / "out")
     with pytest.raises(ValueError, match="no such folder"):
         convert_roberta(str(tmp_path / "missing"), tmp_path / "out")
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -97,6 +102,7 @@ def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
 
 def test_console_script_reports_errors(tmp_path):
     script = f"{sys.prefix}/bin/ls-convert-roberta"
-    result = subprocess.run([script, str(tmp_path / "nope"), str(tmp_path / "out")], check=False, capture_output=True, text=True)
+    argv = [script, str(tmp_path / "nope"), str(tmp_path / "out")]
+    result = subprocess.run(argv, check=False, capture_output=True, text=True)
     assert result.returncode == 2
     assert "SRC" in result.stderr and "no such folder" in result.stderr

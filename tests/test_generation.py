@@ -21,7 +21,7 @@ def model():
 
 def generate(model, prompt, use_cache, **kwargs):
     torch.manual_seed(1234)
-    return model.generate(prompt, max_new_tokens=17, use_cache=use_cache, **kwargs)
+    return model.generate(prompt, max_new_tokens=12, use_cache=use_cache, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_cached_and_uncached_generation_give_the_same_tokens(model, mode):
     prompt = tokens(2, 11)
     cached = generate(model, prompt, use_cache=True, **mode)
     uncached = generate(model, prompt, use_cache=False, **mode)
-    assert cached.shape == (2 * mode.get("num_return_sequences", 1), 11 + 17)
+    assert cached.shape == (2 * mode.get("num_return_sequences", 1), 11 + 12)
     assert torch.equal(cached, uncached)
 
 

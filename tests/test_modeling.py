@@ -346,3 +346,20 @@ def test_lmsa_and_per_layer_settings():
 
 def test_package_exports():
     assert {"CausalState", "LongShortSelfAttention", "LongShortConfig", "LongShortCache"} <= set(ls_hf.__all__)
+
+
+def test_trainer_loss_is_not_scaled_by_gradient_accumulation(tmp_path):
+    """The Trainer passes num_items_in_batch to heads that take **kwargs; with lr = 0 its reported loss must be
+    the plain mean loss (a head averaging per micro-batch would report it x gradient_accumulation_steps)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = LongShortForMaskedLM(tiny_config())
+    data = [{"input_ids": ids, "labels": ids} for ids in tokens(8, 12)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+    )
+    result = Trainer(model=model, args=args, train_dataset=data).train()
+    with torch.no_grad():
+        expected = model(torch.stack([d["input_ids"] for d in data]), labels=torch.stack([d["labels"] for d in data])).loss
+    assert result.training_loss == pytest.approx(expected.item(), rel=1e-4)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from ls_hf import LongShortForSequenceClassification
 from recipes import finetune_imdb, push_to_hub
-from recipes.tiny import IMDB_TEST, IMDB_TRAIN, tiny_long_short
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
 
 CHILD = """
 import json, sys
@@ -41,17 +41,13 @@ print(json.dumps({"logits": logits.tolist(), "classes": classes}))
 def trained(tmp_path_factory):
     """A LongShort classifier trained for a few steps by finetune_imdb (its output folder, with all_results.json)."""
     root = tmp_path_factory.mktemp("push")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         finetune_imdb.main([
             "--model_name_or_path", str(tiny_long_short(root / "ls-tiny")), "--train_file", str(IMDB_TRAIN),
             "--validation_file", str(IMDB_TEST), "--output_dir", str(root / "imdb"), "--do_train", "--do_eval",
             "--max_steps", "4", "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end", "False",
             "--learning_rate", "1e-3", "--disable_tqdm", "True",
         ])
-    finally:
-        torch.set_num_threads(threads)
     return root / "imdb"
 
 
@@ -80,8 +76,8 @@ def test_dry_run_folder_is_complete_and_loads_without_ls_hf(trained, tmp_path):
     (guard / "sitecustomize.py").write_text("import sys\nsys.modules['ls_hf'] = None\n")
     env = {**os.environ, "PYTHONPATH": str(guard), "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-c", CHILD, str(folder)], cwd=guard, env=env, check=False, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", CHILD, str(folder)], cwd=guard, env=env, check=False,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     loaded = json.loads(child.stdout.strip().splitlines()[-1])
     assert loaded["classes"][0].startswith("transformers_modules")

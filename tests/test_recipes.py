@@ -3,8 +3,6 @@ the artefacts appear, an interrupted run resumes, and bad arguments exit with a 
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +10,8 @@ import torch
 from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
-from recipes import finetune_imdb, pretrain_mlm, push_to_hub
-from recipes.tiny import IMDB_TEST, IMDB_TRAIN, tiny_long_short
+from recipes import demo, finetune_imdb, pretrain_mlm, push_to_hub
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
 
@@ -24,12 +22,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run many times faster on one thread than on two shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def logged_losses(output_dir):
@@ -66,6 +61,7 @@ def test_finetune_imdb_keeps_best_model_and_resumes(model_dir, tmp_path):
     losses = logged_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) < sum(losses[:5])
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_dataset"] == IMDB_TEST.name
+    assert metrics["accuracy_computed_by"] == "local"
     state = json.loads((out / "trainer_state.json").read_text())
     best = state["best_model_checkpoint"]
     assert best is not None and state["best_metric"] == max(
@@ -81,7 +77,8 @@ def test_finetune_imdb_keeps_best_model_and_resumes(model_dir, tmp_path):
 
 
 def test_accuracy_falls_back_to_local_computation():
-    compute = finetune_imdb.accuracy_metric()  # no network here: evaluate cannot fetch its script
+    compute, source = finetune_imdb.accuracy_metric()  # no network here: evaluate cannot fetch its script
+    assert source == "local"
     prediction = EvalPrediction(predictions=torch.tensor([[0.1, 0.9], [2.0, 1.0], [0.0, 1.0]]).numpy(),
                                 label_ids=torch.tensor([1, 1, 1]).numpy())
     assert compute(prediction)["accuracy"] == pytest.approx(2 / 3)
@@ -125,10 +122,12 @@ def test_help(script, capsys):
     assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
-def test_bad_argument_exit_status_from_the_command_line(model_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "recipes.pretrain_mlm", "--model_name_or_path", str(model_dir), "--output_dir",
-         str(tmp_path / "o"), "--do_train", "--train_file", "notes.pdf"],
-        check=False, capture_output=True, text=True, cwd=Path(__file__).parents[1],
-    )
-    assert result.returncode == 2 and "--train_file 'notes.pdf': unsupported extension" in result.stderr
+def test_demo_end_to_end(tmp_path, capsys):
+    summary = demo.main(["--output-dir", str(tmp_path / "demo")])
+    assert "Summary" in capsys.readouterr().out
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == summary
+    for key in ("converted LongShort masked LM", "masked-LM pretraining output", "IMDb-format classifier (best epoch)",
+                "causal LM output", "Hub repo folder (dry run)"):
+        assert (Path(summary[key]) / "config.json").is_file(), key
+    assert summary["causal LM greedy continuation"].startswith(demo.PROMPT)
+    assert (tmp_path / "demo" / "hub" / "README.md").is_file()

@@ -53,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--opt", default="adamw", help="timm optimizer name.")
     add("--opt-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, help="Gradient norm clipping (off in the official recipe).")
-    add("--sched", default="cosine", help="timm scheduler name (stepped every iteration).")
-    add("--warmup-epochs", type=int, default=5)
+    add("--warmup-epochs", type=int, default=5, help="Linear warm-up, then cosine decay (updated every step).")
     add("--warmup-lr", type=float, default=1.6e-6, help="Learning rate at the start of warm-up (0.002 x 8e-4).")
     add("--min-lr", type=float, default=1e-6)
     add("--drop-path", type=float, default=0.3, help="Stochastic depth (official: 0.3 Medium, 0.5 Base, 0.2 at 384).")
@@ -104,9 +103,9 @@ def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_
     """The timm model for ``num_classes`` classes, with the start weights asked for."""
     overlay = {"file": args.pretrained_file} if args.pretrained_file else None
     try:
-        return timm.create_model(args.model, pretrained=args.pretrained or bool(overlay), pretrained_cfg_overlay=overlay,
-                                 num_classes=num_classes, img_size=args.img_size, drop_path_rate=args.drop_path,
-                                 **args.model_kwargs)
+        return timm.create_model(args.model, pretrained=args.pretrained or overlay is not None,
+                                 pretrained_cfg_overlay=overlay, num_classes=num_classes, img_size=args.img_size,
+                                 drop_path_rate=args.drop_path, **args.model_kwargs)
     except (ValueError, TypeError) as err:
         parser.error(f"--model {args.model} with --img-size {args.img_size} and --model-kwargs {args.model_kwargs}: "
                      f"{err}")
@@ -187,7 +186,7 @@ def main(argv=None) -> dict[str, float]:
 
     optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay, eps=args.opt_eps)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    scheduler, epochs = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
+    scheduler, epochs = create_scheduler_v2(optimizer, sched="cosine", num_epochs=args.epochs, min_lr=args.min_lr,
                                             warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs,
                                             step_on_epochs=False, updates_per_epoch=len(train_loader))
     ema = ModelEmaV3(accelerator.unwrap_model(model), decay=args.model_ema_decay) if args.model_ema else None
@@ -204,7 +203,6 @@ def main(argv=None) -> dict[str, float]:
     for epoch in range(progress["epoch"] + 1, epochs):
         train_metrics = train_one_epoch(model, train_loader, optimizer, scheduler, criterion, mixup, ema, accelerator,
                                         epoch, args)
-        scheduler.step(epoch + 1)
         metrics = evaluate(model, val_loader, accelerator)
         if ema is not None:
             metrics.update({f"ema_{k}": v for k, v in evaluate(ema.module, val_loader, accelerator).items()})

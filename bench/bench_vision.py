@@ -1,0 +1,213 @@
+"""Vision speed: CvT*-LS-13 (timm ``cvt_ls_13``) against Transformers' CvT-13 (full attention), paper Sec. 4.3.
+
+* ``cvt_ls_13``: built at each resolution with the paper's r and w for it (``img_size``; Appendix E);
+* ``hf_cvt_13``: ``CvtForImageClassification(CvtConfig())``, whose defaults are CvT-13 (dims 64/192/384, depths
+  1/2/10, heads 1/3/6, key/value projections of stride 2), random weights.
+
+Inference (Table 5 style): images per second, the median of ``--repeats`` forward passes after one warm-up under
+``torch.inference_mode`` (float32, batch 8), and peak memory, at 224, 384 and 448. Training-step memory (Figure 7
+style): one forward + backward of the cross-entropy loss at batch 1 as the resolution grows, a size being skipped
+once its estimated need exceeds 80 % of the free memory. Each (model, resolution, mode) runs in a forked process;
+its peak memory is the RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS after
+building the model and its input. GMACs per image (what the paper calls GFLOPs) come from
+``torch.utils.flop_counter`` at batch 1.
+
+    python -m bench.bench_vision            # the full table and sweep (about 15 minutes on 2 busy cores)
+    python -m bench.bench_vision --quick    # 224 only, batch 2: a smoke run
+
+Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
+``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the bars of issue 5 (PASS/MISS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import CvtConfig, CvtForImageClassification
+
+import ls_timm  # noqa: F401  (registers cvt_ls_13)
+from bench.bench_attention import _proc_status_bytes, free_bytes, machine
+from bench.bench_models import forked
+from bench.plot import plot_scaling
+
+MODELS = ("cvt_ls_13", "hf_cvt_13")
+RESULTS = Path(__file__).resolve().parent / "results"
+# (resolution, minimum cvt_ls_13 / hf_cvt_13 throughput): no slower at 224, 1.5x at 448 where attention dominates.
+SPEED_BARS = ((224, 1.0), (448, 1.5))
+# mode -> table columns (label, key, scale, format); a training step is timed once, cold, so only its memory counts.
+COLUMNS = {
+    "inference": (("img/s", "images_per_s", 1, ".2f"), ("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),
+                  ("GMACs", "gmacs", 1, ".2f")),
+    "train": (("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),),
+}
+
+
+def build(name: str, resolution: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "cvt_ls_13":
+        return timm.create_model("cvt_ls_13", img_size=resolution)
+    return CvtForImageClassification(CvtConfig(num_labels=1000))
+
+
+def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    out = model(images)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def measure(name: str, resolution: int, batch: int, train: bool, repeats: int) -> dict:
+    """Median time of ``repeats`` steps (after a warm-up for inference), peak RSS above the built model, and for
+    inference the GMACs of one image."""
+    model = build(name, resolution).train(train)
+    images = torch.randn(batch, 3, resolution, resolution)
+    labels = torch.zeros(batch, dtype=torch.long)
+    counter = FlopCounterMode(display=False)
+    if not train:
+        with counter, torch.inference_mode():
+            logits(model, images[:1])
+    context = torch.enable_grad if train else torch.inference_mode
+
+    def step():
+        with context():
+            out = logits(model, images)
+            if train:
+                F.cross_entropy(out, labels).backward()
+
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS (Linux >= 4.0)
+        f.write("5")
+    base = _proc_status_bytes("VmRSS")
+    times = []
+    for i in range(int(not train) + repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    times = sorted(times[int(not train):])
+    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": _proc_status_bytes("VmHWM") - base,
+            **({} if train else {"gmacs": counter.get_total_flops() / 2e9})}
+
+
+def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> float:
+    """Generous need: 8 KiB (inference) or 80 KiB (training) per stage-1 token and image, as measured at 224, plus
+    CvT-13's score matrices (x3 when training)."""
+    tokens = (resolution // 4) ** 2
+    need = batch * tokens * (80 if train else 8) * 1024
+    if name == "hf_cvt_13":  # stage s: heads x N_s queries x N_s / 4 keys (stride-2 keys) x 4 bytes, per image
+        need += sum(h * (tokens / 4**s) ** 2 for s, h in enumerate((1, 3, 6))) * batch * (3 if train else 1)
+    return need
+
+
+def run(name: str, resolution: int, batch: int, train: bool, repeats: int) -> dict:
+    row = {"model": name, "resolution": resolution, "batch": batch, "mode": "train" if train else "inference"}
+    need, free = estimated_bytes(name, resolution, batch, train), free_bytes("cpu")
+    if need > 0.8 * free:
+        row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
+    else:
+        row |= forked(measure, name, resolution, batch, train, repeats)
+    if row["status"] == "ok":
+        row["images_per_s"] = batch / row["time_s"]
+        shown = f"{row['images_per_s']:7.2f} img/s {row['peak_mem_bytes'] / 2**20:8.0f} MiB"
+        shown += f" {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
+    else:
+        shown = row.get("reason", "")
+    print(f"  {row['mode']:<9} {resolution:>5} {name:<10} {row['status']:<8} {shown}", flush=True)
+    return row
+
+
+def _get(rows, mode, name, resolution):
+    return next((r for r in rows if (r["mode"], r["model"], r["resolution"]) == (mode, name, resolution)), None)
+
+
+def _ok(row) -> bool:
+    return row is not None and row["status"] == "ok"
+
+
+def table(rows, mode, resolutions) -> str:
+    """One markdown row per resolution: each model's ``COLUMNS[mode]`` and their cvt_ls_13 / hf_cvt_13 ratios."""
+    columns = COLUMNS[mode]
+    header = [f"{m} {label}" for m in MODELS for label, *_ in columns] + [f"{label} LS/HF" for label, *_ in columns]
+    lines = [f"| {mode} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for res in resolutions:
+        found = [_get(rows, mode, m, res) for m in MODELS]
+        cells = [format(row[key] * scale, fmt) if _ok(row) else row["status"] if row else "-"
+                 for row in found for _, key, scale, fmt in columns]
+        cells += [f"{found[0][key] / found[1][key]:.2f}x" if all(map(_ok, found)) else "-" for _, key, *_ in columns]
+        lines.append(f"| {res} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def check_bars(rows, resolutions) -> list[dict]:
+    """Throughput bars at 224 and 448; less peak inference memory than CvT-13 at every measured size."""
+    bars = [(f"{res}: cvt_ls_13 / hf_cvt_13 images/s", res, "images_per_s", target) for res, target in SPEED_BARS]
+    bars += [(f"{res}: cvt_ls_13 / hf_cvt_13 peak memory", res, "peak_mem_bytes", 1.0) for res in resolutions]
+    results = []
+    for name, res, key, target in bars:
+        ls, hf = (_get(rows, "inference", m, res) for m in MODELS)
+        value = ls[key] / hf[key] if _ok(ls) and _ok(hf) else None
+        passed = value is not None and (value >= target if key == "images_per_s" else value < target)
+        verdict = "n/a" if value is None else "PASS" if passed else "MISS"
+        results.append({"bar": name, "value": value, "target": target, "verdict": verdict})
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="224 only, batch 2, 1 timed pass: a smoke run")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[224, 384, 448], help="inference sizes")
+    parser.add_argument("--batch", type=int, default=8, help="inference batch")
+    parser.add_argument("--repeats", type=int, default=3, help="timed inference passes after one warm-up")
+    parser.add_argument("--train-resolutions", type=int, nargs="*", default=[224, 448, 672, 896, 1120],
+                        help="training-step memory sweep at batch 1 (none: no sweep); sizes that do not fit: skipped")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_cpu.json)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.resolutions, args.train_resolutions, args.batch, args.repeats = [224], [224], 2, 1
+    if any(r % 16 for r in args.resolutions + args.train_resolutions):
+        parser.error("--resolutions and --train-resolutions must be multiples of 16 (the models' total stride).")
+
+    rows = [run(m, r, args.batch, False, args.repeats) for r in args.resolutions for m in MODELS]
+    rows += [run(m, r, 1, True, 1) for r in args.train_resolutions for m in MODELS]
+
+    command = "python -m bench.bench_vision " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = machine() | {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command.strip(),
+        "load_average": os.getloadavg(),
+        "memory": "RSS high-water mark (VmHWM) minus RSS after building the model and input, forked process per row",
+        "time": f"inference: median of {args.repeats} passes after 1 warm-up, batch {args.batch}, float32; "
+                "training: one forward + backward at batch 1",
+    }
+    bars = check_bars(rows, args.resolutions)
+    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
+          f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}\nmemory: {meta['memory']}\n")
+    print(table(rows, "inference", args.resolutions))
+    print(table(rows, "train", args.train_resolutions))
+    for bar in bars:
+        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
+        print(f"{bar['verdict']:<5} {bar['bar']}: {value} (bar {'>=' if 'images' in bar['bar'] else '<'} "
+              f"{bar['target']})")
+
+    out = args.out or RESULTS / f"vision_cpu{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows, "bars": bars}, indent=1))
+    written = [out]
+    for mode, path, what in (("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
+                             ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1")):
+        points = [r | {"peer": r["model"], "n": r["resolution"]} for r in rows if r["mode"] == mode]
+        if points:
+            plot_scaling(points, path, f"CvT*-LS-13 vs CvT-13 (Transformers), {what}, CPU float32",
+                         "peak RSS above baseline (MiB)", xlabel="image side (pixels)")
+            written.append(path)
+    print("\nwrote " + ", ".join(map(str, written)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""2-D Long-Short attention (``ls_timm.long_short_attention_2d``) against an explicit per-query reference, the
+official ViL-LS fixtures, the LMSA parameter counts and its argument checks."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ls_timm.long_short_attention_2d import LongShortAttention2d
+from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+def _ln(ln, x):
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def reference_attention(m: LongShortAttention2d, x: torch.Tensor, feat_size) -> torch.Tensor:
+    """Paper Eq. 3/6/7 + the official 2-D window and post-cls rules, one query at a time, from m's parameters."""
+    B, N, C = x.shape
+    (H, W), w, g, heads = feat_size, m.window_size, m.num_prefix_tokens, m.num_heads
+    e = max(w // 2, 1)
+    if m.conv_proj is None:
+        q, k, v = m.qkv(x).split(m.splits, -1)
+    else:  # depthwise conv + BN per branch on the map (eval statistics), global tokens bypass it, then Linear
+        x_map = x[:, g:].transpose(1, 2).reshape(B, C, H, W)
+        branches = []
+        for (conv, bn), lin in zip(m.conv_proj, (m.q, m.k, m.v)):
+            y = F.conv2d(x_map, conv.weight, padding=1, groups=C)
+            y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+            branches.append(lin(torch.cat([x[:, :g], y.flatten(2).transpose(1, 2)], 1)))
+        q, k, v = branches
+    k = _ln(m.dual_ln_local_k or m.dual_ln_local, k)
+    v = _ln(m.dual_ln_local, v)
+    q, k, v = (t.view(B, N, heads, -1) for t in (q, k, v))
+    d_v = v.shape[-1]
+
+    rows_k, rows_v = q.new_zeros(B, 0, heads, q.shape[-1]), v.new_zeros(B, 0, heads, d_v)
+    if m.projection_rank:
+        patches = x[:, g:]
+        if m.dp_conv is not None:
+            wt = m.dp_conv.weight
+            wt = (wt - wt.mean((1, 2, 3), keepdim=True)) / (wt.var((1, 2, 3), unbiased=False, keepdim=True)
+                                                            + m.dp_conv.eps).sqrt()
+            patches = F.conv2d(patches.transpose(1, 2).reshape(B, C, H, W), wt, padding=1, groups=C)
+            patches = patches.flatten(2).transpose(1, 2)
+        prob = m.dynamic_proj(patches).view(B, H * W, heads, -1).softmax(1)  # softmax over the HW tokens, Eq. 3
+        rows_k = torch.einsum("bnhr,bnhd->brhd", prob, k[:, g:])
+        rows_v = torch.einsum("bnhr,bnhd->brhd", prob, v[:, g:])
+        rows_k = _ln(m.dual_ln_global_k or m.dual_ln_global, rows_k.flatten(2)).view_as(rows_k)
+        rows_v = _ln(m.dual_ln_global, rows_v.flatten(2)).view_as(rows_v)
+
+    out = v.new_zeros(B, N, heads, d_v)
+    pad = w // 2
+    for y in range(H):
+        for xx in range(W):
+            by, bx = y // w * w, xx // w * w
+            keys, values, bias = [rows_k, k[:, :g]], [rows_v, v[:, :g]], []
+            for ky in range(max(by - e, 0), min(by + w + e, H)):
+                for kx in range(max(bx - e, 0), min(bx + w + e, W)):
+                    keys.append(k[:, g + ky * W + kx, None])
+                    values.append(v[:, g + ky * W + kx, None])
+                    if m.relative_position_bias_table is not None:
+                        ty, tx = ky - (by - pad), kx - (bx - pad)
+                        dy, dx = (y - by) - (ty - pad), (xx - bx) - (tx - pad)
+                        index = (dy + pad + w - 1) * (2 * pad + w) + dx + pad + w - 1
+                        bias.append(m.relative_position_bias_table[index])
+            keys, values = torch.cat(keys, 1), torch.cat(values, 1)
+            scores = torch.einsum("bhd,bkhd->bhk", q[:, g + y * W + xx], keys) / math.sqrt(q.shape[-1])
+            if bias:
+                n_extra = keys.shape[1] - len(bias)
+                scores = scores + torch.cat([scores.new_zeros(n_extra, heads), torch.stack(bias)]).T
+            out[:, g + y * W + xx] = torch.einsum("bhk,bkhd->bhd", scores.softmax(-1), values)
+    for i in range(g):  # post-cls: own key/values of all global tokens, then the patch outputs
+        keys = torch.cat([k[:, :g], out[:, g:]], 1)
+        values = torch.cat([v[:, :g], out[:, g:]], 1)
+        scores = torch.einsum("bhd,bkhd->bhk", q[:, i], keys) / math.sqrt(q.shape[-1])
+        out[:, i] = torch.einsum("bhk,bkhd->bhd", scores.softmax(-1), values)
+    return m.proj(out.reshape(B, N, C))
+
+
+def _randomise(m: torch.nn.Module) -> None:
+    """Non-trivial parameters and BN statistics so that every term matters."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() > 1 else 0.3) + (1.0 if name.endswith("norm.weight") else 0))
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                mod.running_mean.normal_()
+                mod.running_var.uniform_(0.5, 2.0)
+
+
+CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
+    (10, 9, 16, 2, 4, 3, 0, {}),  # padding on both sides, even w
+    (7, 7, 12, 3, 7, 2, 1, {"window_bias": True}),  # ViL-LS: odd w, bias table, global token
+    (9, 11, 16, 2, 3, 2, 1, {"window_bias": True}),  # bias table with padding
+    (8, 6, 16, 2, 2, 4, 1, {"conv_proj": True, "conv_dynamic_proj": True}),  # CvT*-LS
+    (5, 7, 8, 1, 2, 0, 0, {"conv_proj": True}),  # no projection (window only), w=2
+    (6, 6, 16, 2, 1, 2, 0, {"qk_dim": 8}),  # LMSA with w=1 (e=1 rounding)
+    (12, 12, 16, 4, 8, 2, 2, {"qk_dim": 16}),  # one block, two global tokens
+]
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["blocked", "dense"])
+@pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
+def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, dense):
+    m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
+    _randomise(m)
+    m.dense_max_tokens = 10**9 if dense else 0
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
+
+
+def test_backward_reaches_every_parameter():
+    m = LongShortAttention2d(16, 2, 3, 2, num_prefix_tokens=1, conv_proj=True, conv_dynamic_proj=True)
+    x = torch.randn(2, 1 + 7 * 5, 16, requires_grad=True)
+    m(x, (7, 5)).square().sum().backward()
+    assert x.grad.abs().sum() > 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+@pytest.mark.parametrize("qk_dim,count", [(64, 12288), (32, 8192), (16, 6144), (2, 4352)])
+def test_lmsa_table1_parameter_counts(qk_dim, count):
+    """LMSA paper Table 1: query/key/value projections of a 64-dim, 2-head attention."""
+    m = LongShortAttention2d(64, 2, 4, 2, qkv_bias=False, qk_dim=qk_dim)
+    assert sum(p.numel() for p in m.qkv.parameters()) == count
+    assert m(torch.randn(1, 36, 64), (6, 6)).shape == (1, 36, 64)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dim": 10, "num_heads": 3}, "divisible by num_heads"),
+    ({"window_size": 0}, "window_size"),
+    ({"projection_rank": -1}, "projection_rank"),
+    ({"qk_dim": 5}, "qk_dim"),
+    ({"qk_dim": 8, "num_prefix_tokens": 1}, "num_prefix_tokens=0"),
+    ({"window_size": 1, "window_bias": True}, "window_bias"),
+])
+def test_bad_arguments(kwargs, match):
+    args = {"dim": 16, "num_heads": 2, "window_size": 4, "projection_rank": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LongShortAttention2d(**args)
+
+
+def test_compiles_without_graph_breaks():
+    m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, conv_proj=True, conv_dynamic_proj=True).eval()
+    x = torch.randn(1, 1 + 10 * 9, 16)
+    try:
+        compiled = torch.compile(m, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            out = compiled(x, (10, 9))
+    except RuntimeError as err:  # no usable dynamo on this platform
+        if "Dynamo is not supported" in str(err):
+            pytest.skip(str(err))
+        raise
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x, (10, 9)))
+
+
+def _fixture(name):
+    path = FIXTURES / f"{name}.safetensors"
+    if not path.exists():
+        pytest.skip(f"fixture {path} not found (needs the shared fixtures folder next to the repository)")
+    from safetensors.torch import load_file
+
+    return load_file(path), json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["vil_ls_tiny", "vil_ls_tiny_224"])
+def test_vil_ls_reproduces_official_fixture(name):
+    tensors, meta = _fixture(name)
+    stages = meta["stages"]
+    model = VilLs(
+        img_size=meta["constructor"]["kwargs"]["img_size"], num_classes=meta["constructor"]["kwargs"]["num_classes"],
+        patch_sizes=[s["patch_size"] for s in stages], embed_dims=[s["dim"] for s in stages],
+        depths=[s["blocks"] for s in stages], num_heads=[s["heads"] for s in stages],
+        num_global_tokens=[s["global_tokens"] for s in stages], long_short=[s["attention"] == "ls" for s in stages],
+        window_size=stages[0]["window_w"], projection_rank=stages[0]["dp_rank_r"],
+    ).eval()
+    official = {k: v for k, v in tensors.items() if not k.startswith("fixture.")}
+    # released checkpoints: {'net': state_dict saved from DDP, 'module.' prefix}
+    wrapped = {"net": {f"module.{k}": v for k, v in official.items()}, "epoch": 300}
+    model.load_state_dict(checkpoint_filter_fn(wrapped, model))
+    x = tensors["fixture.input"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), tensors["fixture.logits"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(model.forward_head(model.forward_features(x), pre_logits=True),
+                                   tensors["fixture.features"], atol=1e-4, rtol=0)
+        for i, stage in enumerate(model.stages):
+            x, feat_size = stage(x)
+            torch.testing.assert_close(x, tensors[f"fixture.layer{i + 1}_out"], atol=1e-4, rtol=0)
+            x = x[:, stage.num_prefix_tokens:].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)

@@ -1,0 +1,239 @@
+"""timm-style checks of every ``cvt_ls_*`` / ``vil_ls_*`` entry: registry, parameter counts, pretrained cfgs, and on
+reduced variants (one block per stage, small images) forward, backward, features, intermediates, classifier reset,
+grad checkpointing, save/load and the Hub-format round trip through a local folder."""
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+from timm.models import group_parameters, save_for_hf
+from timm.optim import create_optimizer_v2
+
+import ls_timm  # noqa: F401  (registers the entries)
+from ls_timm.cvt_ls import PAPER_SETTINGS
+
+CVT = ["cvt_ls_13", "cvt_ls_17", "cvt_ls_21", "cvt_ls_21s"]
+VIL = ["vil_ls_small", "vil_ls_medium", "vil_ls_medium_384", "vil_ls_base"]
+
+# entry -> (paper count in M, relative tolerance); ViL-LS also against NVIDIA's code (exact, counted in M)
+PAPER_PARAMS = {
+    "cvt_ls_13": (20.3, 0.01), "cvt_ls_17": (23.7, 0.01), "cvt_ls_21": (32.1, 0.01), "cvt_ls_21s": (30.1, 0.03),
+    "vil_ls_medium": (39.8, 0.005), "vil_ls_medium_384": (39.9, 0.005), "vil_ls_base": (55.8, 0.005),
+}
+OFFICIAL_CODE_PARAMS = {"vil_ls_small": 24_666_529, "vil_ls_medium": 39_799_423, "vil_ls_medium_384": 39_947_653,
+                        "vil_ls_base": 55_834_363}
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def _reduced(name, **kwargs):
+    """The entry with one block per stage on small images (widths, heads, attention kinds unchanged)."""
+    if name in CVT:
+        return timm.create_model(name, depths=(1, 1, 1), **kwargs), 64
+    return timm.create_model(name, depths=(1, 1, 1, 1), img_size=64, **kwargs), 64
+
+
+def test_registry():
+    assert sorted(timm.list_models("*_ls_*")) == sorted(CVT + VIL)
+    assert set(timm.list_models(module=["cvt_ls", "vil_ls"])) == set(CVT + VIL)
+    assert timm.list_models("vil_ls*", pretrained=True) == [
+        "vil_ls_base.nv_in1k", "vil_ls_medium.nv_in1k", "vil_ls_medium_384.nv_in1k"]
+
+
+@pytest.mark.parametrize("name", CVT + VIL)
+def test_parameter_counts(name):
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    n = _count(model)
+    if name in PAPER_PARAMS:
+        paper, tol = PAPER_PARAMS[name]
+        assert abs(n / 1e6 - paper) / paper <= tol, (name, n)
+    if name in OFFICIAL_CODE_PARAMS:
+        assert n == OFFICIAL_CODE_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", CVT + VIL)
+def test_pretrained_cfg(name):
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    cfg = model.pretrained_cfg
+    for key in ("input_size", "crop_pct", "interpolation", "mean", "std", "first_conv", "classifier", "license"):
+        assert cfg.get(key) is not None, key
+    keys = model.state_dict().keys()
+    assert cfg["first_conv"] + ".weight" in keys and cfg["classifier"] + ".weight" in keys
+    if name in VIL and name != "vil_ls_small":
+        assert cfg["url"].startswith("https://www.dropbox.com/s/") and cfg["fixed_input_size"]
+
+
+@pytest.mark.parametrize("name", CVT + VIL)
+def test_forward_backward_and_grad_checkpointing(name):
+    torch.manual_seed(0)
+    model, size = _reduced(name, num_classes=7)
+    x = torch.randn(2, 3, size, size)
+    model.train()
+    out = model(x)
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    out.square().mean().backward()
+    missing = {n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
+    # As in the official ViL-LS: the global-query bias of a stage's last full-attention block only feeds the global
+    # token, which is dropped before the next stage, so it cannot receive a gradient.
+    dropped = {f"stages.{i}.blocks.{len(s.blocks) - 1}.attn.g2g_relative_position_bias"
+               for i, s in enumerate(model.stages)}
+    assert not missing - dropped
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+        model.set_grad_checkpointing()
+        torch.testing.assert_close(model(x), ref)
+
+
+@pytest.mark.parametrize("name", CVT + VIL)
+def test_features_and_intermediates(name):
+    torch.manual_seed(0)
+    model, size = _reduced(name)
+    model.eval()
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x))
+        assert len(inter) == len(model.feature_info)
+        for fmap, info in zip(inter, model.feature_info):
+            assert fmap.shape[1] == info["num_chs"] and fmap.shape[-1] == -(-size // info["reduction"])
+        last = model.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)[0]
+        if name in VIL:  # std layout: normed last map == forward_features
+            torch.testing.assert_close(last, final)
+    torch.manual_seed(0)  # the same initial weights
+    features, _ = _reduced(name, features_only=True)
+    with torch.no_grad():
+        maps = features.eval()(x)
+    assert [m.shape[1] for m in maps] == features.feature_info.channels()
+    assert [-(-size // r) for r in features.feature_info.reduction()] == [m.shape[-1] for m in maps]
+    for got, want in zip(maps, inter):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
+def test_classifier_reset_and_pooling(name):
+    model, size = _reduced(name)
+    model.eval()
+    x = torch.randn(2, 3, size, size)
+    width = model.num_features
+    with torch.no_grad():
+        assert model.forward_head(model.forward_features(x), pre_logits=True).shape == (2, model.head_hidden_size)
+        model.reset_classifier(0)
+        assert model(x).shape == (2, width)
+        model.reset_classifier(5, "")
+        unpooled = model.forward_features(x)
+        assert model.forward_head(unpooled, pre_logits=True).shape == unpooled.shape
+        model.reset_classifier(3, "avg")
+        assert model(x).shape == (2, 3)
+    assert model.get_classifier().out_features == 3
+    if name in CVT:
+        assert unpooled.shape == (2, 1 + (size // 16) ** 2, width)  # cls token + stage-3 patches
+    else:
+        assert unpooled.shape == (2, width, size // 32, size // 32)
+        with pytest.raises(ValueError, match="global_pool"):
+            model.reset_classifier(3, "token")
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_21s", "vil_ls_medium"])
+def test_optimizer_helpers(name):
+    model, _ = _reduced(name)
+    no_decay = model.no_weight_decay()
+    assert any("cls_token" in n for n in no_decay)
+    assert any("relative_position" in n for n in no_decay) == (name in VIL)
+
+    groups = group_parameters(model, model.group_matcher())
+    assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
+    ordered = [groups[k] for k in sorted(groups)]
+    assert "stages.0.embed.proj.weight" in ordered[0] and "head.weight" in ordered[-1]
+    assert len(ordered) > len(model.stages)  # stem, a group per block, head
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.9)
+    assert len(optimizer.param_groups) > 2
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_17", "vil_ls_base"])
+def test_prune_intermediate_layers(name):
+    model, size = _reduced(name)
+    model.eval()
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        want = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        assert model.prune_intermediate_layers(indices=[0, 1], prune_head=True) == [0, 1]
+        got = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+    assert len(model.stages) == 2 and model.num_classes == 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_medium"])
+def test_save_load_and_hub_round_trip(name, tmp_path):
+    model, size = _reduced(name, num_classes=4)
+    model.eval()
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        ref = model(x)
+    save_file(model.state_dict(), tmp_path / "weights.safetensors")
+    reloaded, _ = _reduced(name, num_classes=4, pretrained=True,
+                           pretrained_cfg_overlay={"file": str(tmp_path / "weights.safetensors"), "num_classes": 4})
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(x), ref)
+    assert set(load_file(tmp_path / "weights.safetensors")) == set(model.state_dict())
+
+    # timm's Hub format (config.json with the recorded model_args + weights), loaded back offline
+    save_for_hf(model, tmp_path / "hub", safe_serialization=True)
+    assert (tmp_path / "hub" / "config.json").exists() and (tmp_path / "hub" / "model.safetensors").exists()
+    hub = timm.create_model(f"local-dir:{tmp_path / 'hub'}", pretrained=True)
+    with torch.no_grad():
+        torch.testing.assert_close(hub.eval()(x), ref)
+
+
+def test_paper_resolution_settings():
+    """Appendix E: r and w per input size for CvT*-LS; ViL-LS-Medium at 384 uses w = 8."""
+    for size, (ranks, windows) in PAPER_SETTINGS.items():
+        with torch.device("meta"):
+            model = timm.create_model("cvt_ls_21", img_size=size)
+        attn = [stage.blocks[0].attn for stage in model.stages]
+        assert [a.projection_rank for a in attn] == list(ranks) and [a.window_size for a in attn] == list(windows)
+    with torch.device("meta"):
+        vil = timm.create_model("vil_ls_medium_384")
+    assert vil.stages[0].blocks[0].attn.window_size == 8 and vil.pretrained_cfg["input_size"] == (3, 384, 384)
+
+
+def test_any_input_size_pads_to_the_window():
+    model, _ = _reduced("cvt_ls_13", num_classes=3)
+    with torch.no_grad():  # maps 25x19, 13x10, 7x5: none a multiple of w = 8, 4, 2
+        assert model.eval()(torch.randn(1, 3, 100, 76)).shape == (1, 3)
+
+
+def test_bad_inputs_raise_clear_errors():
+    vil, _ = _reduced("vil_ls_small")
+    with pytest.raises(ValueError, match="img_size"):
+        vil(torch.randn(1, 3, 96, 96))
+    with pytest.raises(ValueError, match="img_size"):
+        timm.create_model("vil_ls_small", img_size=16)
+    with pytest.raises(ValueError, match="embed_dims"):
+        timm.create_model("cvt_ls_13", depths=(1, 1))
+    with pytest.raises(ValueError, match="window_size"):
+        timm.create_model("cvt_ls_13", window_size=(8, 0, 2))
+    with pytest.raises(ValueError, match="global_pool"):
+        timm.create_model("cvt_ls_13", global_pool="max")
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
+def test_compiles_without_graph_breaks(name):
+    model, size = _reduced(name)
+    model.eval()
+    x = torch.randn(1, 3, size, size)
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            out = compiled(x)
+    except RuntimeError as err:
+        if "Dynamo is not supported" in str(err):
+            pytest.skip(str(err))
+        raise
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
