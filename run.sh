@@ -13,7 +13,8 @@ if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib" >/dev/nul
     "$VENV/bin/pip" install -q -e ".[test,bench]"
 fi
 case "${1:-}" in
-    demo) shift; exec "$VENV/bin/python" -m bench.bench_attention --quick "$@" ;;
-    test) shift; exec "$VENV/bin/python" -m pytest -q -n 2 "$@" ;;
+    demo) shift; exec "$VENV/bin/python" -m recipes.demo "$@" ;;
+    # two pytest workers, one thread each: the two cores without oversubscription
+    test) shift; OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" exec "$VENV/bin/python" -m pytest -q -n 2 "$@" ;;
     *) echo "usage: bash run.sh demo|test [args]" >&2; exit 2 ;;
 esac

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import CvtConfig, CvtForImageClassification
 
-import ls_timm  # noqa: F401  (registers cvt_ls_13)
+import ls_timm  # registers cvt_ls_13
 from bench.bench_attention import _proc_status_bytes, free_bytes, machine
 from bench.bench_models import forked
 from bench.plot import plot_scaling
@@ -173,6 +174,9 @@ def main(argv=None) -> None:
     if any(r % 16 for r in args.resolutions + args.train_resolutions):
         parser.error("--resolutions and --train-resolutions must be multiples of 16 (the models' total stride).")
 
+    # the ls_timm code measured (it is imported once, before the forks), for tracing results in an uncommitted tree
+    source_hash = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(ls_timm.__file__).parent.glob("*.py"))))
+    source_hash = source_hash.hexdigest()[:12]
     rows = [run(m, r, args.batch, False, args.repeats) for r in args.resolutions for m in MODELS]
     rows += [run(m, r, 1, True, 1) for r in args.train_resolutions for m in MODELS]
 
@@ -181,6 +185,7 @@ def main(argv=None) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command.strip(),
         "load_average": os.getloadavg(),
+        "ls_timm_sources_sha256": source_hash,
         "memory": "RSS high-water mark (VmHWM) minus RSS after building the model and input, forked process per row",
         "time": f"inference: median of {args.repeats} passes after 1 warm-up, batch {args.batch}, float32; "
                 "training: one forward + backward at batch 1",

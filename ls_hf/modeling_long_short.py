@@ -243,6 +243,12 @@ class LongShortCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = CausalState()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "A LongShortCache cannot be cropped: finished segments are compressed into projected rows. Decode without "
+            "assisted generation / prompt lookup, or restart from the prompt."
+        )
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 

@@ -31,7 +31,7 @@ from timm.layers import calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .hierarchical import HierarchicalTransformer, Stage
+from .hierarchical import HierarchicalTransformer, Stage, check_per_stage
 from .long_short_attention_2d import LongShortAttention2d
 
 __all__ = ["PAPER_SETTINGS", "CvtLs"]
@@ -86,12 +86,10 @@ class CvtLs(HierarchicalTransformer):
         window_size = window_size or paper[1]
         num_stages = len(depths)
         qk_dims = qk_dims or (None,) * num_stages
-        for name, value in (("embed_dims", embed_dims), ("num_heads", num_heads), ("patch_sizes", patch_sizes),
-                            ("patch_strides", patch_strides), ("patch_paddings", patch_paddings),
-                            ("num_global_tokens", num_global_tokens), ("projection_rank", projection_rank),
-                            ("window_size", window_size), ("qk_dims", qk_dims)):
-            if len(value) != num_stages:
-                raise ValueError(f"{name} needs one entry per stage ({num_stages}, as depths), got {len(value)}.")
+        check_per_stage(depths, embed_dims=embed_dims, num_heads=num_heads, patch_sizes=patch_sizes,
+                        patch_strides=patch_strides, patch_paddings=patch_paddings,
+                        num_global_tokens=num_global_tokens, projection_rank=projection_rank,
+                        window_size=window_size, qk_dims=qk_dims)
         rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):

@@ -17,7 +17,14 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 from torch import Tensor, nn
 
-__all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage"]
+__all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage", "check_per_stage", "to_map"]
+
+
+def check_per_stage(depths: Sequence[int], **per_stage: Sequence) -> None:
+    """Raise ``ValueError`` unless every per-stage argument has one entry per stage, as ``depths``."""
+    for name, value in per_stage.items():
+        if len(value) != len(depths):
+            raise ValueError(f"{name} needs one entry per stage ({len(depths)}, as depths), got {len(value)}.")
 
 
 class Block(nn.Module):

@@ -26,7 +26,7 @@ from timm.layers import calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
-from .hierarchical import HierarchicalTransformer, Stage
+from .hierarchical import HierarchicalTransformer, Stage, check_per_stage
 from .long_short_attention_2d import LongShortAttention2d
 
 __all__ = ["VilLs"]
@@ -95,7 +95,7 @@ class VilLs(HierarchicalTransformer):
         patch_sizes, embed_dims, depths, num_heads, num_global_tokens: per-stage layout.
         long_short: per stage, Long-Short attention (True) or full attention with relative bias (False).
         window_size: w of the Long-Short stages; projection_rank: r rows per head (Eq. 3).
-        qk_dim: optional LMSA query/key width per stage's Long-Short attention, as a fraction-free int per stage.
+        qk_dims: optional LMSA query/key width per stage (Long-Short stages without global tokens only).
     """
 
     def __init__(
@@ -128,10 +128,8 @@ class VilLs(HierarchicalTransformer):
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         num_stages = len(depths)
         qk_dims = qk_dims or (None,) * num_stages
-        for name, value in (("patch_sizes", patch_sizes), ("embed_dims", embed_dims), ("num_heads", num_heads),
-                            ("num_global_tokens", num_global_tokens), ("long_short", long_short), ("qk_dims", qk_dims)):
-            if len(value) != num_stages:
-                raise ValueError(f"{name} needs one entry per stage ({num_stages}, as depths), got {len(value)}.")
+        check_per_stage(depths, patch_sizes=patch_sizes, embed_dims=embed_dims, num_heads=num_heads,
+                        num_global_tokens=num_global_tokens, long_short=long_short, qk_dims=qk_dims)
         if num_global_tokens[-1]:
             raise ValueError("num_global_tokens[-1] must be 0: the head averages the last stage's patch tokens.")
         side, sides = to_2tuple(img_size), []

@@ -90,6 +90,8 @@ def test_cache_batch_operations_follow_the_beams(model):
     cache.batch_select_indices(torch.tensor([1]))
     cache.batch_repeat_interleave(2)
     assert all(layer.state.keys.shape[0] == 2 for layer in cache.layers)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(1)
     cache.reset()
     assert cache.get_seq_length() == 0
 

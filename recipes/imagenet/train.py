@@ -7,10 +7,10 @@
 ViL-LS-Medium recipe (NVIDIA/transformer-ls ``imagenet/``, paper Sec. 4.3): 300 epochs of AdamW (lr 8e-4 for a global
 batch of 1024, weight decay 0.1, none on norms, biases, cls tokens and position tables), a per-step cosine schedule
 with 5 warm-up epochs from 0.002 x lr down to 1e-6, label smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment
-rand-m9-mstd0.5-inc1, random erasing 0.25, drop path 0.3 and mixed precision on GPU. Every epoch ends with top-1/top-5
-on the validation images, a line in ``summary.csv``, the full training state in ``OUTPUT_DIR/last`` (a rerun resumes
-from it) and, when top-1 improves, the weights (EMA ones with ``--model-ema``) in ``OUTPUT_DIR/best``, loadable with
-``timm.create_model("local-dir:OUTPUT_DIR/best", pretrained=True)``.
+rand-m9-mstd0.5-inc1, random erasing 0.25 and drop path 0.3 (with fp16 autocast: ``--mixed-precision fp16``).
+Every epoch ends with top-1/top-5 on the validation images, a line in ``summary.csv``, the full training state in
+``OUTPUT_DIR/last`` (a rerun resumes from it) and, when top-1 improves, the weights (EMA ones with ``--model-ema``) in
+``OUTPUT_DIR/best``, loadable with ``timm.create_model("local-dir:OUTPUT_DIR/best", pretrained=True)``.
 """
 
 import argparse
@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--reprob", type=float, default=0.25, help="Random erasing probability.")
     add("--model-ema", action="store_true", help="Keep an EMA of the weights; it is evaluated and exported as best.")
     add("--model-ema-decay", type=float, default=0.99996)
-    add("--mixed-precision", choices=("no", "fp16", "bf16"), default="fp16" if torch.cuda.is_available() else "no",
-        help="Accelerate mixed precision (the official runs use fp16 AMP).")
+    add("--mixed-precision", choices=("no", "fp16", "bf16"),
+        help="Autocast precision; default: accelerate's config (the official runs used fp16 AMP).")
+    add("--use-cpu", action="store_true", help="Run on the CPU even with a GPU; needed for multi-process CPU launches "
+        "(accelerate launch --config_file recipes/accelerate/cpu.yaml).")
     add("--workers", type=int, default=8, help="Data loading processes per training process.")
     add("--seed", type=int, default=42)
     return parser
@@ -151,7 +153,7 @@ def main(argv=None) -> dict[str, float]:
     parser = build_parser()
     args = parser.parse_args(argv)
     splits = check_args(parser, args)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.use_cpu)
     set_seed(args.seed)
 
     val_set = create_dataset("", root=str(splits["val"]), split="validation")
