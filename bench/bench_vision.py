@@ -12,8 +12,9 @@ its peak memory is the RSS high-water mark (``VmHWM``, reset through ``/proc/sel
 building the model and its input. GMACs per image (what the paper calls GFLOPs) come from
 ``torch.utils.flop_counter`` at batch 1.
 
-    python -m bench.bench_vision            # the full table and sweep (about 15 minutes on 2 busy cores)
-    python -m bench.bench_vision --quick    # 224 only, batch 2: a smoke run
+    python -m bench.bench_vision --repeats 5    # the full table and sweep (5-20 minutes on 2 cores, by load)
+    python -m bench.bench_vision --quick        # 224 only, batch 2: a smoke run
+    python -m bench.bench_vision --train-resolutions --out bench/results/vision_cpu_inference.json  # no sweep
 
 Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
 ``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the bars of issue 5 (PASS/MISS).
@@ -162,9 +163,9 @@ def check_bars(rows, resolutions) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="224 only, batch 2, 1 timed pass: a smoke run")
-    parser.add_argument("--resolutions", type=int, nargs="+", default=[224, 384, 448], help="inference sizes")
+    parser.add_argument("--resolutions", type=int, nargs="*", default=[224, 384, 448], help="inference sizes")
     parser.add_argument("--batch", type=int, default=8, help="inference batch")
-    parser.add_argument("--repeats", type=int, default=3, help="timed inference passes after one warm-up")
+    parser.add_argument("--repeats", type=int, default=5, help="timed inference passes after one warm-up")
     parser.add_argument("--train-resolutions", type=int, nargs="*", default=[224, 448, 672, 896, 1120],
                         help="training-step memory sweep at batch 1 (none: no sweep); sizes that do not fit: skipped")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_cpu.json)")
@@ -193,8 +194,9 @@ def main(argv=None) -> None:
     bars = check_bars(rows, args.resolutions)
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
           f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}\nmemory: {meta['memory']}\n")
-    print(table(rows, "inference", args.resolutions))
-    print(table(rows, "train", args.train_resolutions))
+    for mode, sizes in (("inference", args.resolutions), ("train", args.train_resolutions)):
+        if sizes:
+            print(table(rows, mode, sizes))
     for bar in bars:
         value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
         print(f"{bar['verdict']:<5} {bar['bar']}: {value} (bar {'>=' if 'images' in bar['bar'] else '<'} "
