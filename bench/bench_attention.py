@@ -160,18 +160,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(peer: str, n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
-    """Median forward + backward time of ``repeats`` steps after one warm-up, and the peak memory above baseline."""
+def _inputs(n: int, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    module = build_peer(peer).to(device=device, dtype=dtype)
     x = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype)
+    return x, torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype)
 
-    def step():
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        module(x).backward(grad)
 
+def _step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    module(x).backward(grad)
+
+
+def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
+    """Peak memory of one forward + backward step above the memory held before it."""
+    module = build_peer(peer).to(device=device, dtype=dtype)
+    x, grad = _inputs(n, device, dtype)
     _sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -180,56 +184,81 @@ def measure(peer: str, n: int, device: str, dtype: torch.dtype, repeats: int) ->
         with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
             f.write("5")
         base = _proc_status_bytes("VmRSS")
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    _step(module, x, grad)
+    _sync(device)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status_bytes("VmHWM")
-    times.sort()
-    return {"status": "ok", "time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": max(peak - base, 0)}
+    return {"status": "ok", "peak_mem_bytes": max(peak - base, 0)}
 
 
-def _child(conn, *args) -> None:
+def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
+    """Forward + backward times of the peers side by side: one warm-up each, then ``repeats`` rounds in which every
+    peer takes one step in turn, so that a change in machine load hits all of them alike. Median per peer."""
+    modules = {peer: build_peer(peer).to(device=device, dtype=dtype) for peer in peers}
+    x, grad = _inputs(n, device, dtype)
+    times = {peer: [] for peer in peers}
+    for rnd in range(repeats + 1):
+        for peer, module in modules.items():
+            _sync(device)
+            start = time.perf_counter()
+            _step(module, x, grad)
+            _sync(device)
+            if rnd:  # round 0 is the warm-up
+                times[peer].append(time.perf_counter() - start)
+    return {peer: {"time_s": sorted(t)[len(t) // 2], "times_s": t} for peer, t in times.items()}
+
+
+def _child(conn, fn, *args) -> None:
     try:
-        conn.send(measure(*args))
+        conn.send(fn(*args))
     except (RuntimeError, ValueError) as error:  # reported in the table, not raised
         message = str(error).splitlines()[0][:200]
         conn.send({"status": "oom" if "allocate" in message else "error", "reason": message})
 
 
-def run_isolated(peer: str, n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
-    """``measure`` in a forked process (CPU: its memory high-water mark is its own) or in-process (CUDA: the peak
-    counter resets); a skip when the estimate exceeds free memory, OOM when the run is killed or CUDA refuses."""
-    row = {"peer": peer, "n": n, "model_gflop_fwd_bwd": TRAIN_FACTOR * model_flops(peer, n) / 1e9}
-    need, free = estimated_bytes(peer, n, dtype.itemsize), free_bytes(device)
-    if need > 0.8 * free:
-        return row | {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
-    if device == "cuda":
+def run_isolated(fn, *args):
+    """``fn(*args)`` in a forked process on CPU (its memory high-water mark is its own; the parent runs no torch op,
+    so the child starts with a fresh OpenMP pool and shares the parent's imports), in-process on CUDA."""
+    if args[2] == "cuda":
         try:
-            row |= measure(peer, n, device, dtype, repeats)
+            return fn(*args)
         except torch.OutOfMemoryError:
-            row |= {"status": "oom", "reason": "CUDA out of memory"}
-        torch.cuda.empty_cache()
-    else:
-        # fork, not spawn: the children share the parent's imports (Transformers takes seconds to import). The
-        # parent runs no torch op, so the children start with a fresh OpenMP pool.
-        ctx = multiprocessing.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(send, peer, n, device, dtype, repeats))
-        proc.start()
-        send.close()
-        try:
-            row |= receive.recv()
-        except EOFError:
-            row |= {"status": "oom", "reason": "process killed, out of memory?"}
+            return {"status": "oom", "reason": "CUDA out of memory"}
+        finally:
+            torch.cuda.empty_cache()
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, *args))
+    proc.start()
+    send.close()
+    try:
+        return receive.recv()
+    except EOFError:
+        return {"status": "oom", "reason": "process killed, out of memory?"}
+    finally:
         proc.join()
-    if row["status"] == "ok":
-        row["gflop_per_s"] = row["model_gflop_fwd_bwd"] / row["time_s"]
-    return row
+
+
+def run_length(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """Rows for one n: each peer's memory in its own process, then the times of all peers that fit, side by side.
+    A peer whose estimated need exceeds 80% of the free memory is skipped."""
+    rows = {}
+    for peer in peers:
+        rows[peer] = {"peer": peer, "n": n, "model_gflop_fwd_bwd": TRAIN_FACTOR * model_flops(peer, n) / 1e9}
+        need, free = estimated_bytes(peer, n, dtype.itemsize), free_bytes(device)
+        if need > 0.8 * free:
+            rows[peer] |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
+        else:
+            rows[peer] |= run_isolated(measure_memory, peer, n, device, dtype)
+    timed = [peer for peer in peers if rows[peer]["status"] == "ok"]
+    if timed:
+        times = run_isolated(measure_times, timed, n, device, dtype, repeats)
+        if "status" in times:  # the timing process failed as a whole
+            times = {peer: times for peer in timed}
+        for peer in timed:
+            rows[peer] |= times[peer]
+            if "time_s" in rows[peer]:
+                rows[peer]["gflop_per_s"] = rows[peer]["model_gflop_fwd_bwd"] / rows[peer]["time_s"]
+    return list(rows.values())
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -319,11 +348,11 @@ def main(argv=None) -> None:
 
     rows = []
     for n in ns:
-        for peer in args.peers:
-            rows.append(run_isolated(peer, n, args.device, DTYPES[args.dtype], args.repeats))
-            row = rows[-1]
-            shown = f"{row['time_s'] * 1e3:9.1f} ms {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if row["status"] == "ok" else ""
-            print(f"  n={n:<6} {peer:<11} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
+        for row in run_length(args.peers, n, args.device, DTYPES[args.dtype], args.repeats):
+            rows.append(row)
+            ok = row["status"] == "ok" and "time_s" in row
+            shown = f"{row['time_s'] * 1e3:9.1f} ms {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if ok else ""
+            print(f"  n={n:<6} {row['peer']:<11} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
 
     command = "python -m bench.bench_attention " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = machine() | {
@@ -336,7 +365,8 @@ def main(argv=None) -> None:
                    "longformer_attention_window": LONGFORMER_WINDOW},
         "memory": "RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
         if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
-        "time": f"median of {args.repeats} forward + backward steps after 1 warm-up",
+        "time": f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
+        "turn in one process",
     }
     bars = check_bars(rows)
     lines = [

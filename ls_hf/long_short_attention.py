@@ -302,7 +302,8 @@ class LongShortSelfAttention(nn.Module):
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
         B, n, _ = hidden_states.shape
-        if attention_mask is None:
+        masked = attention_mask is not None
+        if not masked:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)
         else:
             valid = attention_mask[:, -n:].to(device=hidden_states.device) > 0
@@ -318,14 +319,13 @@ class LongShortSelfAttention(nn.Module):
         v = self._dual_ln(self._split(self.value(hidden_states)), "local", is_key=False)
         scores = self._split(self.dynamic_projection(hidden_states)) if self.projection_rank else None
         if self.causal:
-            context, attn = self._causal(
-                q, k, v, scores, valid, state if state is not None else CausalState(), output_attentions
-            )
+            state = state if state is not None else CausalState()
+            context, attn = self._causal(q, k, v, scores, valid, masked, state, output_attentions)
         else:
-            context, attn = self._bidirectional(q, k, v, scores, valid, cls_hidden, output_attentions)
+            context, attn = self._bidirectional(q, k, v, scores, valid, masked, cls_hidden, output_attentions)
         return self.output(context.flatten(2)), attn
 
-    def _bidirectional(self, q, k, v, scores, valid, cls_hidden, need_weights):
+    def _bidirectional(self, q, k, v, scores, valid, masked, cls_hidden, need_weights):
         B, n = q.shape[:2]
         rows = []  # (keys, values, valid) blocks of the projected set, cls first
         if cls_hidden is not None:  # the raw cls key/value joins the projected rows (official code)
@@ -346,7 +346,8 @@ class LongShortSelfAttention(nn.Module):
             k, v, valid_keys = k[:, :0], v[:, :0], valid[:, :0]
         else:
             valid_keys = valid
-        context, attn = self._attend_groups(q, valid, 0, k, v, valid_keys, 0, rows, need_weights)
+        q_valid = valid if masked else None
+        context, attn = self._attend_groups(q, q_valid, 0, k, v, valid_keys, 0, rows, need_weights)
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
         return context, attn
@@ -354,7 +355,7 @@ class LongShortSelfAttention(nn.Module):
     def _attend_groups(self, q, q_valid, q_start, k, v, k_valid, k_start, rows, need_weights):
         """Queries at positions ``[q_start, q_start + m)`` attend to [projected rows; window keys] in one softmax.
 
-        q (B, m, H, d_qk), q_valid (B, m); k/v (B, L, H, d) window keys of positions ``[k_start, k_start + L)`` and
+        q (B, m, H, d_qk), q_valid (B, m) or None when all are valid; k/v (B, L, H, d) window keys of positions ``[k_start, k_start + L)`` and
         k_valid (B, L); rows = (rows_k (B, R, H, d_qk), rows_v, rows_valid (B, R), rows_segment (R,) or None for
         rows that every query sees) or None. Queries are grouped by window segment, each group seeing its window tile
         (the fast path), except for fewer than ``w`` causal queries (a decoding step): they see all keys, masked.
@@ -401,7 +402,8 @@ class LongShortSelfAttention(nn.Module):
             need_weights,
         )
         context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
-        context = context * q_valid[:, :, None, None].to(context.dtype)
+        if q_valid is not None:
+            context = context * q_valid[:, :, None, None].to(context.dtype)
         if prob is not None:
             prob = prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
         return context, prob
@@ -415,7 +417,7 @@ class LongShortSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=keep)
         return out.transpose(1, 2)
 
-    def _causal(self, q, k, v, scores, valid, state: CausalState, need_weights):
+    def _causal(self, q, k, v, scores, valid, masked, state: CausalState, need_weights):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
         n = q.shape[1]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
@@ -448,7 +450,8 @@ class LongShortSelfAttention(nn.Module):
         rows = None
         if rows_k is not None:
             rows = (rows_k, rows_v, rows_valid, torch.arange(rows_k.shape[1], device=q.device) // r)
-        context, attn = self._attend_groups(q, valid, p0, k_all, v_all, valid_all, k_start, rows, need_weights)
+        q_valid = valid if masked else None
+        context, attn = self._attend_groups(q, q_valid, p0, k_all, v_all, valid_all, k_start, rows, need_weights)
 
         # Keep the keys of the current and the previous window segment, and the unfinished segment's scores.
         keep_from = max(0, (end // w - 1) * w)
