@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 from timm.data.auto_augment import AugmentOp
 
 from recipes.imagenet import train
+from recipes.tiny import one_thread
 
 COLOURS = {"blue": (30, 30, 200), "green": (30, 200, 30), "red": (200, 30, 30)}
 TINY = ["--model", "cvt_ls_13", "--model-kwargs", "embed_dims=(16,32,48)", "depths=(1,1,1)", "num_heads=(1,2,2)",
@@ -35,12 +35,9 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread than on two shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def summary(out):
