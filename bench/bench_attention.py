@@ -27,9 +27,6 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,6 +37,7 @@ from torch import nn
 from transformers import LongformerConfig
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
+from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
 from bench.plot import plot_scaling
 from ls_hf.long_short_attention import LongShortSelfAttention
 
@@ -141,20 +139,7 @@ def estimated_bytes(peer: str, n: int, element_size: int) -> float:
     return linear
 
 
-def free_bytes(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
-
-
 # ------------------------------------------------------------------------------------------ one run
-def _proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -181,13 +166,12 @@ def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
-            f.write("5")
-        base = _proc_status_bytes("VmRSS")
+        base = reset_peak_rss()
     _step(module, x, grad)
     _sync(device)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status_bytes("VmHWM")
-    return {"status": "ok", "peak_mem_bytes": max(peak - base, 0)}
+    if device == "cuda":
+        return {"peak_mem_bytes": max(torch.cuda.max_memory_allocated() - base, 0)}
+    return {"peak_mem_bytes": peak_rss_above(base)}
 
 
 def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -207,35 +191,17 @@ def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, rep
     return {peer: {"time_s": sorted(t)[len(t) // 2], "times_s": t} for peer, t in times.items()}
 
 
-def _child(conn, fn, *args) -> None:
+def isolated(device: str, fn, *args) -> dict:
+    """``fn(*args)`` in a forked process on CPU (its memory high-water mark is its own), in-process on CUDA (the peak
+    counter resets). Returns ``{"status": ..., **result}``."""
+    if device != "cuda":
+        return forked(fn, *args)
     try:
-        conn.send(fn(*args))
-    except (RuntimeError, ValueError) as error:  # reported in the table, not raised
-        message = str(error).splitlines()[0][:200]
-        conn.send({"status": "oom" if "allocate" in message else "error", "reason": message})
-
-
-def run_isolated(fn, *args):
-    """``fn(*args)`` in a forked process on CPU (its memory high-water mark is its own; the parent runs no torch op,
-    so the child starts with a fresh OpenMP pool and shares the parent's imports), in-process on CUDA."""
-    if args[2] == "cuda":
-        try:
-            return fn(*args)
-        except torch.OutOfMemoryError:
-            return {"status": "oom", "reason": "CUDA out of memory"}
-        finally:
-            torch.cuda.empty_cache()
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, fn, *args))
-    proc.start()
-    send.close()
-    try:
-        return receive.recv()
-    except EOFError:
-        return {"status": "oom", "reason": "process killed, out of memory?"}
+        return {"status": "ok", **fn(*args)}
+    except torch.OutOfMemoryError:
+        return {"status": "oom", "reason": "CUDA out of memory"}
     finally:
-        proc.join()
+        torch.cuda.empty_cache()
 
 
 def run_length(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -248,16 +214,16 @@ def run_length(peers: list[str], n: int, device: str, dtype: torch.dtype, repeat
         if need > 0.8 * free:
             rows[peer] |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
         else:
-            rows[peer] |= run_isolated(measure_memory, peer, n, device, dtype)
+            rows[peer] |= isolated(device, measure_memory, peer, n, device, dtype)
     timed = [peer for peer in peers if rows[peer]["status"] == "ok"]
     if timed:
-        times = run_isolated(measure_times, timed, n, device, dtype, repeats)
-        if "status" in times:  # the timing process failed as a whole
-            times = {peer: times for peer in timed}
+        times = isolated(device, measure_times, timed, n, device, dtype, repeats)
         for peer in timed:
-            rows[peer] |= times[peer]
-            if "time_s" in rows[peer]:
+            if times["status"] == "ok":
+                rows[peer] |= times[peer]
                 rows[peer]["gflop_per_s"] = rows[peer]["model_gflop_fwd_bwd"] / rows[peer]["time_s"]
+            else:  # the timing process failed as a whole
+                rows[peer] |= {"status": times["status"], "reason": times.get("reason", "")}
     return list(rows.values())
 
 
@@ -314,19 +280,6 @@ def check_bars(rows) -> list[dict]:
             verdict = "PASS" if (value >= target if metric == "time" else value <= target) else "MISS"
         results.append({"bar": name, "value": value, "target": target, "verdict": verdict or "n/a"})
     return results
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"nproc": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def main(argv=None) -> None:

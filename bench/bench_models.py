@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
 import sys
 import time
 
@@ -46,7 +45,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from bench.bench_attention import _proc_status_bytes, free_bytes, machine
+from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
 
 BASE = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -98,11 +97,9 @@ def training_step(peer: str, n: int, layers: int, vocab: int):
 def measure_memory(peer: str, n: int, layers: int, vocab: int) -> dict:
     """Peak RSS of one training step above the RSS of the built model."""
     step = training_step(peer, n, layers, vocab)
-    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS (Linux >= 4.0)
-        f.write("5")
-    base = _proc_status_bytes("VmRSS")
+    base = reset_peak_rss()
     step()
-    return {"peak_mem_bytes": _proc_status_bytes("VmHWM") - base}
+    return {"peak_mem_bytes": peak_rss_above(base)}
 
 
 def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
@@ -117,31 +114,6 @@ def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
             if round_:
                 times[peer].append(time.perf_counter() - start)
     return {peer: sorted(values) for peer, values in times.items()}
-
-
-def _child(conn, fn, args, threads) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        conn.send({"status": "ok", **fn(*args)})
-    except (RuntimeError, ValueError) as error:
-        conn.send({"status": "error", "reason": str(error).splitlines()[0][:200]})
-
-
-def forked(fn, *args, threads: int = 0) -> dict:
-    """``fn(*args)`` in a forked process (its own memory high-water mark and OpenMP pool) with ``threads`` torch
-    threads (0: torch's default); a killed child is reported as OOM."""
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, fn, args, threads))
-    proc.start()
-    send.close()
-    try:
-        result = receive.recv()
-    except EOFError:
-        result = {"status": "oom", "reason": "process killed, out of memory?"}
-    proc.join()
-    return result
 
 
 def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:

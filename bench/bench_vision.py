@@ -38,8 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CvtConfig, CvtForImageClassification
 
 import ls_timm  # registers cvt_ls_13
-from bench.bench_attention import _proc_status_bytes, free_bytes, machine
-from bench.bench_models import forked
+from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
 from bench.plot import plot_scaling
 
 MODELS = ("cvt_ls_13", "hf_cvt_13")
@@ -84,16 +83,14 @@ def measure(name: str, resolution: int, batch: int, train: bool, repeats: int) -
             if train:
                 F.cross_entropy(out, labels).backward()
 
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS (Linux >= 4.0)
-        f.write("5")
-    base = _proc_status_bytes("VmRSS")
+    base = reset_peak_rss()
     times = []
     for i in range(int(not train) + repeats):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     times = sorted(times[int(not train):])
-    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": _proc_status_bytes("VmHWM") - base,
+    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": peak_rss_above(base),
             **({} if train else {"gmacs": counter.get_total_flops() / 2e9})}
 
 

@@ -1,0 +1,73 @@
+"""What the benchmarks share: the machine description, free memory, peak-RSS measurement and forked runs."""
+
+import multiprocessing
+import os
+import platform
+
+import torch
+
+
+def machine() -> dict:
+    """CPU model, core count, torch version and threads (and the GPU, if any) for the results' header."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"nproc": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def free_bytes(device: str = "cpu") -> int:
+    """Memory available for a new allocation on ``device``."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's RSS high-water mark (``VmHWM``, Linux >= 4.0) to its current RSS and return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_rss_above(base: int) -> int:
+    """The RSS high-water mark since ``reset_peak_rss`` minus the ``base`` it returned."""
+    return max(_proc_status_bytes("VmHWM") - base, 0)
+
+
+def _child(conn, fn, args, threads) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        conn.send({"status": "ok", **fn(*args)})
+    except (RuntimeError, ValueError) as error:  # reported in the tables, not raised
+        message = str(error).splitlines()[0][:200]
+        conn.send({"status": "oom" if "allocate" in message else "error", "reason": message})
+
+
+def forked(fn, *args, threads: int = 0) -> dict:
+    """``{"status": "ok", **fn(*args)}`` computed in a forked process: its own memory high-water mark and OpenMP pool,
+    the parent's imports; ``threads`` torch threads (0: torch's default). A killed child is reported as OOM."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args, threads))
+    proc.start()
+    send.close()
+    try:
+        return receive.recv()
+    except EOFError:
+        return {"status": "oom", "reason": "process killed, out of memory?"}
+    finally:
+        proc.join()
