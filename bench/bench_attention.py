@@ -28,7 +28,6 @@ import datetime
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from torch import nn
 from transformers import LongformerConfig
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
-from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
+from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
 from bench.plot import plot_scaling
 from ls_hf.long_short_attention import LongShortSelfAttention
 
@@ -175,19 +174,11 @@ def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
 
 
 def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
-    """Forward + backward times of the peers side by side: one warm-up each, then ``repeats`` rounds in which every
-    peer takes one step in turn, so that a change in machine load hits all of them alike. Median per peer."""
+    """Forward + backward times of the peers stepped in turn (``interleaved_times``). Median per peer."""
     modules = {peer: build_peer(peer).to(device=device, dtype=dtype) for peer in peers}
     x, grad = _inputs(n, device, dtype)
-    times = {peer: [] for peer in peers}
-    for rnd in range(repeats + 1):
-        for peer, module in modules.items():
-            _sync(device)
-            start = time.perf_counter()
-            _step(module, x, grad)
-            _sync(device)
-            if rnd:  # round 0 is the warm-up
-                times[peer].append(time.perf_counter() - start)
+    steps = {peer: (lambda module=module: _step(module, x, grad)) for peer, module in modules.items()}
+    times = interleaved_times(steps, repeats, sync=lambda: _sync(device))
     return {peer: {"time_s": sorted(t)[len(t) // 2], "times_s": t} for peer, t in times.items()}
 
 

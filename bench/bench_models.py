@@ -45,7 +45,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
+from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
 
 BASE = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -103,16 +103,9 @@ def measure_memory(peer: str, n: int, layers: int, vocab: int) -> dict:
 
 
 def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
-    """Step times of all peers built in one process and run in turn, ``repeats`` rounds after a warm-up round, so
-    that load from other processes hits every peer alike. Returns {peer: sorted times}."""
-    steps = {peer: training_step(peer, n, layers, vocab) for peer in peers}
-    times = {peer: [] for peer in peers}
-    for round_ in range(repeats + 1):
-        for peer, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if round_:
-                times[peer].append(time.perf_counter() - start)
+    """Step times of all peers built in one process and stepped in turn (``interleaved_times``). Returns
+    {peer: sorted times}."""
+    times = interleaved_times({peer: training_step(peer, n, layers, vocab) for peer in peers}, repeats)
     return {peer: sorted(values) for peer, values in times.items()}
 
 

@@ -4,13 +4,14 @@
 * ``hf_cvt_13``: ``CvtForImageClassification(CvtConfig())``, whose defaults are CvT-13 (dims 64/192/384, depths
   1/2/10, heads 1/3/6, key/value projections of stride 2), random weights.
 
-Inference (Table 5 style): images per second, the median of ``--repeats`` forward passes after one warm-up under
-``torch.inference_mode`` (float32, batch 8), and peak memory, at 224, 384 and 448. Training-step memory (Figure 7
-style): one forward + backward of the cross-entropy loss at batch 1 as the resolution grows, a size being skipped
-once its estimated need exceeds 80 % of the free memory. Each (model, resolution, mode) runs in a forked process;
-its peak memory is the RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS after
-building the model and its input. GMACs per image (what the paper calls GFLOPs) come from
-``torch.utils.flop_counter`` at batch 1.
+Inference (Table 5 style): images per second, the median of ``--repeats`` forward passes under
+``torch.inference_mode`` (float32, batch 8), at 224, 384 and 448; both models are built in one process and take
+their passes in turn after a warm-up round, so that load from other processes hits both alike. Peak memory: each
+(model, resolution, mode) in its own forked process, the RSS high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs``) minus the RSS after building the model and its input, over one pass or step.
+Training-step memory (Figure 7 style): one forward + backward of the cross-entropy loss at batch 1 as the resolution
+grows, a size being skipped once its estimated need exceeds 80 % of the free memory. GMACs per image (what the paper
+calls GFLOPs) come from ``torch.utils.flop_counter`` at batch 1.
 
     python -m bench.bench_vision --repeats 5    # the full table and sweep (5-20 minutes on 2 cores, by load)
     python -m bench.bench_vision --quick        # 224 only, batch 2: a smoke run
@@ -28,7 +29,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import timm
@@ -38,7 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CvtConfig, CvtForImageClassification
 
 import ls_timm  # registers cvt_ls_13
-from bench.common import forked, free_bytes, machine, peak_rss_above, reset_peak_rss
+from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
 from bench.plot import plot_scaling
 
 MODELS = ("cvt_ls_13", "hf_cvt_13")
@@ -65,33 +65,35 @@ def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def measure(name: str, resolution: int, batch: int, train: bool, repeats: int) -> dict:
-    """Median time of ``repeats`` steps (after a warm-up for inference), peak RSS above the built model, and for
-    inference the GMACs of one image."""
+def measure_memory(name: str, resolution: int, batch: int, train: bool) -> dict:
+    """Peak RSS above the built model and its input over one step, and for inference the GMACs of one image (counted
+    on a pass at batch 1 before the measured one)."""
     model = build(name, resolution).train(train)
     images = torch.randn(batch, 3, resolution, resolution)
-    labels = torch.zeros(batch, dtype=torch.long)
+    if train:
+        base = reset_peak_rss()
+        F.cross_entropy(logits(model, images), torch.zeros(batch, dtype=torch.long)).backward()
+        return {"peak_mem_bytes": peak_rss_above(base)}
     counter = FlopCounterMode(display=False)
-    if not train:
-        with counter, torch.inference_mode():
+    with torch.inference_mode():
+        with counter:
             logits(model, images[:1])
-    context = torch.enable_grad if train else torch.inference_mode
+        base = reset_peak_rss()
+        logits(model, images)
+    return {"peak_mem_bytes": peak_rss_above(base), "gmacs": counter.get_total_flops() / 2e9}
 
-    def step():
-        with context():
-            out = logits(model, images)
-            if train:
-                F.cross_entropy(out, labels).backward()
 
-    base = reset_peak_rss()
-    times = []
-    for i in range(int(not train) + repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    times = sorted(times[int(not train):])
-    return {"time_s": times[len(times) // 2], "times_s": times, "peak_mem_bytes": peak_rss_above(base),
-            **({} if train else {"gmacs": counter.get_total_flops() / 2e9})}
+def measure_times(resolution: int, batch: int, repeats: int) -> dict:
+    """Inference times of both models, built in one process and run in turn (``interleaved_times``)."""
+    models = {name: build(name, resolution).eval() for name in MODELS}
+    images = torch.randn(batch, 3, resolution, resolution)
+
+    def step(model):
+        with torch.inference_mode():
+            logits(model, images)
+
+    times = interleaved_times({name: (lambda m=model: step(m)) for name, model in models.items()}, repeats)
+    return {name: sorted(t) for name, t in times.items()}
 
 
 def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> float:
@@ -104,21 +106,33 @@ def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> floa
     return need
 
 
-def run(name: str, resolution: int, batch: int, train: bool, repeats: int) -> dict:
-    row = {"model": name, "resolution": resolution, "batch": batch, "mode": "train" if train else "inference"}
-    need, free = estimated_bytes(name, resolution, batch, train), free_bytes("cpu")
-    if need > 0.8 * free:
-        row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
-    else:
-        row |= forked(measure, name, resolution, batch, train, repeats)
-    if row["status"] == "ok":
-        row["images_per_s"] = batch / row["time_s"]
-        shown = f"{row['images_per_s']:7.2f} img/s {row['peak_mem_bytes'] / 2**20:8.0f} MiB"
-        shown += f" {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
-    else:
+def run(resolution: int, batch: int, train: bool, repeats: int) -> list[dict]:
+    """Rows for one resolution and mode: each model's memory in its own forked process, then (inference) the times
+    of both side by side in one more. A model whose estimated need exceeds 80 % of the free memory is skipped."""
+    rows = []
+    for name in MODELS:
+        row = {"model": name, "resolution": resolution, "batch": batch, "mode": "train" if train else "inference"}
+        need, free = estimated_bytes(name, resolution, batch, train), free_bytes("cpu")
+        if need > 0.8 * free:
+            row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
+        else:
+            row |= forked(measure_memory, name, resolution, batch, train)
+        rows.append(row)
+    if not train and all(map(_ok, rows)):
+        timed = forked(measure_times, resolution, batch, repeats)
+        for row in rows:
+            if timed["status"] != "ok":
+                row |= {"status": timed["status"], "reason": timed.get("reason", "")}
+                continue
+            times = timed[row["model"]]
+            row |= {"time_s": times[len(times) // 2], "times_s": times, "images_per_s": batch / times[len(times) // 2]}
+    for row in rows:
         shown = row.get("reason", "")
-    print(f"  {row['mode']:<9} {resolution:>5} {name:<10} {row['status']:<8} {shown}", flush=True)
-    return row
+        if row["status"] == "ok":
+            shown = f"{row['peak_mem_bytes'] / 2**20:8.0f} MiB"
+            shown += f" {row['images_per_s']:7.2f} img/s {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
+        print(f"  {row['mode']:<9} {resolution:>5} {row['model']:<10} {row['status']:<8} {shown}", flush=True)
+    return rows
 
 
 def _get(rows, mode, name, resolution):
@@ -175,8 +189,8 @@ def main(argv=None) -> None:
     # the ls_timm code measured (it is imported once, before the forks), for tracing results in an uncommitted tree
     source_hash = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(ls_timm.__file__).parent.glob("*.py"))))
     source_hash = source_hash.hexdigest()[:12]
-    rows = [run(m, r, args.batch, False, args.repeats) for r in args.resolutions for m in MODELS]
-    rows += [run(m, r, 1, True, 1) for r in args.train_resolutions for m in MODELS]
+    rows = [row for r in args.resolutions for row in run(r, args.batch, False, args.repeats)]
+    rows += [row for r in args.train_resolutions for row in run(r, 1, True, 0)]
 
     command = "python -m bench.bench_vision " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = machine() | {
@@ -184,8 +198,10 @@ def main(argv=None) -> None:
         "command": command.strip(),
         "load_average": os.getloadavg(),
         "ls_timm_sources_sha256": source_hash,
-        "memory": "RSS high-water mark (VmHWM) minus RSS after building the model and input, forked process per row",
-        "time": f"inference: median of {args.repeats} passes after 1 warm-up, batch {args.batch}, float32; "
+        "memory": "RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
+                  "and input, forked process per row",
+        "time": f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
+                f"after a warm-up round, batch {args.batch}, float32; "
                 "training: one forward + backward at batch 1",
     }
     bars = check_bars(rows, args.resolutions)

@@ -1,8 +1,11 @@
-"""What the benchmarks share: the machine description, free memory, peak-RSS measurement and forked runs."""
+"""What the benchmarks share: the machine description, free memory, peak-RSS measurement, forked runs and peers
+timed in turn."""
 
 import multiprocessing
 import os
 import platform
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -71,3 +74,18 @@ def forked(fn, *args, threads: int = 0) -> dict:
         return {"status": "oom", "reason": "process killed, out of memory?"}
     finally:
         proc.join()
+
+
+def interleaved_times(steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None) -> dict:
+    """Times of the peers' ``steps`` side by side: one warm-up round, then ``repeats`` rounds in which every peer takes
+    one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run order}."""
+    times = {peer: [] for peer in steps}
+    for round_ in range(repeats + 1):
+        for peer, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if round_:  # round 0 is the warm-up
+                times[peer].append(time.perf_counter() - start)
+    return times

@@ -7,17 +7,21 @@ from pathlib import Path
 
 def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str,
                  xlabel: str = "sequence length n") -> None:
-    """Two panels (median time, peak memory) against n (named ``xlabel``), one line per peer.
+    """Two panels (median time, peak memory) against n (named ``xlabel``), one line per peer; the memory panel only
+    when no row has a time.
 
-    ``rows``: dicts with ``peer``, ``n``, ``status`` and, when ``status == "ok"``, ``time_s`` and ``peak_mem_bytes``.
+    ``rows``: dicts with ``peer``, ``n``, ``status`` and, when ``status == "ok"``, ``peak_mem_bytes`` and ``time_s``.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (("time_s", "median time per step (s)", 1.0), ("peak_mem_bytes", memory_label, 2.0**-20))
+    panels = [("time_s", "median time per step (s)", 1.0), ("peak_mem_bytes", memory_label, 2.0**-20)]
+    if not any("time_s" in row for row in rows):
+        panels = panels[1:]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    axes = axes[0]
     for ax, (key, label, scale) in zip(axes, panels):
         for peer in dict.fromkeys(row["peer"] for row in rows):
             done = [row for row in rows if row["peer"] == peer and row["status"] == "ok"]

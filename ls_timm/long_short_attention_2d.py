@@ -10,13 +10,16 @@ Every patch query takes one softmax over three key/value sets (Eq. 6):
   (the official "post-cls" form).
 
 DualLN (Eq. 7) normalises keys/values of all tokens (``dual_ln_local``) and the projected rows (``dual_ln_global``)
-over the full width. Visibility is defined once, as a function of 2-D positions (``window_keep_2d``); two layouts
-hand it to a single ``F.scaled_dot_product_attention`` call (fused kernels, no score tensor in Python):
+over the full width. Queries, keys and values stay in token rows (B, L, heads * d), keys and values ordered
+[patches; projected rows; global tokens]. Visibility is defined once, as a function of 2-D positions
+(``window_keep_2d``); two layouts hand it to ``F.scaled_dot_product_attention`` (fused kernels, no score tensor in
+Python), on strided (.., heads, L, d) views:
 
-* blocked: the w x w query blocks are gathered (``index_select``) against their key tiles plus the projected and
-  global rows, with a (blocks x keys) mask; O(HW (w + 2e)^2 + HW r) work and memory;
+* blocked: the w x w query blocks and their key tiles plus the projected and global rows are gathered as whole
+  token rows (``index_select``), with a (blocks x keys) mask; O(HW (w + 2e)^2 + HW r) work. On CPU the blocks go
+  in chunks of ``chunk_bytes`` gathered keys/values, each attended while still in cache (bounded workspace);
 * dense (maps of at most ``dense_max_tokens`` patches, where blocks of a few queries cost more than they save):
-  all patch queries against all keys with the (HW x keys) visibility mask.
+  all patch queries against all keys with the (HW x keys) visibility mask, one call.
 
 Maps whose sides are not multiples of ``w`` get partial last blocks: positions outside the map are masked keys and
 dropped queries, so any input size works.
@@ -80,13 +83,6 @@ def vil_window_bias_index(window: int) -> Tensor:
     return rel[..., 0] * (2 * pad + window) + rel[..., 1]
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``index`` (any shape) of ``x`` viewed as (rows, d): shape ``index.shape + (d,)``. One gather over dim 0
-    is 2-3x faster on CPU than ``index_select`` along an inner dim, and lands in the layout the caller needs."""
-    d = x.shape[-1]
-    return x.reshape(-1, d).index_select(0, index.flatten()).view(*index.shape, d)
-
-
 class StdConv2d(nn.Conv2d):
     """Conv2d with weight standardisation (Qiao et al., arXiv:1903.10520): each filter is normalised to zero mean,
     unit variance before use (CvT*-LS's dynamic projection, Appendix E). Closed form: ``F.batch_norm`` on the
@@ -100,6 +96,18 @@ class StdConv2d(nn.Conv2d):
         w = self.weight
         w = (w - w.mean((1, 2, 3), keepdim=True)) * torch.rsqrt(w.var((1, 2, 3), unbiased=False, keepdim=True) + self.eps)
         return self._conv_forward(x, w, self.bias)
+
+
+class ConvBn(nn.Sequential):
+    """Depthwise conv then BatchNorm (CvT's "dw_bn" projection). In eval mode the BatchNorm's affine map is folded
+    into the conv weights and bias: one pass over the map instead of two, same result."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv, bn = self
+        if self.training:
+            return bn(conv(x))
+        scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
+        return conv._conv_forward(x, conv.weight * scale.view(-1, 1, 1, 1), bn.bias - bn.running_mean * scale)
 
 
 class LongShortAttention2d(nn.Module):
@@ -125,6 +133,11 @@ class LongShortAttention2d(nn.Module):
     # Maps of at most this many patches attend through one dense masked call (measured faster on CPU than
     # blocks of few queries, e.g. CvT stage 3 at 224: 14 x 14, w = 2); both layouts give the same result.
     dense_max_tokens: int = 256
+    # Blocked layout: blocks are attended in chunks gathering about this many key/value bytes. On CPU a chunk's tiles
+    # are still in cache when SDPA reads them (CvT stage attention at 448 measured 1.5-2.3x faster than one call);
+    # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
+    chunk_bytes: int = 2 << 20
+    accelerator_chunk_bytes: int = 1 << 30
 
     def __init__(
         self,
@@ -160,7 +173,7 @@ class LongShortAttention2d(nn.Module):
 
         if conv_proj:
             # Depthwise 3x3 + BN per branch (CvT's "dw_bn"), q/k/v at stride 1.
-            self.conv_proj = nn.ModuleList([nn.Sequential(
+            self.conv_proj = nn.ModuleList([ConvBn(
                 nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd), nn.BatchNorm2d(dim, **dd))
                 for _ in range(3)])
             self.q = nn.Linear(dim, qk_dim, bias=qkv_bias, **dd)
@@ -189,99 +202,126 @@ class LongShortAttention2d(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _qkv(self, x: Tensor, x_map: Tensor | None):
-        """Queries, keys, values of all tokens: (B, N, qk_dim), (B, N, qk_dim), (B, N, C)."""
+    def _qkv(self, tokens: Tensor, x_map: Tensor | None = None):
+        """Queries, and keys and values through ``LN_L`` (DualLN, Eq. 7), of ``tokens`` (B, n, C): (B, n, qk_dim) twice
+        and (B, n, C). With ``x_map`` (the tokens as a channels-last map) the CvT conv projections run first; global
+        tokens (no map) go through the Linear layers only."""
         if self.conv_proj is None:
-            return self.qkv(x).split(self.splits, -1)
-        g, out = self.num_prefix_tokens, []
-        for conv, lin in zip(self.conv_proj, (self.q, self.k, self.v)):
-            tokens = conv(x_map).flatten(2).transpose(1, 2)  # contiguous: the conv keeps channels-last
-            out.append(lin(torch.cat([x[:, :g], tokens], 1) if g else tokens))  # global tokens bypass the conv
-        return tuple(out)
+            q, k, v = self.qkv(tokens).split(self.splits, -1)
+        else:  # a channels-last conv output flattens to contiguous (B, HW, C) rows
+            branches = [tokens] * 3 if x_map is None else [conv(x_map).flatten(2).transpose(1, 2) for conv in self.conv_proj]
+            q, k, v = (lin(t) for lin, t in zip((self.q, self.k, self.v), branches))
+        ln_k = self.dual_ln_local if self.dual_ln_local_k is None else self.dual_ln_local_k
+        return q, ln_k(k), self.dual_ln_local(v)
 
     def _heads(self, x: Tensor) -> Tensor:
-        """(B, N, heads * d) -> (B, heads, N, d)."""
+        """(B, N, heads * d) -> (B, heads, N, d), a view."""
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
-    def _project(self, x: Tensor, x_map: Tensor | None, k: Tensor, v: Tensor):
-        """Eq. 3 with DualLN: rows ``LN_G(P^T K)``, ``LN_G(P^T V)`` of shape (B, heads, r, d)."""
-        if self.dp_conv is None:
-            patches = x[:, self.num_prefix_tokens:]
-        else:
+    def _project(self, patches: Tensor, x_map: Tensor | None, k: Tensor, v: Tensor):
+        """Eq. 3 with DualLN: the rows ``LN_G(P^T K)``, ``LN_G(P^T V)``, (B, r, heads * d) each (row i holds every
+        head's i-th row), from the patch tokens and their keys/values (B, HW, .)."""
+        if self.dp_conv is not None:
             patches = self.dp_conv(x_map).flatten(2).transpose(1, 2)
-        scores = self.dynamic_proj(patches).transpose(1, 2).unflatten(1, (self.num_heads, -1))  # (B, heads, r, HW)
-        prob = scores.softmax(-1, dtype=torch.float32)
-        rows_k = (prob @ k.float()).to(k.dtype).transpose(1, 2).flatten(2)  # (B, r, heads * d)
-        rows_v = (prob @ v.float()).to(v.dtype).transpose(1, 2).flatten(2)
+        # the scores X W^P computed transposed, (B, heads * r, HW), so that the softmax over HW runs on contiguous rows
+        weight, bias = self.dynamic_proj.weight, self.dynamic_proj.bias
+        scores = torch.baddbmm(bias[:, None], weight.expand(patches.shape[0], -1, -1), patches.transpose(1, 2))
+        prob = scores.unflatten(1, (self.num_heads, -1)).softmax(-1, dtype=torch.float32)  # (B, heads, r, HW)
+        rows_k = (prob @ self._heads(k).float()).to(k.dtype).transpose(1, 2).flatten(2)
+        rows_v = (prob @ self._heads(v).float()).to(v.dtype).transpose(1, 2).flatten(2)
         ln_k = self.dual_ln_global if self.dual_ln_global_k is None else self.dual_ln_global_k
-        return self._heads(ln_k(rows_k)), self._heads(self.dual_ln_global(rows_v))
+        return ln_k(rows_k), self.dual_ln_global(rows_v)
 
-    def _layout(self, feat_size: tuple[int, int], rows: int, device):
-        """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w queries, each against its
-        T x T key tile (T = w + 2e), the ``rows`` projected rows and the global tokens (K = T^2 + rows + g keys).
+    def _layout(self, feat_size: tuple[int, int], extra: int, device):
+        """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w query slots, each against its T x T
+        key tile (T = w + 2e) and the ``extra`` keys every patch sees (K = T^2 + extra keys).
 
-        Returns ``q_index`` (G * Q) into the tokens, ``k_index`` (G, K) into [tokens; projected rows], ``keep``
-        (G, K) key visibility and ``out_index`` (HW): the slot of each patch among the G * Q block queries.
-        Positions outside the map (padding of the last blocks, tile borders) point at token 0 and are masked.
+        Returns ``q_index`` (G, Q) into the patches, ``k_index`` (G, K) into [patches; extra keys], ``keep`` (G, K)
+        key visibility and ``target`` (G, Q), the raster position of each slot or -1 for a slot outside the map.
+        Positions outside the map (padding of the last blocks, tile borders) point at patch 0 and are masked.
         """
-        (H, W), w, g = feat_size, self.window_size, self.num_prefix_tokens
+        (H, W), w = feat_size, self.window_size
         e = max(w // 2, 1)
         gh, gw, T = -(-H // w), -(-W // w), w + 2 * e
-        size = torch.tensor([H, W], device=device)
         blocks = _grid(gh, gw, device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
         q_yx = blocks + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
         k_yx = blocks + (_grid(T, T, device) - e).view(1, -1, 2)  # (G, T^2, 2)
         keep = window_keep_2d(blocks, k_yx, w, feat_size)[:, 0]  # a block's queries share their keys: (G, T^2)
-
-        def token(yx: Tensor, valid: Tensor) -> Tensor:
-            return torch.where(valid, g + yx[..., 0] * W + yx[..., 1], 0)
-
+        q_inside = ((q_yx >= 0) & (q_yx < torch.tensor([H, W], device=device))).all(-1)
+        raster = q_yx[..., 0] * W + q_yx[..., 1]
         G = gh * gw
-        extra = torch.cat([torch.arange(g + H * W, g + H * W + rows, device=device), torch.arange(g, device=device)])
-        k_index = torch.cat([token(k_yx, keep), extra.expand(G, -1)], 1)
-        keep = torch.cat([keep, keep.new_ones(G, rows + g)], 1)
-        q_index = token(q_yx, ((q_yx >= 0) & (q_yx < size)).all(-1)).flatten()
-        yx = _grid(H, W, device).flatten(0, 1)
-        out_index = ((yx[:, 0] // w) * gw + yx[:, 1] // w) * (w * w) + (yx[:, 0] % w) * w + yx[:, 1] % w
-        return q_index, k_index, keep, out_index
+        k_index = torch.cat([torch.where(keep, k_yx[..., 0] * W + k_yx[..., 1], 0),
+                             torch.arange(H * W, H * W + extra, device=device).expand(G, -1)], 1)
+        keep = torch.cat([keep, keep.new_ones(G, extra)], 1)
+        return torch.where(q_inside, raster, 0), k_index, keep, torch.where(q_inside, raster, -1)
 
-    def _attend_blocked(self, q: Tensor, k_all: Tensor, v_all: Tensor, feat_size: tuple[int, int]) -> Tensor:
-        """Every w x w query block against its key tile + projected/global rows, as (B, heads * G, ...) groups of
-        one SDPA call. q (B, heads, N, d); k_all/v_all (B, heads, N + R, d) = [tokens; rows]. -> (B, HW, heads, d)."""
-        B, heads, N, _ = q.shape
-        w, L = self.window_size, k_all.shape[2]
-        q_index, k_index, keep, out_index = self._layout(feat_size, L - N, q.device)
-        G, K = k_index.shape
-        b = torch.arange(B, device=q.device).view(B, 1, 1)
-        h = torch.arange(heads, device=q.device).view(1, heads, 1)
-        # rows of q as (B, N, heads) and of k_all / v_all as (B, heads, L), gathered in (B, heads, block, slot) order
-        q_blocks = _gather_rows(q.transpose(1, 2), (b * N + q_index) * heads + h).view(B, heads * G, w * w, -1)
-        kv_rows = (b * heads + h) * L + k_index.view(1, 1, -1)
-        keys = _gather_rows(k_all, kv_rows).view(B, heads * G, K, -1)
-        values = _gather_rows(v_all, kv_rows).view(B, heads * G, K, -1)
+    def _window_mask(self, keep: Tensor, dtype: torch.dtype) -> Tensor:
+        """The SDPA mask of every block, from its key visibility ``keep`` (G, K): (G, 1, 1, K) bool, or with the
+        ViL-LS window bias on the T^2 tile keys (G, heads, Q, K) float, -inf where hidden."""
         if self.relative_position_bias_table is None:
-            mask = keep.expand(heads, G, K).reshape(1, heads * G, 1, K)
-        else:  # ViL-LS: the window bias on the T^2 tile keys, -inf where hidden
-            bias = self.relative_position_bias_table[self.relative_position_index].permute(2, 0, 1).to(q.dtype)
-            tile = bias.shape[-1]
-            mask = torch.cat([bias.unsqueeze(1).expand(heads, G, w * w, tile),
-                              bias.new_zeros(heads, G, w * w, K - tile)], -1)
-            mask = mask.masked_fill(~keep[:, None, :], float("-inf")).reshape(1, heads * G, w * w, K)
-        out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask,
-                                             dropout_p=self.attn_drop if self.training else 0.0)
-        # back to raster order, (B, HW, heads, d): row (b, h, slot) of the output for every patch
-        return _gather_rows(out, (b.view(B, 1, 1) * heads + h.view(1, 1, heads)) * (G * w * w)
-                            + out_index.view(1, -1, 1))
+            return keep[:, None, None, :]
+        bias = self.relative_position_bias_table[self.relative_position_index].permute(2, 0, 1).to(dtype)
+        extra = keep.shape[1] - bias.shape[-1]
+        bias = torch.cat([bias, bias.new_zeros(*bias.shape[:2], extra)], -1)  # (heads, Q, K)
+        return bias.unsqueeze(0).masked_fill(~keep[:, None, None, :], float("-inf"))
 
-    def _attend_dense(self, q: Tensor, k_all: Tensor, v_all: Tensor, feat_size: tuple[int, int]) -> Tensor:
-        """All patch queries against all keys [global; patches; rows] with the (HW, N + R) visibility mask: one SDPA
-        call, cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
-        (H, W), w, g = feat_size, self.window_size, self.num_prefix_tokens
-        rows = k_all.shape[2] - q.shape[2]
+    def _chunks(self, B: int, G: int, block_bytes: int, device) -> list[tuple[int, int, int, int]]:
+        """(first image, last image + 1, first block, last block + 1) chunks of the (B, G) blocks of ``block_bytes``
+        gathered keys/values each, within the budget (``chunk_bytes``): several whole images per chunk, or parts of
+        one image when an image alone exceeds it."""
+        if torch.compiler.is_compiling():
+            return [(0, B, 0, G)]
+        budget = self.chunk_bytes if device.type == "cpu" else self.accelerator_chunk_bytes
+        image_bytes = G * block_bytes
+        if image_bytes <= budget:
+            n = min(B, budget // image_bytes)
+            return [(b, min(b + n, B), 0, G) for b in range(0, B, n)]
+        parts = -(-image_bytes // budget)
+        m = -(-G // parts)
+        return [(b, b + 1, g, min(g + m, G)) for b in range(B) for g in range(0, G, m)]
+
+    def _attend_blocked(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        """Every w x w query block against its key tile and the extra keys, in one softmax per query.
+
+        q (B, HW, qk_dim) patch queries; keys/values (B, L, .) = [patches; extra keys]; -> (B, HW, C). The blocks are
+        taken in chunks (``_chunks``); each gathers its queries and keys as whole rows (all heads at once) and hands
+        (blocks, heads, slots, d) strided views to one SDPA call, whose output rows are copied to their raster
+        positions (padding slots to a sink row past the end).
+        """
+        B, HW, _ = q.shape
+        L, C, device = keys.shape[1], values.shape[-1], q.device
+        q_index, k_index, keep, target = self._layout(feat_size, L - HW, device)
+        (G, Q), K = q_index.shape, k_index.shape[1]
+        mask = self._window_mask(keep, q.dtype)
+        chunks = self._chunks(B, G, K * (keys.shape[-1] + C) * keys.element_size(), device)
+        images = max(b1 - b0 for b0, b1, *_ in chunks)
+        masks = mask.repeat(images, 1, 1, 1) if images > 1 else mask  # one tensor that every whole-image chunk views
+        q_rows, k_rows, v_rows = q.reshape(B * HW, -1), keys.reshape(B * L, -1), values.reshape(B * L, C)
+        out = values.new_empty(B * HW + 1, C)
+        for b0, b1, g0, g1 in chunks:
+            b = torch.arange(b0, b1, device=device).view(-1, 1, 1)
+            n = (b1 - b0) * (g1 - g0)
+            kv = (b * L + k_index[g0:g1]).flatten()
+            q_c = q_rows.index_select(0, (b * HW + q_index[g0:g1]).flatten()).view(n, Q, self.num_heads, -1)
+            k_c = k_rows.index_select(0, kv).view(n, K, self.num_heads, -1)
+            v_c = v_rows.index_select(0, kv).view(n, K, self.num_heads, -1)
+            out_c = F.scaled_dot_product_attention(
+                q_c.transpose(1, 2), k_c.transpose(1, 2), v_c.transpose(1, 2),
+                attn_mask=masks[:n] if g1 - g0 == G else mask[g0:g1],
+                dropout_p=self.attn_drop if self.training else 0.0)
+            slot = target[g0:g1]
+            out.index_copy_(0, torch.where(slot >= 0, b * HW + slot, B * HW).flatten(), out_c.transpose(1, 2).reshape(-1, C))
+        return out[:-1].view(B, HW, C)
+
+    def _attend_dense(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
+        """All patch queries against all keys [patches; extra keys] with the (HW, L) visibility mask: one SDPA call,
+        cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
+        (H, W), w = feat_size, self.window_size
+        HW, extra = H * W, keys.shape[1] - q.shape[1]
         yx = _grid(H, W, q.device).flatten(0, 1)
         keep = window_keep_2d(yx, yx, w, feat_size)  # (HW, HW)
         if self.relative_position_bias_table is None:
-            mask = torch.cat([keep.new_ones(H * W, g), keep, keep.new_ones(H * W, rows)], 1)
+            mask = torch.cat([keep, keep.new_ones(HW, extra)], 1)
         else:  # the tile coordinates of every key around each query's block, then the official bias index
             e = max(w // 2, 1)
             T = w + 2 * e
@@ -290,35 +330,39 @@ class LongShortAttention2d(nn.Module):
             local = (yx[:, 0] % w) * w + yx[:, 1] % w
             bias = self.relative_position_bias_table[self.relative_position_index[local.unsqueeze(1), tile]]
             bias = bias.permute(2, 0, 1).to(q.dtype).masked_fill(~keep, float("-inf"))
-            heads = bias.shape[0]
-            mask = torch.cat([bias.new_zeros(heads, H * W, g), bias, bias.new_zeros(heads, H * W, rows)], 2)
-        out = F.scaled_dot_product_attention(q[:, :, g:], k_all, v_all, attn_mask=mask.view(1, -1, H * W, mask.shape[-1]),
+            mask = torch.cat([bias, bias.new_zeros(bias.shape[0], HW, extra)], 2)
+        out = F.scaled_dot_product_attention(self._heads(q), self._heads(keys), self._heads(values),
+                                             attn_mask=mask.view(1, -1, HW, mask.shape[-1]),
                                              dropout_p=self.attn_drop if self.training else 0.0)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2).flatten(2)
 
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
         Maps of at most ``dense_max_tokens`` patches use the dense masked layout, larger ones the blocked layout.
+        Keys and values stay in token rows (B, L, heads * d): [patches; projected rows; global tokens].
         """
-        B, N, C = x.shape
+        B, _, C = x.shape
         g = self.num_prefix_tokens
+        patches = x[:, g:]
         x_map = None
         if self.conv_proj is not None or self.dp_conv is not None:  # the patch tokens as a channels-last map
-            x_map = x[:, g:].transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
-        q, k, v = self._qkv(x, x_map)
-        ln_k = self.dual_ln_local if self.dual_ln_local_k is None else self.dual_ln_local_k
-        q, k, v = self._heads(q), self._heads(ln_k(k)), self._heads(self.dual_ln_local(v))
-        if self.projection_rank:  # the projected rows (Eq. 3) follow the tokens
-            rows_k, rows_v = self._project(x, x_map, k[:, :, g:], v[:, :, g:])
-            k_all, v_all = torch.cat([k, rows_k], 2), torch.cat([v, rows_v], 2)
-        else:
-            k_all, v_all = k, v
+            x_map = patches.transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
+        q, k, v = self._qkv(patches, x_map)
+        keys, values = [k], [v]
+        if self.projection_rank:  # the projected rows (Eq. 3), seen by every patch
+            rows_k, rows_v = self._project(patches, x_map, k, v)
+            keys.append(rows_k)
+            values.append(rows_v)
+        if g:
+            q_g, k_g, v_g = self._qkv(x[:, :g])
+            keys.append(k_g)
+            values.append(v_g)
+        keys, values = (torch.cat(t, 1) if len(t) > 1 else t[0] for t in (keys, values))
         attend = self._attend_dense if feat_size[0] * feat_size[1] <= self.dense_max_tokens else self._attend_blocked
-        out = attend(q, k_all, v_all, feat_size)  # (B, HW, heads, d)
+        out = attend(q, keys, values, feat_size)  # (B, HW, C)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
-            patches = out.transpose(1, 2)
-            glob = F.scaled_dot_product_attention(
-                q[:, :, :g], torch.cat([k[:, :, :g], patches], 2), torch.cat([v[:, :, :g], patches], 2))
-            out = torch.cat([glob.transpose(1, 2), out], 1)
-        return self.proj_drop(self.proj(out.reshape(B, N, C)))
+            glob = F.scaled_dot_product_attention(self._heads(q_g), self._heads(torch.cat([k_g, out], 1)),
+                                                  self._heads(torch.cat([v_g, out], 1)))
+            out = torch.cat([glob.transpose(1, 2).flatten(2), out], 1)
+        return self.proj_drop(self.proj(out))

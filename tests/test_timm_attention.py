@@ -117,6 +117,37 @@ def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, dense):
         torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kwargs", [{"window_bias": True}, {"conv_proj": True, "conv_dynamic_proj": True}],
+                         ids=["vil", "cvt"])
+@pytest.mark.parametrize("chunk", ["block", "half_image", "two_images"])
+def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
+    """The blocked layout taken in chunks (one block, part of an image, several images with a shorter last chunk)
+    gives the reference output and the same gradients as one chunk."""
+    H, W, dim, heads, w, r, g, B = 9, 11, 16, 2, 4, 3, 1, 3
+    m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
+    _randomise(m)
+    m.dense_max_tokens = 0
+    blocks = math.ceil(H / w) * math.ceil(W / w)
+    block_bytes = ((w + 2 * (w // 2)) ** 2 + r + g) * 2 * dim * 4  # keys + values of one block, float32
+    m.chunk_bytes = {"block": block_bytes, "half_image": blocks * block_bytes // 2,
+                     "two_images": 2 * blocks * block_bytes}[chunk]
+    x = torch.randn(B, g + H * W, dim, generator=torch.Generator().manual_seed(2))
+    chunks = m._chunks(B, blocks, block_bytes, x.device)
+    assert len(chunks) == {"block": B * blocks, "half_image": 2 * B, "two_images": 2}[chunk]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
+
+    grads = []
+    for chunk_bytes in (m.chunk_bytes, 2**62):
+        m.chunk_bytes = chunk_bytes
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        m(xi, (H, W)).square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    for chunked, whole in zip(*grads):
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_backward_reaches_every_parameter():
     m = LongShortAttention2d(16, 2, 3, 2, num_prefix_tokens=1, conv_proj=True, conv_dynamic_proj=True)
     x = torch.randn(2, 1 + 7 * 5, 16, requires_grad=True)
