@@ -296,21 +296,23 @@ class LongShortAttention2d(nn.Module):
         chunks = self._chunks(B, G, K * (keys.shape[-1] + C) * keys.element_size(), device)
         images = max(b1 - b0 for b0, b1, *_ in chunks)
         masks = mask.repeat(images, 1, 1, 1) if images > 1 else mask  # one tensor that every whole-image chunk views
-        q_rows, k_rows, v_rows = q.reshape(B * HW, -1), keys.reshape(B * L, -1), values.reshape(B * L, C)
+        # row indices into the (B * rows, width) views, per image and block; padding slots write to the sink row
+        image = torch.arange(B, device=device).view(B, 1, 1)
+        q_rows, kv_rows = image * HW + q_index, image * L + k_index
+        out_rows = torch.where(target >= 0, image * HW + target, B * HW)
+        q, keys, values = q.reshape(B * HW, -1), keys.reshape(B * L, -1), values.reshape(B * L, C)
         out = values.new_empty(B * HW + 1, C)
         for b0, b1, g0, g1 in chunks:
-            b = torch.arange(b0, b1, device=device).view(-1, 1, 1)
             n = (b1 - b0) * (g1 - g0)
-            kv = (b * L + k_index[g0:g1]).flatten()
-            q_c = q_rows.index_select(0, (b * HW + q_index[g0:g1]).flatten()).view(n, Q, self.num_heads, -1)
-            k_c = k_rows.index_select(0, kv).view(n, K, self.num_heads, -1)
-            v_c = v_rows.index_select(0, kv).view(n, K, self.num_heads, -1)
+            kv = kv_rows[b0:b1, g0:g1].flatten()
+            q_c = q.index_select(0, q_rows[b0:b1, g0:g1].flatten()).view(n, Q, self.num_heads, -1)
+            k_c = keys.index_select(0, kv).view(n, K, self.num_heads, -1)
+            v_c = values.index_select(0, kv).view(n, K, self.num_heads, -1)
             out_c = F.scaled_dot_product_attention(
                 q_c.transpose(1, 2), k_c.transpose(1, 2), v_c.transpose(1, 2),
                 attn_mask=masks[:n] if g1 - g0 == G else mask[g0:g1],
                 dropout_p=self.attn_drop if self.training else 0.0)
-            slot = target[g0:g1]
-            out.index_copy_(0, torch.where(slot >= 0, b * HW + slot, B * HW).flatten(), out_c.transpose(1, 2).reshape(-1, C))
+            out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
     def _attend_dense(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
