@@ -136,7 +136,7 @@ class LongShortAttention2d(nn.Module):
     # Blocked layout: blocks are attended in chunks gathering about this many key/value bytes. On CPU a chunk's tiles
     # are still in cache when SDPA reads them (CvT stage attention at 448 measured 1.5-2.3x faster than one call);
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
-    chunk_bytes: int = 2 << 20
+    chunk_bytes: int = 4 << 20
     accelerator_chunk_bytes: int = 1 << 30
 
     def __init__(
