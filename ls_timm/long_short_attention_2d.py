@@ -236,9 +236,9 @@ class LongShortAttention2d(nn.Module):
         """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w query slots, each against its T x T
         key tile (T = w + 2e) and the ``extra`` keys every patch sees (K = T^2 + extra keys).
 
-        Returns ``q_index`` (G, Q) into the patches, ``k_index`` (G, K) into [patches; extra keys], ``keep`` (G, K)
-        key visibility and ``target`` (G, Q), the raster position of each slot or -1 for a slot outside the map.
-        Positions outside the map (padding of the last blocks, tile borders) point at patch 0 and are masked.
+        Returns ``target`` (G, Q), the raster position of each query slot or -1 for a slot outside the map (padding of
+        the last blocks), ``k_index`` (G, K) into [patches; extra keys] and ``keep`` (G, K) key visibility; keys
+        outside the map (tile borders) point at patch 0 and are masked.
         """
         (H, W), w = feat_size, self.window_size
         e = max(w // 2, 1)
@@ -248,12 +248,11 @@ class LongShortAttention2d(nn.Module):
         k_yx = blocks + (_grid(T, T, device) - e).view(1, -1, 2)  # (G, T^2, 2)
         keep = window_keep_2d(blocks, k_yx, w, feat_size)[:, 0]  # a block's queries share their keys: (G, T^2)
         q_inside = ((q_yx >= 0) & (q_yx < torch.tensor([H, W], device=device))).all(-1)
-        raster = q_yx[..., 0] * W + q_yx[..., 1]
         G = gh * gw
         k_index = torch.cat([torch.where(keep, k_yx[..., 0] * W + k_yx[..., 1], 0),
                              torch.arange(H * W, H * W + extra, device=device).expand(G, -1)], 1)
         keep = torch.cat([keep, keep.new_ones(G, extra)], 1)
-        return torch.where(q_inside, raster, 0), k_index, keep, torch.where(q_inside, raster, -1)
+        return torch.where(q_inside, q_yx[..., 0] * W + q_yx[..., 1], -1), k_index, keep
 
     def _window_mask(self, keep: Tensor, dtype: torch.dtype) -> Tensor:
         """The SDPA mask of every block, from its key visibility ``keep`` (G, K): (G, 1, 1, K) bool, or with the
@@ -290,15 +289,16 @@ class LongShortAttention2d(nn.Module):
         """
         B, HW, _ = q.shape
         L, C, device = keys.shape[1], values.shape[-1], q.device
-        q_index, k_index, keep, target = self._layout(feat_size, L - HW, device)
-        (G, Q), K = q_index.shape, k_index.shape[1]
+        target, k_index, keep = self._layout(feat_size, L - HW, device)
+        (G, Q), K = target.shape, k_index.shape[1]
         mask = self._window_mask(keep, q.dtype)
         chunks = self._chunks(B, G, K * (keys.shape[-1] + C) * keys.element_size(), device)
         images = max(b1 - b0 for b0, b1, *_ in chunks)
         masks = mask.repeat(images, 1, 1, 1) if images > 1 else mask  # one tensor that every whole-image chunk views
-        # row indices into the (B * rows, width) views, per image and block; padding slots write to the sink row
+        # row indices into the (B * rows, width) views, per image and block; padding slots read patch 0 and write to
+        # the sink row
         image = torch.arange(B, device=device).view(B, 1, 1)
-        q_rows, kv_rows = image * HW + q_index, image * L + k_index
+        q_rows, kv_rows = image * HW + target.clamp(min=0), image * L + k_index
         out_rows = torch.where(target >= 0, image * HW + target, B * HW)
         q, keys, values = q.reshape(B * HW, -1), keys.reshape(B * L, -1), values.reshape(B * L, C)
         out = values.new_empty(B * HW + 1, C)
