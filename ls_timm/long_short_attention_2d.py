@@ -61,8 +61,12 @@ def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int
     q = q_yx.unsqueeze(-2)
     k = k_yx.unsqueeze(-3)
     start = torch.div(q, window, rounding_mode="floor") * window
-    inside = (k >= 0) & (k < torch.tensor(size, device=k.device))
-    return ((k >= start - ext) & (k < start + window + ext) & inside).all(-1)
+    return ((k >= start - ext) & (k < start + window + ext)).all(-1) & _inside(k, size)
+
+
+def _inside(yx: Tensor, size: tuple[int, int]) -> Tensor:
+    """Whether the 2-D positions ``yx`` (..., 2) lie inside the ``size = (H, W)`` map: (...) bool."""
+    return ((yx >= 0) & (yx < torch.tensor(size, device=yx.device))).all(-1)
 
 
 def _grid(h: int, w: int, device=None) -> Tensor:
@@ -232,37 +236,43 @@ class LongShortAttention2d(nn.Module):
         ln_k = self.dual_ln_global if self.dual_ln_global_k is None else self.dual_ln_global_k
         return ln_k(rows_k), self.dual_ln_global(rows_v)
 
-    def _layout(self, feat_size: tuple[int, int], extra: int, device):
+    def _layout(self, feat_size: tuple[int, int], extra: int, device, dtype):
         """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w query slots, each against its T x T
         key tile (T = w + 2e) and the ``extra`` keys every patch sees (K = T^2 + extra keys).
 
         Returns ``target`` (G, Q), the raster position of each query slot or -1 for a slot outside the map (padding of
-        the last blocks), ``k_index`` (G, K) into [patches; extra keys] and ``keep`` (G, K) key visibility; keys
-        outside the map (tile borders) point at patch 0 and are masked.
+        the last blocks), ``k_index`` (G, K) into [patches; extra keys], and the blocks' SDPA mask
+        (``_window_mask``); tile keys outside the map point at patch 0 and are masked.
         """
         (H, W), w = feat_size, self.window_size
         e = max(w // 2, 1)
-        gh, gw, T = -(-H // w), -(-W // w), w + 2 * e
-        blocks = _grid(gh, gw, device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
+        blocks = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
         q_yx = blocks + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
-        k_yx = blocks + (_grid(T, T, device) - e).view(1, -1, 2)  # (G, T^2, 2)
-        keep = window_keep_2d(blocks, k_yx, w, feat_size)[:, 0]  # a block's queries share their keys: (G, T^2)
-        q_inside = ((q_yx >= 0) & (q_yx < torch.tensor([H, W], device=device))).all(-1)
-        G = gh * gw
-        k_index = torch.cat([torch.where(keep, k_yx[..., 0] * W + k_yx[..., 1], 0),
-                             torch.arange(H * W, H * W + extra, device=device).expand(G, -1)], 1)
-        keep = torch.cat([keep, keep.new_ones(G, extra)], 1)
-        return torch.where(q_inside, q_yx[..., 0] * W + q_yx[..., 1], -1), k_index, keep
+        k_yx = blocks + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
+        k_index = torch.cat([torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
+                             torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1)], 1)
+        # a block's queries share their keys: one mask row per block, unless the window bias tells them apart
+        mask = self._window_mask(q_yx if self.relative_position_bias_table is not None else blocks, k_yx, feat_size,
+                                 extra, dtype)
+        return torch.where(_inside(q_yx, feat_size), q_yx[..., 0] * W + q_yx[..., 1], -1), k_index, mask
 
-    def _window_mask(self, keep: Tensor, dtype: torch.dtype) -> Tensor:
-        """The SDPA mask of every block, from its key visibility ``keep`` (G, K): (G, 1, 1, K) bool, or with the
-        ViL-LS window bias on the T^2 tile keys (G, heads, Q, K) float, -inf where hidden."""
+    def _window_mask(self, q_yx: Tensor, k_yx: Tensor, feat_size: tuple[int, int], extra: int, dtype) -> Tensor:
+        """SDPA mask of the queries at ``q_yx`` (G, Q, 2) against the patch keys at ``k_yx`` (G, T, 2) followed by
+        ``extra`` keys every query sees: (G, 1, Q, K) bool, or with the ViL-LS window bias (G, heads, Q, K) float,
+        -inf where hidden."""
+        keep = window_keep_2d(q_yx, k_yx, self.window_size, feat_size)
+        keep = torch.cat([keep, keep.new_ones(*keep.shape[:-1], extra)], -1).unsqueeze(1)
         if self.relative_position_bias_table is None:
-            return keep[:, None, None, :]
-        bias = self.relative_position_bias_table[self.relative_position_index].permute(2, 0, 1).to(dtype)
-        extra = keep.shape[1] - bias.shape[-1]
-        bias = torch.cat([bias, bias.new_zeros(*bias.shape[:2], extra)], -1)  # (heads, Q, K)
-        return bias.unsqueeze(0).masked_fill(~keep[:, None, None, :], float("-inf"))
+            return keep
+        # the official bias index of (query within its w x w block, key within that block's tile)
+        w = self.window_size
+        T = w + 2 * (w // 2)
+        tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - w // 2).unsqueeze(2)  # (G,Q,T,2)
+        tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
+        local = ((q_yx[..., 0] % w) * w + q_yx[..., 1] % w).unsqueeze(-1)
+        bias = self.relative_position_bias_table[self.relative_position_index[local, tile]].permute(0, 3, 1, 2)
+        bias = torch.cat([bias, bias.new_zeros(*bias.shape[:3], extra)], -1)  # (G, heads, Q, K)
+        return bias.to(dtype).masked_fill(~keep, float("-inf"))
 
     def _chunks(self, B: int, G: int, block_bytes: int, device) -> list[tuple[int, int, int, int]]:
         """(first image, last image + 1, first block, last block + 1) chunks of the (B, G) blocks of ``block_bytes``
@@ -289,9 +299,8 @@ class LongShortAttention2d(nn.Module):
         """
         B, HW, _ = q.shape
         L, C, device = keys.shape[1], values.shape[-1], q.device
-        target, k_index, keep = self._layout(feat_size, L - HW, device)
+        target, k_index, mask = self._layout(feat_size, L - HW, device, q.dtype)
         (G, Q), K = target.shape, k_index.shape[1]
-        mask = self._window_mask(keep, q.dtype)
         chunks = self._chunks(B, G, K * (keys.shape[-1] + C) * keys.element_size(), device)
         images = max(b1 - b0 for b0, b1, *_ in chunks)
         masks = mask.repeat(images, 1, 1, 1) if images > 1 else mask  # one tensor that every whole-image chunk views
@@ -318,23 +327,10 @@ class LongShortAttention2d(nn.Module):
     def _attend_dense(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """All patch queries against all keys [patches; extra keys] with the (HW, L) visibility mask: one SDPA call,
         cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
-        (H, W), w = feat_size, self.window_size
-        HW, extra = H * W, keys.shape[1] - q.shape[1]
-        yx = _grid(H, W, q.device).flatten(0, 1)
-        keep = window_keep_2d(yx, yx, w, feat_size)  # (HW, HW)
-        if self.relative_position_bias_table is None:
-            mask = torch.cat([keep, keep.new_ones(HW, extra)], 1)
-        else:  # the tile coordinates of every key around each query's block, then the official bias index
-            e = max(w // 2, 1)
-            T = w + 2 * e
-            tile = yx.unsqueeze(0) - (torch.div(yx, w, rounding_mode="floor") * w - e).unsqueeze(1)  # (HW, HW, 2)
-            tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
-            local = (yx[:, 0] % w) * w + yx[:, 1] % w
-            bias = self.relative_position_bias_table[self.relative_position_index[local.unsqueeze(1), tile]]
-            bias = bias.permute(2, 0, 1).to(q.dtype).masked_fill(~keep, float("-inf"))
-            mask = torch.cat([bias, bias.new_zeros(bias.shape[0], HW, extra)], 2)
+        yx = _grid(*feat_size, q.device).view(1, -1, 2)
+        mask = self._window_mask(yx, yx, feat_size, keys.shape[1] - q.shape[1], q.dtype)  # (1, 1|heads, HW, L)
         out = F.scaled_dot_product_attention(self._heads(q), self._heads(keys), self._heads(values),
-                                             attn_mask=mask.view(1, -1, HW, mask.shape[-1]),
+                                             attn_mask=mask,
                                              dropout_p=self.attn_drop if self.training else 0.0)
         return out.transpose(1, 2).flatten(2)
 
