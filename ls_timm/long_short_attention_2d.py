@@ -21,19 +21,23 @@ Python), on strided (.., heads, L, d) views:
 * dense (maps of at most ``dense_max_tokens`` patches, where blocks of a few queries cost more than they save):
   all patch queries against all keys with the (HW x keys) visibility mask, one call.
 
-Maps whose sides are not multiples of ``w`` get partial last blocks: positions outside the map are masked keys and
-dropped queries, so any input size works.
+Both layouts' index tensors and masks depend on the map size only (``window_layout``), so they are built once per
+size and shared by every layer of a stage. Maps whose sides are not multiples of ``w`` get partial last blocks:
+positions outside the map are masked keys and dropped queries, so any input size works.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LongShortAttention2d", "validate_ls_2d_args", "window_keep_2d"]
+__all__ = ["LongShortAttention2d", "WindowLayout", "validate_ls_2d_args", "window_keep_2d", "window_layout"]
 
 
 def validate_ls_2d_args(
@@ -85,6 +89,49 @@ def vil_window_bias_index(window: int) -> Tensor:
     rel = _grid(window, window).view(-1, 1, 2) - (_grid(window + 2 * pad, window + 2 * pad) - pad).view(1, -1, 2)
     rel = rel + pad + window - 1
     return rel[..., 0] * (2 * pad + window) + rel[..., 1]
+
+
+class WindowLayout(NamedTuple):
+    """Where the patch queries and keys of one map size meet (``window_layout``): G groups of Q query slots against K
+    keys ([patches; extra keys]), the dense layout being one group of all HW queries against all keys in order."""
+
+    target: Tensor | None  # blocked: (G, Q) raster position of each query slot, -1 outside the map (padding)
+    k_index: Tensor | None  # blocked: (G, K) rows of [patches; extra keys]; tile keys outside the map read patch 0
+    keep: Tensor  # (G, 1, Q, K) bool visibility, (G, 1, 1, K) for blocks whose queries share their keys
+    bias_index: Tensor | None  # with the ViL-LS bias: (G or 1, Q, K - extra) rows of its table for the patch keys
+
+
+@functools.lru_cache(maxsize=64)
+def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: bool, bias: bool,
+                  device: torch.device) -> WindowLayout:
+    """The ``WindowLayout`` of an (H, W) map, cached: it depends on the geometry only, so every layer of a stage shares
+    it. Blocked: w x w query blocks, each against its T x T key tile (T = w + 2e) and the ``extra`` keys; dense: all
+    queries against all keys. Built outside inference mode, so that a layout first made there serves training too."""
+    (H, W), w = feat_size, window
+    e = max(w // 2, 1)
+    with torch.inference_mode(False):
+        if blocked:
+            blocks = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
+            q_yx = blocks + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
+            k_yx = blocks + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
+            target = torch.where(_inside(q_yx, feat_size), q_yx[..., 0] * W + q_yx[..., 1], -1)
+            k_index = torch.cat([torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
+                                 torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1)], 1)
+        else:
+            q_yx = k_yx = _grid(H, W, device).view(1, -1, 2)
+            target = k_index = None
+        # a block's queries share their keys: one mask row per block, unless the bias tells them apart
+        keep = window_keep_2d(blocks if blocked and not bias else q_yx, k_yx, w, feat_size)
+        keep = torch.cat([keep, keep.new_ones(*keep.shape[:-1], extra)], -1).unsqueeze(1)
+        bias_index = vil_window_bias_index(w).to(device) if bias else None  # (query in block, key in its tile)
+        if bias and blocked:  # the keys of every block are its tile in order
+            bias_index = bias_index.unsqueeze(0)
+        elif bias:  # the tile position of every key around each query's block, hidden keys clamped
+            T = w + 2 * (w // 2)
+            tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - w // 2).unsqueeze(2)
+            tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
+            bias_index = bias_index[((q_yx[..., 0] % w) * w + q_yx[..., 1] % w).unsqueeze(-1), tile]
+    return WindowLayout(target, k_index, keep, bias_index)
 
 
 class StdConv2d(nn.Conv2d):
@@ -200,7 +247,6 @@ class LongShortAttention2d(nn.Module):
             pad = window_size // 2
             rows = 2 * (window_size + pad - 1) * (2 * pad + window_size + 1) + 1
             self.relative_position_bias_table = nn.Parameter(torch.zeros(rows, num_heads, **dd))
-            self.register_buffer("relative_position_index", vil_window_bias_index(window_size), persistent=False)
         else:
             self.relative_position_bias_table = None
         self.proj = nn.Linear(dim, dim, **dd)
@@ -236,43 +282,19 @@ class LongShortAttention2d(nn.Module):
         ln_k = self.dual_ln_global if self.dual_ln_global_k is None else self.dual_ln_global_k
         return ln_k(rows_k), self.dual_ln_global(rows_v)
 
-    def _layout(self, feat_size: tuple[int, int], extra: int, device, dtype):
-        """Index tensors of the blocked layout: G = gh * gw blocks of Q = w * w query slots, each against its T x T
-        key tile (T = w + 2e) and the ``extra`` keys every patch sees (K = T^2 + extra keys).
+    def _layout(self, feat_size: tuple[int, int], extra: int, blocked: bool, device) -> WindowLayout:
+        """The cached ``window_layout`` of this module's window (traced afresh under torch.compile)."""
+        layout = window_layout.__wrapped__ if torch.compiler.is_compiling() else window_layout
+        return layout(feat_size, self.window_size, extra, blocked, self.relative_position_bias_table is not None, device)
 
-        Returns ``target`` (G, Q), the raster position of each query slot or -1 for a slot outside the map (padding of
-        the last blocks), ``k_index`` (G, K) into [patches; extra keys], and the blocks' SDPA mask
-        (``_window_mask``); tile keys outside the map point at patch 0 and are masked.
-        """
-        (H, W), w = feat_size, self.window_size
-        e = max(w // 2, 1)
-        blocks = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
-        q_yx = blocks + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
-        k_yx = blocks + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
-        k_index = torch.cat([torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
-                             torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1)], 1)
-        # a block's queries share their keys: one mask row per block, unless the window bias tells them apart
-        mask = self._window_mask(q_yx if self.relative_position_bias_table is not None else blocks, k_yx, feat_size,
-                                 extra, dtype)
-        return torch.where(_inside(q_yx, feat_size), q_yx[..., 0] * W + q_yx[..., 1], -1), k_index, mask
-
-    def _window_mask(self, q_yx: Tensor, k_yx: Tensor, feat_size: tuple[int, int], extra: int, dtype) -> Tensor:
-        """SDPA mask of the queries at ``q_yx`` (G, Q, 2) against the patch keys at ``k_yx`` (G, T, 2) followed by
-        ``extra`` keys every query sees: (G, 1, Q, K) bool, or with the ViL-LS window bias (G, heads, Q, K) float,
-        -inf where hidden."""
-        keep = window_keep_2d(q_yx, k_yx, self.window_size, feat_size)
-        keep = torch.cat([keep, keep.new_ones(*keep.shape[:-1], extra)], -1).unsqueeze(1)
-        if self.relative_position_bias_table is None:
-            return keep
-        # the official bias index of (query within its w x w block, key within that block's tile)
-        w = self.window_size
-        T = w + 2 * (w // 2)
-        tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - w // 2).unsqueeze(2)  # (G,Q,T,2)
-        tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
-        local = ((q_yx[..., 0] % w) * w + q_yx[..., 1] % w).unsqueeze(-1)
-        bias = self.relative_position_bias_table[self.relative_position_index[local, tile]].permute(0, 3, 1, 2)
-        bias = torch.cat([bias, bias.new_zeros(*bias.shape[:3], extra)], -1)  # (G, heads, Q, K)
-        return bias.to(dtype).masked_fill(~keep, float("-inf"))
+    def _mask(self, layout: WindowLayout, dtype: torch.dtype) -> Tensor:
+        """The SDPA mask of a layout: its ``keep`` (bool), or with the ViL-LS window bias on the patch keys
+        (G, heads, Q, K) float, -inf where hidden."""
+        if layout.bias_index is None:
+            return layout.keep
+        bias = self.relative_position_bias_table[layout.bias_index].permute(0, 3, 1, 2).to(dtype)  # (G or 1, heads, Q, T)
+        bias = F.pad(bias, (0, layout.keep.shape[-1] - bias.shape[-1]))
+        return bias.masked_fill(~layout.keep, float("-inf"))
 
     def _chunks(self, B: int, G: int, block_bytes: int, device) -> list[tuple[int, int, int, int]]:
         """(first image, last image + 1, first block, last block + 1) chunks of the (B, G) blocks of ``block_bytes``
@@ -299,8 +321,9 @@ class LongShortAttention2d(nn.Module):
         """
         B, HW, _ = q.shape
         L, C, device = keys.shape[1], values.shape[-1], q.device
-        target, k_index, mask = self._layout(feat_size, L - HW, device, q.dtype)
+        target, k_index, *_ = layout = self._layout(feat_size, L - HW, True, device)
         (G, Q), K = target.shape, k_index.shape[1]
+        mask = self._mask(layout, q.dtype)
         chunks = self._chunks(B, G, K * (keys.shape[-1] + C) * keys.element_size(), device)
         images = max(b1 - b0 for b0, b1, *_ in chunks)
         masks = mask.repeat(images, 1, 1, 1) if images > 1 else mask  # one tensor that every whole-image chunk views
@@ -327,10 +350,8 @@ class LongShortAttention2d(nn.Module):
     def _attend_dense(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """All patch queries against all keys [patches; extra keys] with the (HW, L) visibility mask: one SDPA call,
         cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
-        yx = _grid(*feat_size, q.device).view(1, -1, 2)
-        mask = self._window_mask(yx, yx, feat_size, keys.shape[1] - q.shape[1], q.dtype)  # (1, 1|heads, HW, L)
-        out = F.scaled_dot_product_attention(self._heads(q), self._heads(keys), self._heads(values),
-                                             attn_mask=mask,
+        mask = self._mask(self._layout(feat_size, keys.shape[1] - q.shape[1], False, q.device), q.dtype)
+        out = F.scaled_dot_product_attention(self._heads(q), self._heads(keys), self._heads(values), attn_mask=mask,
                                              dropout_p=self.attn_drop if self.training else 0.0)
         return out.transpose(1, 2).flatten(2)
 

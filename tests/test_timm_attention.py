@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ls_timm.long_short_attention_2d import LongShortAttention2d
+from ls_timm.long_short_attention_2d import LongShortAttention2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -146,6 +146,26 @@ def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
         grads.append([xi.grad] + [p.grad for p in m.parameters()])
     for chunked, whole in zip(*grads):
         torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{"window_bias": True}, {}], ids=["vil", "plain"])
+@pytest.mark.parametrize("side", [9, 20], ids=["dense", "blocked"])
+def test_layout_cached_in_inference_mode_serves_training(kwargs, side):
+    """The window layout is cached per map size; one first built under ``torch.inference_mode`` must still be usable
+    in a training step (inference tensors cannot be saved for backward)."""
+    m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, **kwargs)
+    m.dense_max_tokens = 100
+    x = torch.randn(2, 1 + side * (side + 1), 16)
+    window_layout.cache_clear()
+    with torch.inference_mode():
+        expected = m(x, (side, side + 1))
+    assert window_layout.cache_info().currsize == 1
+    xi = x.clone().requires_grad_()
+    out = m(xi, (side, side + 1))
+    out.square().sum().backward()
+    assert window_layout.cache_info().hits == 1
+    torch.testing.assert_close(out.detach(), expected)
+    assert xi.grad.abs().sum() > 0
 
 
 def test_backward_reaches_every_parameter():
