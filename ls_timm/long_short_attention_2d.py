@@ -97,7 +97,7 @@ class WindowLayout(NamedTuple):
 
     target: Tensor | None  # blocked: (G, Q) raster position of each query slot, -1 outside the map (padding)
     k_index: Tensor | None  # blocked: (G, K) rows of [patches; extra keys]; tile keys outside the map read patch 0
-    keep: Tensor  # (G, 1, Q, K) bool visibility, (G, 1, 1, K) for blocks whose queries share their keys
+    keep: Tensor  # bool visibility: blocked (G, 1, 1, K), a block's queries sharing their keys; dense (1, 1, HW, K)
     bias_index: Tensor | None  # with the ViL-LS bias: (G or 1, Q, K - extra) rows of its table for the patch keys
 
 
@@ -120,8 +120,7 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
         else:
             q_yx = k_yx = _grid(H, W, device).view(1, -1, 2)
             target = k_index = None
-        # a block's queries share their keys: one mask row per block, unless the bias tells them apart
-        keep = window_keep_2d(blocks if blocked and not bias else q_yx, k_yx, w, feat_size)
+        keep = window_keep_2d(blocks if blocked else q_yx, k_yx, w, feat_size)  # a block's queries share their keys
         keep = torch.cat([keep, keep.new_ones(*keep.shape[:-1], extra)], -1).unsqueeze(1)
         bias_index = vil_window_bias_index(w).to(device) if bias else None  # (query in block, key in its tile)
         if bias and blocked:  # the keys of every block are its tile in order
