@@ -125,9 +125,9 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
         bias_index = vil_window_bias_index(w).to(device) if bias else None  # (query in block, key in its tile)
         if bias and blocked:  # the keys of every block are its tile in order
             bias_index = bias_index.unsqueeze(0)
-        elif bias:  # the tile position of every key around each query's block, hidden keys clamped
-            T = w + 2 * (w // 2)
-            tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - w // 2).unsqueeze(2)
+        elif bias:  # the tile position of every key around each query's block, hidden keys clamped (w >= 2: e = w // 2)
+            T = w + 2 * e
+            tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - e).unsqueeze(2)
             tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
             bias_index = bias_index[((q_yx[..., 0] % w) * w + q_yx[..., 1] % w).unsqueeze(-1), tile]
     return WindowLayout(target, k_index, keep, bias_index)
