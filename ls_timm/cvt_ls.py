@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import calculate_drop_path_rates, to_2tuple
+from timm.layers import calculate_drop_path_rates, to_2tuple, to_ntuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
@@ -48,7 +48,7 @@ class CvtLs(HierarchicalTransformer):
             above it) when those are not given; the model itself runs at any input size.
         embed_dims, depths, num_heads: per-stage layout (CvT-13: 64/192/384, 1/2/10, 1/3/6).
         patch_sizes, patch_strides, patch_paddings: convolutional token embeddings.
-        projection_rank, window_size: r per head and w per stage.
+        projection_rank, window_size: r per head and w, per stage (an int applies to every stage).
         qk_dims: optional LMSA query/key width per stage (stage 3 must keep the full width for its cls token).
     """
 
@@ -65,8 +65,8 @@ class CvtLs(HierarchicalTransformer):
         patch_strides: Sequence[int] = (4, 2, 2),
         patch_paddings: Sequence[int] = (2, 1, 1),
         num_global_tokens: Sequence[int] = (0, 0, 1),
-        projection_rank: Sequence[int] | None = None,
-        window_size: Sequence[int] | None = None,
+        projection_rank: int | Sequence[int] | None = None,
+        window_size: int | Sequence[int] | None = None,
         qk_dims: Sequence[int | None] | None = None,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
@@ -81,10 +81,11 @@ class CvtLs(HierarchicalTransformer):
     ):
         dd = {"device": device, "dtype": dtype}
         side = max(to_2tuple(img_size))
-        paper = PAPER_SETTINGS[max([s for s in PAPER_SETTINGS if s <= side], default=224)]
-        projection_rank = projection_rank or paper[0]
-        window_size = window_size or paper[1]
+        paper_rank, paper_window = PAPER_SETTINGS[max([s for s in PAPER_SETTINGS if s <= side], default=224)]
         num_stages = len(depths)
+        per_stage = to_ntuple(num_stages)
+        projection_rank = per_stage(paper_rank if projection_rank is None else projection_rank)
+        window_size = per_stage(paper_window if window_size is None else window_size)
         qk_dims = qk_dims or (None,) * num_stages
         check_per_stage(depths, embed_dims=embed_dims, num_heads=num_heads, patch_sizes=patch_sizes,
                         patch_strides=patch_strides, patch_paddings=patch_paddings,

@@ -107,15 +107,14 @@ class HierarchicalTransformer(nn.Module):
         super().__init__()
         dims = [s.embed.proj.out_channels for s in stages]
         self.num_classes = num_classes
-        self.num_features = self.head_hidden_size = dims[-1]
-        self.num_prefix_tokens = stages[-1].num_prefix_tokens
         self.stages = nn.Sequential(*stages)
+        self._set_last_stage()
         reductions = [math.prod(strides[: i + 1]) for i in range(len(strides))]
         self.feature_info = [{"num_chs": d, "reduction": r, "module": f"stages.{i}"}
                              for i, (d, r) in enumerate(zip(dims, reductions))]
         self.norm = norm_layer(dims[-1], **dd)
         self.head_drop = nn.Dropout(drop_rate)
-        self._check_pool(global_pool)
+        self._check_pool(global_pool, num_classes)
         self.global_pool = global_pool
         self.head = nn.Linear(dims[-1], num_classes, **dd) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
@@ -136,11 +135,19 @@ class HierarchicalTransformer(nn.Module):
             if "relative_position" in name:
                 trunc_normal_(p, std=0.02)
 
-    def _check_pool(self, global_pool: str) -> None:
+    def _set_last_stage(self) -> None:
+        """The head's input follows the last stage: its width and global tokens."""
+        self.num_features = self.head_hidden_size = self.stages[-1].embed.proj.out_channels
+        self.num_prefix_tokens = self.stages[-1].num_prefix_tokens
+
+    def _check_pool(self, global_pool: str, num_classes: int) -> None:
         if global_pool not in ("avg", "token", ""):
             raise ValueError(f"global_pool must be 'avg', 'token' or '', got {global_pool!r}.")
         if global_pool == "token" and not self.num_prefix_tokens:
             raise ValueError("global_pool='token' needs a global token in the last stage; use 'avg'.")
+        if global_pool == "" and num_classes and not self.num_prefix_tokens:
+            raise ValueError("global_pool='' leaves an unpooled (B, C, H, W) map, which a classifier cannot take; "
+                             "use num_classes=0 for the map, or global_pool='avg'.")
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -167,10 +174,9 @@ class HierarchicalTransformer(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            self._check_pool(global_pool)
-            self.global_pool = global_pool
+        global_pool = self.global_pool if global_pool is None else global_pool
+        self._check_pool(global_pool, num_classes)
+        self.num_classes, self.global_pool = num_classes, global_pool
         dd = {"device": self.norm.weight.device, "dtype": self.norm.weight.dtype} if hasattr(self.norm, "weight") \
             else {}
         self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
@@ -204,6 +210,7 @@ class HierarchicalTransformer(nn.Module):
                                   prune_head: bool = True) -> list[int]:
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         self.stages = self.stages[: max_index + 1]
+        self._set_last_stage()
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import calculate_drop_path_rates, to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
 from torch import Tensor, nn
 
 from .hierarchical import HierarchicalTransformer, Stage, check_per_stage
@@ -32,9 +32,9 @@ from .long_short_attention_2d import LongShortAttention2d
 __all__ = ["VilLs"]
 
 
-def swin_relative_index(height: int, width: int) -> Tensor:
+def swin_relative_index(height: int, width: int, device=None) -> Tensor:
     """(HW, HW) index into a ((2H - 1)(2W - 1)) table for every pair of raster positions (Swin / ViL formula)."""
-    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij")
     coords = torch.stack([ys.flatten(), xs.flatten()])  # (2, HW)
     rel = coords[:, :, None] - coords[:, None, :]
     return (rel[0] + height - 1) * (2 * width - 1) + rel[1] + width - 1
@@ -56,13 +56,18 @@ class RelPosAttention(nn.Module):
         height, width = self.feat_size
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * height - 1) * (2 * width - 1), num_heads,
                                                                      **dd))
-        self.register_buffer("relative_position_index", swin_relative_index(height, width), persistent=False)
+        self.register_buffer("relative_position_index", swin_relative_index(height, width, device), persistent=False)
         if num_prefix_tokens:
             self.g2l_relative_position_bias = nn.Parameter(torch.zeros(2, num_heads, num_prefix_tokens, **dd))
             self.g2g_relative_position_bias = nn.Parameter(
                 torch.zeros(num_heads, num_prefix_tokens, num_prefix_tokens, **dd))
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuild the relative position index, which checkpoints do not hold (timm calls this after a model made on
+        the meta device is materialised)."""
+        self.relative_position_index = swin_relative_index(*self.feat_size, self.relative_position_index.device)
 
     def _bias(self) -> Tensor:
         """Additive bias (heads, N, N) in token order [global; map]."""
@@ -155,6 +160,15 @@ class VilLs(HierarchicalTransformer):
             in_chs = embed_dims[i]
         super().__init__(stages, patch_sizes, num_classes, global_pool, drop_rate, norm_layer, dd)
 
+    @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str) -> None:
+        """timm's ``custom_load`` hook for the released weights: their URLs all end in ``model_best.pth``, so each
+        variant's cfg names its own cache file, and the download loads here through timm's loader as a local file
+        (``checkpoint_filter_fn``, classifier and input-channel adaptation)."""
+        cfg = {**self.pretrained_cfg, "file": checkpoint_path, "custom_load": False}
+        load_pretrained(self, cfg, num_classes=self.num_classes, in_chans=self.stages[0].embed.proj.in_channels,
+                        filter_fn=checkpoint_filter_fn)
+
 
 def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
     """Official ``MsViT`` checkpoint (``{'net': ...}``, optional ``module.`` prefix) -> ``VilLs`` keys.
@@ -208,12 +222,18 @@ def _cfg(url: str = "", **kwargs) -> dict:
     }
 
 
+def _released(dropbox_key: str, file_name: str, **kwargs) -> dict:
+    """The cfg of official weights: downloaded to their own cache ``file_name`` and loaded by ``load_pretrained``."""
+    return _cfg(url=(f"https://www.dropbox.com/s/{dropbox_key}/model_best.pth?dl=1", file_name), custom_load=True,
+                **kwargs)
+
+
 default_cfgs = generate_default_cfgs({
     "vil_ls_small": _cfg(),
-    "vil_ls_medium.nv_in1k": _cfg(url="https://www.dropbox.com/s/ng14pebstaaydug/model_best.pth?dl=1"),
-    "vil_ls_medium_384.nv_in1k": _cfg(url="https://www.dropbox.com/s/390tzi2ll3sfibl/model_best.pth?dl=1",
-                                      input_size=(3, 384, 384), pool_size=(12, 12)),
-    "vil_ls_base.nv_in1k": _cfg(url="https://www.dropbox.com/s/80u5p5eh4txad10/model_best.pth?dl=1"),
+    "vil_ls_medium.nv_in1k": _released("ng14pebstaaydug", "vil_ls_medium_nv_in1k.pth"),
+    "vil_ls_medium_384.nv_in1k": _released("390tzi2ll3sfibl", "vil_ls_medium_384_nv_in1k.pth",
+                                           input_size=(3, 384, 384), pool_size=(12, 12)),
+    "vil_ls_base.nv_in1k": _released("80u5p5eh4txad10", "vil_ls_base_nv_in1k.pth"),
 })
 
 

@@ -11,6 +11,7 @@ from timm.optim import create_optimizer_v2
 
 import ls_timm  # noqa: F401  (registers the entries)
 from ls_timm.cvt_ls import PAPER_SETTINGS
+from ls_timm.hierarchical import to_map
 
 CVT = ["cvt_ls_13", "cvt_ls_17", "cvt_ls_21", "cvt_ls_21s"]
 VIL = ["vil_ls_small", "vil_ls_medium", "vil_ls_medium_384", "vil_ls_base"]
@@ -64,7 +65,8 @@ def test_pretrained_cfg(name):
     keys = model.state_dict().keys()
     assert cfg["first_conv"] + ".weight" in keys and cfg["classifier"] + ".weight" in keys
     if name in VIL and name != "vil_ls_small":
-        assert cfg["url"].startswith("https://www.dropbox.com/s/") and cfg["fixed_input_size"]
+        url, file_name = cfg["url"]
+        assert url.startswith("https://www.dropbox.com/s/") and file_name.startswith(name) and cfg["fixed_input_size"]
 
 
 @pytest.mark.parametrize("name", CVT + VIL)
@@ -124,9 +126,12 @@ def test_classifier_reset_and_pooling(name):
         assert model.forward_head(model.forward_features(x), pre_logits=True).shape == (2, model.head_hidden_size)
         model.reset_classifier(0)
         assert model(x).shape == (2, width)
-        model.reset_classifier(5, "")
+        model.reset_classifier(0, "")
         unpooled = model.forward_features(x)
         assert model.forward_head(unpooled, pre_logits=True).shape == unpooled.shape
+        if name in CVT:  # unpooled tokens: a logit row per token, as timm's ViT
+            model.reset_classifier(5)
+            assert model(x).shape == (2, unpooled.shape[1], 5)
         model.reset_classifier(3, "avg")
         assert model(x).shape == (2, 3)
     assert model.get_classifier().out_features == 3
@@ -136,6 +141,10 @@ def test_classifier_reset_and_pooling(name):
         assert unpooled.shape == (2, width, size // 32, size // 32)
         with pytest.raises(ValueError, match="global_pool"):
             model.reset_classifier(3, "token")
+        with pytest.raises(ValueError, match="global_pool='avg'"):  # a classifier cannot take the unpooled map
+            model.reset_classifier(3, "")
+        with pytest.raises(ValueError, match="global_pool='avg'"):
+            timm.create_model(name, depths=(1, 1, 1, 1), img_size=64, global_pool="")
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_21s", "vil_ls_medium"])
@@ -161,11 +170,14 @@ def test_prune_intermediate_layers(name):
     x = torch.randn(1, 3, size, size)
     with torch.no_grad():
         want = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
-        assert model.prune_intermediate_layers(indices=[0, 1], prune_head=True) == [0, 1]
+        assert model.prune_intermediate_layers(indices=[0, 1], prune_norm=True) == [0, 1]
         got = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
-    assert len(model.stages) == 2 and model.num_classes == 0
+        out = model(x)  # the pruned model's output: its last stage, unnormed (tokens if that stage has a global one)
+    assert len(model.stages) == 2 and model.num_classes == 0 and model.num_features == want[-1].shape[1]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    torch.testing.assert_close(to_map(out, model.num_prefix_tokens, want[-1].shape[-2:]) if out.ndim == 3 else out,
+                               want[-1])
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_medium"])
@@ -190,13 +202,52 @@ def test_save_load_and_hub_round_trip(name, tmp_path):
         torch.testing.assert_close(hub.eval()(x), ref)
 
 
+def test_released_weights_load_from_their_own_cache_files(tmp_path, monkeypatch):
+    """The official URLs all end in model_best.pth: each variant downloads to, and loads from, its own cache file
+    (a checkpoint in the official ``{'net': ...}`` form placed there loads without a download)."""
+    names = [timm.models.get_pretrained_cfg(n).url[1] for n in timm.list_models("vil_ls*", pretrained=True)]
+    assert len(set(names)) == len(names) == 3
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    for seed, name in enumerate(["vil_ls_medium", "vil_ls_base"]):
+        torch.manual_seed(seed)
+        source, _ = _reduced(name)
+        (tmp_path / "hub" / "checkpoints").mkdir(parents=True, exist_ok=True)
+        torch.save({"net": {"module." + k: v for k, v in source.state_dict().items()}},
+                   tmp_path / "hub" / "checkpoints" / timm.models.get_pretrained_cfg(name).url[1])
+        for num_classes in (1000, 7):  # the released head, or a new one for fine-tuning (timm drops the head)
+            loaded, _ = _reduced(name, pretrained=True, num_classes=num_classes)
+            kept = {k: v for k, v in source.state_dict().items() if num_classes == 1000 or not k.startswith("head.")}
+            for key, value in kept.items():
+                torch.testing.assert_close(loaded.state_dict()[key], value, msg=key)
+
+
+def test_meta_device_creation_then_load():
+    """timm's meta-device path: create on meta, materialise, load weights, rebuild the non-persistent buffers."""
+    reinit = pytest.importorskip("timm.models._manipulate").reinit_non_persistent_buffers
+    torch.manual_seed(0)
+    ref, size = _reduced("vil_ls_small")
+    with torch.device("meta"):
+        model, _ = _reduced("vil_ls_small")
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    assert reinit(model)  # the full-attention stages' relative position index
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), ref.eval()(x))
+
+
 def test_paper_resolution_settings():
-    """Appendix E: r and w per input size for CvT*-LS; ViL-LS-Medium at 384 uses w = 8."""
-    for size, (ranks, windows) in PAPER_SETTINGS.items():
+    """Appendix E: r and w per input size for CvT*-LS (or one value for every stage); ViL-LS-Medium at 384 uses
+    w = 8."""
+    def settings(**kwargs):
         with torch.device("meta"):
-            model = timm.create_model("cvt_ls_21", img_size=size)
+            model = timm.create_model("cvt_ls_21", **kwargs)
         attn = [stage.blocks[0].attn for stage in model.stages]
-        assert [a.projection_rank for a in attn] == list(ranks) and [a.window_size for a in attn] == list(windows)
+        return [a.projection_rank for a in attn], [a.window_size for a in attn]
+
+    for size, (ranks, windows) in PAPER_SETTINGS.items():
+        assert settings(img_size=size) == (list(ranks), list(windows))
+    assert settings(img_size=448, projection_rank=0, window_size=4) == ([0, 0, 0], [4, 4, 4])
     with torch.device("meta"):
         vil = timm.create_model("vil_ls_medium_384")
     assert vil.stages[0].blocks[0].attn.window_size == 8 and vil.pretrained_cfg["input_size"] == (3, 384, 384)
@@ -218,6 +269,8 @@ def test_bad_inputs_raise_clear_errors():
         timm.create_model("cvt_ls_13", depths=(1, 1))
     with pytest.raises(ValueError, match="window_size"):
         timm.create_model("cvt_ls_13", window_size=(8, 0, 2))
+    with pytest.raises(ValueError, match="window_size needs one entry per stage"):
+        timm.create_model("cvt_ls_13", window_size=(8, 4))
     with pytest.raises(ValueError, match="global_pool"):
         timm.create_model("cvt_ls_13", global_pool="max")
 
