@@ -34,12 +34,6 @@ __all__ = ["ROBERTA_FAMILY", "convert_roberta", "main", "write_folder"]
 
 # Model types whose masked LM has RoBERTa's exact layout (post-LN encoder, learned positions after pad_token_id).
 ROBERTA_FAMILY = ("roberta", "xlm-roberta", "camembert")
-# RoBERTa config fields that carry over to LongShortConfig unchanged.
-ROBERTA_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "type_vocab_size", "initializer_range", "layer_norm_eps",
-    "pad_token_id", "bos_token_id", "eos_token_id", "classifier_dropout", "tie_word_embeddings",
-)
 POSITIONS = "embeddings.position_embeddings.weight"
 
 
@@ -76,7 +70,15 @@ def _load_source(src: str):
             f"SRC {src!r} uses position_embedding_type={config.position_embedding_type!r}; only RoBERTa's absolute "
             f"positions can be extended."
         )
-    source, info = AutoModelForMaskedLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
+    if config.pad_token_id is None:
+        raise ValueError(
+            f"SRC {src!r} has pad_token_id=None in its config; RoBERTa positions start at pad_token_id + 1, so set "
+            f"it to the tokenizer's pad id (RoBERTa's is 1) in SRC's config.json."
+        )
+    try:
+        source, info = AutoModelForMaskedLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
+    except OSError as err:
+        raise ValueError(f"SRC {src!r}: could not load masked-LM weights from it ({err}).") from err
     if info["missing_keys"]:
         raise ValueError(
             f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass a *ForMaskedLM checkpoint "
@@ -86,17 +88,35 @@ def _load_source(src: str):
         tokenizer = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as err:
         raise ValueError(f"SRC {src!r} has no usable tokenizer ({err}); save one next to the weights.") from err
+    problem = _tokenizer_problem(tokenizer, config)
+    if problem:
+        raise ValueError(
+            f"SRC {src!r} has no usable tokenizer: {problem}. Save the checkpoint's own tokenizer next to the weights "
+            f"(tokenizer.save_pretrained(SRC)); its pad token must be the config's pad_token_id."
+        )
     return config, source, tokenizer
 
 
+def _tokenizer_problem(tokenizer, config) -> str | None:
+    """Why ``tokenizer`` cannot go with a model of ``config`` (from no files Transformers builds an empty one)."""
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        return f"it holds only its {len(tokenizer)} special tokens (no vocabulary files?)"
+    if len(tokenizer) > config.vocab_size:
+        return f"its {len(tokenizer)} tokens exceed the model's vocab_size={config.vocab_size}"
+    if tokenizer.pad_token_id != config.pad_token_id:  # padded positions and embeddings key on the config's pad id
+        return f"its pad_token_id is {tokenizer.pad_token_id}, the model's is {config.pad_token_id}"
+    return None
+
+
 def _long_short_config(config, max_position_embeddings, window_size, projection_rank, use_dual_ln) -> LongShortConfig:
-    fields = {name: getattr(config, name) for name in ROBERTA_FIELDS if hasattr(config, name)}
+    """``LongShortConfig.from_roberta``, bidirectional (the output is a masked LM), with the new position count."""
     long_short = {"window_size": window_size, "projection_rank": projection_rank}
-    return LongShortConfig(
-        **fields,
+    return LongShortConfig.from_roberta(
+        config,
         **{key: value for key, value in long_short.items() if value is not None},
         max_position_embeddings=max_position_embeddings + config.pad_token_id + 1,
         use_dual_ln=use_dual_ln,
+        is_decoder=False,
     )
 
 
@@ -175,8 +195,9 @@ def convert_roberta(
     ``max_position_embeddings`` counts tokens (the config gets ``+ pad_token_id + 1`` rows); ``window_size`` and
     ``projection_rank`` default to ``LongShortConfig``'s. Writes safetensors weights, a config with a complete
     ``auto_map``, the remote-code files and the tokenizer into a temporary folder, then moves it to ``out``.
-    Raises ``ValueError`` for a non-RoBERTa checkpoint, a missing folder or an existing ``out`` without
-    ``overwrite``. Returns ``Path(out)``.
+    Raises ``ValueError``, before writing anything, for a missing folder, a non-RoBERTa checkpoint, missing weights,
+    ``pad_token_id=None``, a missing or mismatched tokenizer, or an existing ``out`` without ``overwrite``. Returns
+    ``Path(out)``.
     """
     out = Path(out).expanduser()
     if not isinstance(max_position_embeddings, int) or max_position_embeddings < 1:

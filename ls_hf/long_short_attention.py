@@ -13,10 +13,12 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
   ``LN_G`` on the projected rows, both over the full width as in the official code.
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
-projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: O(n (2w + r)) work and
-memory, fused kernels on CPU and CUDA, softmax accumulated in float32 by those kernels. Visibility is
-defined once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a
-layout. This file imports nothing from Transformers or timm.
+projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
+CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)).
+Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
+quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
+once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
+This file imports nothing from Transformers or timm.
 """
 
 from __future__ import annotations

@@ -69,6 +69,17 @@ def roberta_position_ids(real: torch.Tensor, padding_idx: int, past_length: int 
     return (real.cumsum(1) + past_length) * real + padding_idx
 
 
+def require_bidirectional(model_class: type, config: LongShortConfig, reason: str) -> None:
+    """Raise ``ValueError`` if ``config`` is causal; ``reason`` says why ``model_class`` needs bidirectional
+    attention."""
+    if config.is_decoder:
+        raise ValueError(
+            f"{model_class.__name__} {reason}, so it needs bidirectional attention, but the config has "
+            f"is_decoder=True. Load it with is_decoder=False (e.g. from_pretrained(path, is_decoder=False)); the "
+            f"weights are the same."
+        )
+
+
 class LongShortEmbeddings(nn.Module):
     """Word + RoBERTa-style position + token type embeddings, then LayerNorm and dropout."""
 
@@ -277,6 +288,10 @@ class LongShortPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
+    # The attention always runs on F.scaled_dot_product_attention (an explicit softmax only when attention weights are
+    # asked for), whatever config._attn_implementation says: accept "sdpa", then Transformers' default, and "eager".
+    # output_attentions=True works in a call under either; Transformers allows config.output_attentions only with eager.
+    _supports_sdpa = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -326,7 +341,8 @@ class LongShortModel(LongShortPreTrainedModel):
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
-        ``attention_mask`` may cover the cached tokens too (its last n columns are used)."""
+        ``attention_mask`` may cover the cached tokens too, (B, past + n): positions then count its real tokens (left
+        padding aware, as in the full forward) and its last n columns mask the keys."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
         if past_key_values is not None and not isinstance(past_key_values, LongShortCache):
@@ -334,13 +350,18 @@ class LongShortModel(LongShortPreTrainedModel):
                 f"past_key_values must be a LongShortCache (causal LongShort attention keeps windows and projected "
                 f"rows, not full K/V), got {type(past_key_values).__name__}."
             )
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be 2-D (batch, length) with 1 for real tokens, got {attention_mask.dim()}-D.")
         use_cache = bool(use_cache) and self.config.is_decoder
         if use_cache and past_key_values is None:
             past_key_values = LongShortCache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        length = past_length + (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        batch, n = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        length = past_length + n
+        if attention_mask is not None and tuple(attention_mask.shape) not in ((batch, n), (batch, length)):
+            with_cache = f" or (batch, cached + new tokens) = {(batch, length)}" if past_length else ""
+            raise ValueError(
+                f"attention_mask must have shape (batch, new tokens) = {(batch, n)}{with_cache}, with 1 for real "
+                f"tokens; got {tuple(attention_mask.shape)}."
+            )
         if length > self.config.max_input_length:
             raise ValueError(
                 f"Input length {length} exceeds the {self.config.max_input_length} tokens this model's position table "
@@ -348,6 +369,9 @@ class LongShortModel(LongShortPreTrainedModel):
                 f"pad_token_id + 1). Truncate the input (e.g. tokenizer(..., truncation=True, "
                 f"max_length={self.config.max_input_length})) or extend the position embeddings."
             )
+        if position_ids is None and attention_mask is not None and attention_mask.shape[1] > n:
+            # the mask covers the cached tokens too: count real tokens from its first column, as the full forward does
+            position_ids = roberta_position_ids(attention_mask.bool(), self.config.pad_token_id)[:, -n:]
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = self.config.output_attentions
@@ -384,8 +408,7 @@ class LongShortLanguageModel(LongShortPreTrainedModel):
 
 class LongShortForMaskedLM(LongShortLanguageModel):
     def __init__(self, config: LongShortConfig):
-        if config.is_decoder:
-            raise ValueError("LongShortForMaskedLM needs bidirectional attention: set is_decoder=False in the config.")
+        require_bidirectional(type(self), config, "predicts masked tokens from both sides")
         super().__init__(config)
 
     @can_return_tuple
@@ -448,7 +471,13 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """Decode with a ``LongShortCache`` unless the caller passed a cache or turned caching off."""
+        """Decode with a ``LongShortCache`` unless the caller passed a cache or turned caching off; refuse any
+        ``cache_implementation`` (the other cache types hold full K/V)."""
+        if generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"LongShort decodes only with LongShortCache (per layer a window and the projected rows); drop "
+                f"cache_implementation={generation_config.cache_implementation!r}."
+            )
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
             model_kwargs["past_key_values"] = LongShortCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
@@ -463,6 +492,7 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
 
 class LongShortForSequenceClassification(LongShortPreTrainedModel):
     def __init__(self, config: LongShortConfig):
+        require_bidirectional(type(self), config, "classifies the first token (<s>), which causally sees only itself")
         super().__init__(config)
         self.num_labels = config.num_labels
         self.long_short = LongShortModel(config, add_pooling_layer=False)
@@ -546,6 +576,7 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
 
 class LongShortForMultipleChoice(LongShortPreTrainedModel):
     def __init__(self, config: LongShortConfig):
+        require_bidirectional(type(self), config, "scores from the first token (<s>), which causally sees only itself")
         super().__init__(config)
         self.long_short = LongShortModel(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)

@@ -69,7 +69,16 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local training data (.csv, .json, .jsonl, .txt)."})
     validation_file: str | None = field(default=None, metadata={"help": "Local evaluation data (same formats)."})
-    eval_split: str = field(default="validation", metadata={"help": "Split of --dataset_name used for evaluation."})
+    eval_split: str = field(
+        default="validation", metadata={"help": "Split of --dataset_name used for evaluation, if the dataset has it."}
+    )
+    validation_split_percentage: int = field(
+        default=5,
+        metadata={
+            "help": "Percent of the training examples held out for evaluation when there is no validation data "
+            "(--validation_file or --eval_split)."
+        },
+    )
     text_column_name: str = field(default="text", metadata={"help": "Column holding the text."})
     max_seq_length: int | None = field(
         default=None, metadata={"help": "Tokens per example; default: what the model and tokenizer allow."}
@@ -78,33 +87,50 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
 
+    def files(self) -> dict[str, str]:
+        """The local data file of each split given, e.g. ``{"train": ..., "validation": ...}``."""
+        files = {"train": self.train_file, "validation": self.validation_file}
+        return {split: path for split, path in files.items() if path is not None}
+
+    def hub_splits(self) -> dict[str, str]:
+        """The split of --dataset_name read for each split."""
+        return {"train": "train", "validation": self.eval_split}
+
+    def data_name(self, split: str) -> str:
+        """What ``split`` is read from, for model cards: a local file's name (the training file's for held-out
+        examples) or the Hub dataset."""
+        if self.train_file is None:
+            return self.dataset_name
+        return Path(self.files().get(split, self.train_file)).name
+
     def check(self) -> None:
         """Raise ``ValueError`` naming the argument if the data cannot be loaded."""
         if self.dataset_name is None and self.train_file is None:
             raise ValueError("no data: pass --dataset_name (a Hub dataset) or --train_file (a local file).")
-        if self.validation_file is not None and self.train_file is None:
-            raise ValueError("--validation_file needs --train_file (local files are used together).")
-        for name in ("train_file", "validation_file"):
-            path = getattr(self, name)
-            if path is None:
-                continue
+        files = self.files()
+        if files and self.train_file is None:
+            raise ValueError(f"--{next(iter(files))}_file needs --train_file (local files are used together).")
+        for split, path in files.items():
             if Path(path).suffix not in BUILDERS:
-                raise ValueError(f"--{name} {path!r}: unsupported extension; use one of {', '.join(BUILDERS)}.")
+                raise ValueError(f"--{split}_file {path!r}: unsupported extension; use one of {', '.join(BUILDERS)}.")
             if not Path(path).is_file():
-                raise ValueError(f"--{name} {path!r}: no such file.")
-        formats = {BUILDERS[Path(path).suffix] for path in (self.train_file, self.validation_file) if path}
-        if len(formats) > 1:
-            raise ValueError("--train_file and --validation_file must have the same format (extension).")
+                raise ValueError(f"--{split}_file {path!r}: no such file.")
+        if len({BUILDERS[Path(path).suffix] for path in files.values()}) > 1:
+            raise ValueError(
+                f"{', '.join(f'--{split}_file' for split in files)} must have the same format (extension)."
+            )
         for name in ("max_seq_length", "max_train_samples", "max_eval_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}.")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage must be in 1..99, got {self.validation_split_percentage}.")
 
 
-def parse_args(types, argv=None):
+def parse_args(types, argv=None, actions=("do_train", "do_eval")):
     """Parse ``argv`` (default: the command line, or a single .json/.yaml file) into the ``types`` dataclasses.
 
     Invalid values, including those the dataclasses' ``check()`` or ``TrainingArguments`` reject, and a run with
-    neither --do_train nor --do_eval exit with status 2 and a message naming the argument.
+    none of the recipe's ``actions`` (--do_train, ...) exit with status 2 and a message naming the argument.
     """
     parser = HfArgumentParser(types)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -118,8 +144,8 @@ def parse_args(types, argv=None):
         for group in args:
             if hasattr(group, "check"):
                 group.check()
-            if isinstance(group, transformers.TrainingArguments) and not (group.do_train or group.do_eval):
-                raise ValueError("nothing to do: pass --do_train and/or --do_eval.")
+            if isinstance(group, transformers.TrainingArguments) and not any(getattr(group, a) for a in actions):
+                raise ValueError(f"nothing to do: pass at least one of {', '.join('--' + a for a in actions)}.")
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -134,22 +160,31 @@ def setup_logging(training_args) -> None:
     transformers.utils.logging.set_verbosity(level)
 
 
-def load_data(data_args: DataArguments, columns: list[str], need_eval: bool) -> DatasetDict:
-    """``train`` and, when there is one (required if ``need_eval``), ``validation``, with ``columns`` checked."""
+def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, need_test: bool = False) -> DatasetDict:
+    """``train``, ``validation`` if ``need_eval`` and ``test`` if ``need_test``, with ``columns`` checked.
+
+    The validation data is --validation_file, else the dataset's --eval_split, else --validation_split_percentage of
+    the training examples, held out with a fixed seed (the same examples in every run, a resumed one included).
+    """
     if data_args.train_file is not None:
-        files = {"train": data_args.train_file, "validation": data_args.validation_file}
-        files = {split: path for split, path in files.items() if path is not None}
+        files = data_args.files()
         raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
-        splits = {split: split for split in files}
+        sources = {split: split for split in files}
     else:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name)
-        splits = {"train": "train", "validation": data_args.eval_split}
-    if need_eval and "validation" not in splits:
-        raise UsageError("evaluation needs data: pass --validation_file (or a --dataset_name with --eval_split).")
-    for split, source in splits.items():
-        if source not in raw and (split == "train" or need_eval):
-            raise UsageError(f"the dataset has no split {source!r} (it has {list(raw)}); pick one with --eval_split.")
-    data = DatasetDict({split: raw[source] for split, source in splits.items() if source in raw})
+        sources = data_args.hub_splits()
+    wanted = {"train": True, "validation": need_eval, "test": need_test}
+    data = DatasetDict({split: raw[source] for split, source in sources.items() if source in raw and wanted[split]})
+    if "train" not in data:
+        raise UsageError(f"the dataset has no split 'train' (it has {list(raw)}); pass --train_file instead.")
+    if need_test and "test" not in data:
+        fix = "--test_file" if data_args.train_file else f"a --test_split of {list(raw)}"
+        raise UsageError(f"--do_predict needs test data: pass {fix}.")
+    if need_eval and "validation" not in data:
+        percent = data_args.validation_split_percentage
+        held_out = data["train"].train_test_split(test_size=percent / 100, seed=0)
+        data["train"], data["validation"] = held_out["train"], held_out["test"]
+        logger.info("Evaluating on %d%% of the training examples, held out (%d).", percent, len(data["validation"]))
     for split, dataset in data.items():
         missing = [column for column in columns if column not in dataset.column_names]
         if missing:
@@ -164,8 +199,8 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool) -> 
 
 
 def max_tokens(config, tokenizer, requested: int | None) -> int:
-    """Tokens per example: ``requested``, capped by the position table and the tokenizer."""
-    limit = min(config.max_position_embeddings - config.pad_token_id - 1, tokenizer.model_max_length)
+    """Tokens per example: ``requested``, capped by the model's ``max_input_length`` and the tokenizer."""
+    limit = min(config.max_input_length, tokenizer.model_max_length)
     if requested is not None and requested > limit:
         logger.warning("max_seq_length %d exceeds what the model reads (%d); using %d.", requested, limit, limit)
     return min(requested or limit, limit)
@@ -184,13 +219,22 @@ def checkpoint_to_resume(training_args) -> str | None:
     return None
 
 
-def finish(trainer, training_args, data_args, checkpoint, eval_metrics=None) -> dict:
-    """Train (resuming from ``checkpoint``) and/or evaluate, then save the model, metrics and state.
+def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:
+    """Train (resuming from ``checkpoint``), evaluate on the validation data (--do_eval) and on ``test_dataset``
+    (--do_predict), saving the model, the metrics and the state.
 
-    ``eval_metrics`` adds derived numbers to the evaluation metrics, which also name the evaluation data
-    (``eval_dataset``: a Hub dataset or a local file name, for model cards). Returns all metrics.
+    ``extra_metrics`` adds derived numbers to the evaluation and test metrics, which also name their data
+    (``eval_dataset``, ``test_dataset``: a Hub dataset or a local file name, for model cards). Returns all metrics.
     """
     results = {}
+
+    def report(prefix: str, split: str, metrics: dict) -> None:
+        metrics.update(extra_metrics(metrics) if extra_metrics else {})
+        metrics[f"{prefix}_dataset"] = data_args.data_name(split)
+        trainer.log_metrics(prefix, metrics)
+        trainer.save_metrics(prefix, metrics)
+        results.update(metrics)
+
     if training_args.do_train:
         train = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
@@ -199,11 +243,7 @@ def finish(trainer, training_args, data_args, checkpoint, eval_metrics=None) -> 
         trainer.save_state()
         results.update(train.metrics)
     if training_args.do_eval:
-        metrics = trainer.evaluate()
-        metrics.update(eval_metrics(metrics) if eval_metrics else {})
-        local = data_args.validation_file or data_args.train_file
-        metrics["eval_dataset"] = Path(local).name if local else data_args.dataset_name
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-        results.update(metrics)
+        report("eval", "validation", trainer.evaluate())
+    if training_args.do_predict:
+        report("test", "test", trainer.predict(test_dataset, metric_key_prefix="test").metrics)
     return results

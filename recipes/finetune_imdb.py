@@ -1,12 +1,15 @@
 """Fine-tune a LongShort model for sequence classification on IMDb (paper Table 3) with the Transformers Trainer.
 
     python -m recipes.finetune_imdb --model_name_or_path roberta-ls-base --output_dir imdb-ls \\
-        --do_train --do_eval --bf16
+        --do_train --do_eval --do_predict --bf16
 
-Data: ``load_dataset("stanfordnlp/imdb")`` (train, evaluated on test) by default, or local CSV/JSON files with
-text,label columns (``--train_file/--validation_file``). Reports accuracy (``evaluate``'s metric when it can be
-loaded, the same computation locally otherwise), keeps the best checkpoint by accuracy and saves it to
-``--output_dir``; an interrupted run resumes from its last checkpoint. Runs under ``accelerate launch`` as is.
+Data: ``load_dataset("stanfordnlp/imdb")`` by default, or local CSV/JSON files with text,label columns
+(``--train_file``, ``--validation_file``, ``--test_file``). The best epoch is chosen on validation data: IMDb has no
+validation split, so ``--validation_split_percentage`` (5) of the training reviews are held out (fixed seed);
+``--do_predict`` then scores the kept model once on the test split (``test_accuracy``, what the paper reports).
+Accuracy comes from ``evaluate``'s metric when it can be loaded, the same computation locally otherwise. The kept
+model is saved to ``--output_dir``; an interrupted run resumes from its last checkpoint. Runs under
+``accelerate launch`` as is.
 """
 
 from dataclasses import dataclass, field
@@ -41,20 +44,36 @@ class ImdbDataArguments(DataArguments):
     dataset_name: str | None = field(
         default="stanfordnlp/imdb", metadata={"help": "Hub dataset (ignored when --train_file is given)."}
     )
-    eval_split: str = field(default="test", metadata={"help": "Split of --dataset_name to evaluate on (IMDb: test)."})
+    test_file: str | None = field(default=None, metadata={"help": "Local test data for --do_predict (same formats)."})
+    test_split: str = field(default="test", metadata={"help": "Split of --dataset_name that --do_predict scores."})
     label_column_name: str = field(default="label", metadata={"help": "Column holding the class label."})
+
+    def files(self) -> dict[str, str]:
+        return {**super().files(), **({"test": self.test_file} if self.test_file else {})}
+
+    def hub_splits(self) -> dict[str, str]:
+        return {**super().hub_splits(), "test": self.test_split}
 
 
 @dataclass
 class ImdbTrainingArguments(TrainingArguments):
-    """TrainingArguments with defaults for keeping the best model: evaluate and save every epoch."""
+    """TrainingArguments with defaults for keeping the best model: evaluate (on the validation data) and save every
+    epoch; --eval_strategy no keeps the last model instead."""
 
     eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate (no, steps, epoch)."})
     save_strategy: str = field(default="epoch", metadata={"help": "When to save a checkpoint (same choices)."})
-    load_best_model_at_end: bool = field(default=True, metadata={"help": "Keep the checkpoint with the best metric."})
+    load_best_model_at_end: bool = field(
+        default=True,
+        metadata={"help": "Keep the checkpoint with the best validation metric (off with --eval_strategy no)."},
+    )
     metric_for_best_model: str | None = field(default="accuracy", metadata={"help": "Metric choosing the best model."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one is kept too)."})
     learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
+
+    def __post_init__(self):
+        if self.eval_strategy == "no":  # nothing to choose the best model by: keep the last one
+            self.load_best_model_at_end = False
+        super().__post_init__()
 
 
 def accuracy_metric():
@@ -74,13 +93,14 @@ def accuracy_metric():
 
 @cli
 def main(argv=None) -> dict:
-    model_args, data_args, training_args = parse_args((ModelArguments, ImdbDataArguments, ImdbTrainingArguments), argv)
+    model_args, data_args, training_args = parse_args(
+        (ModelArguments, ImdbDataArguments, ImdbTrainingArguments), argv, ("do_train", "do_eval", "do_predict")
+    )
     setup_logging(training_args)
     set_seed(training_args.seed)
 
     text, label = data_args.text_column_name, data_args.label_column_name
-    need_eval = training_args.do_eval or training_args.eval_strategy != "no"
-    data = load_data(data_args, [text, label], need_eval=need_eval)
+    data = load_data(data_args, [text, label], training_args.do_eval, training_args.do_predict)
     feature = data["train"].features[label]
     values = sorted(set(data["train"][label]))
     names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
@@ -122,7 +142,8 @@ def main(argv=None) -> dict:
         compute_metrics=compute_accuracy,
     )
     checkpoint = checkpoint_to_resume(training_args)
-    return finish(trainer, training_args, data_args, checkpoint, lambda metrics: {"accuracy_computed_by": source})
+    computed_by = {"accuracy_computed_by": source}
+    return finish(trainer, training_args, data_args, checkpoint, lambda metrics: computed_by, data.get("test"))
 
 
 if __name__ == "__main__":

@@ -40,16 +40,11 @@ from recipes.common import (
 @dataclass
 class MlmDataArguments(DataArguments):
     mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked."})
-    validation_split_percentage: int = field(
-        default=5, metadata={"help": "Percent of the training documents held out when there is no validation split."}
-    )
 
     def check(self) -> None:
         super().check()
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}.")
-        if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(f"--validation_split_percentage must be in 1..99, got {self.validation_split_percentage}.")
 
 
 @dataclass
@@ -74,10 +69,7 @@ def group_texts(examples: dict, block: int) -> dict:
 
 
 def language_model_data(data, tokenizer, data_args, training_args, block: int):
-    """Raw documents -> blocks of ``block`` tokens (with a held-out split when the data has none)."""
-    if training_args.do_eval and "validation" not in data:
-        split = data["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
-        data["train"], data["validation"] = split["train"], split["test"]
+    """Raw documents -> blocks of ``block`` tokens."""
     with training_args.main_process_first(desc="tokenization and grouping"):
         data = data.map(
             lambda batch: tokenizer(batch[data_args.text_column_name], return_special_tokens_mask=True),
@@ -111,7 +103,7 @@ def main(argv=None) -> dict:
     setup_logging(training_args)
     set_seed(training_args.seed)
 
-    data = load_data(data_args, [data_args.text_column_name], need_eval=False)
+    data = load_data(data_args, [data_args.text_column_name], need_eval=training_args.do_eval)
     tokenizer, model = model_args.load(AutoModelForMaskedLM)
     block = max_tokens(model.config, tokenizer, data_args.max_seq_length)
     data = language_model_data(data, tokenizer, data_args, training_args, block)

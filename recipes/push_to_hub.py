@@ -39,7 +39,7 @@ METRICS = {
     "eval_accuracy": ("accuracy", "Accuracy"),
     "perplexity": ("perplexity", "Perplexity"),
     "bits_per_token": ("bits_per_token", "Bits per token"),
-    "eval_loss": ("loss", "Evaluation loss"),
+    "eval_loss": ("loss", "Loss"),
 }
 
 
@@ -58,10 +58,13 @@ def load_model(model_dir: Path):
 
 
 def measured_metrics(model_dir: Path) -> tuple[dict, str | None]:
-    """The card's metrics and the data they were measured on, from the recipe's ``all_results.json``."""
+    """The card's metrics and the data they were measured on, from the recipe's ``all_results.json``: the test
+    metrics when it has them (finetune_imdb --do_predict), the evaluation metrics otherwise."""
     path = model_dir / "all_results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    return {key: results[key] for key in METRICS if key in results}, results.get("eval_dataset")
+    prefix = "test_" if "test_dataset" in results else "eval_"
+    names = {key: key.replace("eval_", prefix) for key in METRICS}
+    return {key: results[name] for key, name in names.items() if name in results}, results.get(prefix + "dataset")
 
 
 def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str | None = None) -> str:

@@ -33,8 +33,8 @@ def artefacts(output_dir: Path) -> set[str]:
 
 def test_two_process_cpu_launch_matches_one_process(tmp_path):
     model = tiny_long_short(tmp_path / "ls-tiny")
-    args = ["--model_name_or_path", str(model), "--train_file", str(IMDB_TRAIN), "--validation_file", str(IMDB_TEST),
-            "--do_train", "--do_eval", "--max_train_samples", "64", "--max_eval_samples", "32",
+    args = ["--model_name_or_path", str(model), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
+            "--do_train", "--do_eval", "--do_predict", "--max_train_samples", "64", "--max_eval_samples", "32",
             "--per_device_train_batch_size", "8", "--num_train_epochs", "1", "--learning_rate", "1e-3",
             "--logging_steps", "1", "--disable_tqdm", "True", "--use_cpu", "True"]
     launch = [f"{sys.prefix}/bin/accelerate", "launch", "--config_file", "recipes/accelerate/cpu.yaml",
@@ -54,7 +54,7 @@ def test_two_process_cpu_launch_matches_one_process(tmp_path):
     assert len(losses) == 4 and all(0 < loss < 2 for loss in losses)
     assert artefacts(tmp_path / "two") == artefacts(tmp_path / "one")
     assert {"model.safetensors", "all_results.json", "checkpoint-N/optimizer.pt"} <= artefacts(tmp_path / "two")
-    assert "eval_accuracy" in json.loads((tmp_path / "two" / "all_results.json").read_text())
+    assert {"eval_accuracy", "test_accuracy"} <= set(json.loads((tmp_path / "two" / "all_results.json").read_text()))
     trained = LongShortForSequenceClassification.from_pretrained(tmp_path / "two").long_short.embeddings
     start = LongShortForSequenceClassification.from_pretrained(model).long_short.embeddings
     assert not torch.equal(trained.word_embeddings.weight, start.word_embeddings.weight)

@@ -1,12 +1,13 @@
 """ls-convert-roberta: exact equivalence with the source RoBERTa, Longformer-style positions, new-parameter init,
 clear errors and nothing half-written."""
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, RobertaForMaskedLM, RobertaModel
+from transformers import AutoConfig, AutoTokenizer, BertConfig, BertForMaskedLM, RobertaForMaskedLM, RobertaModel
 
 from ls_hf import LongShortForMaskedLM
 from ls_hf.convert_roberta import convert_roberta, main
@@ -98,6 +99,43 @@ def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
     assert not (existing / "keep.txt").exists() and (existing / "model.safetensors").is_file()
     assert LongShortForMaskedLM.from_pretrained(existing).config.use_dual_ln is False
     assert not _leftovers(tmp_path)
+
+
+def test_unusable_sources_are_refused_before_writing(roberta, tmp_path, capsys):
+    """No tokenizer files (Transformers would build an empty tokenizer), a config without weights, pad_token_id=None
+    and a tokenizer padding with another id: each a clear CLI error, and nothing written."""
+    RobertaForMaskedLM.from_pretrained(roberta).save_pretrained(tmp_path / "no_tokenizer")
+    AutoConfig.from_pretrained(roberta).save_pretrained(tmp_path / "config_only")
+    shutil.copytree(roberta, tmp_path / "no_pad")
+    AutoConfig.from_pretrained(roberta, pad_token_id=None).save_pretrained(tmp_path / "no_pad")
+    shutil.copytree(roberta, tmp_path / "other_tokenizer")
+    AutoTokenizer.from_pretrained(roberta, pad_token="<unk>").save_pretrained(tmp_path / "other_tokenizer")
+    errors = {
+        "no_tokenizer": "no usable tokenizer: it holds only its 5 special tokens",
+        "config_only": "could not load masked-LM weights",
+        "no_pad": "pad_token_id=None",
+        "other_tokenizer": "no usable tokenizer: its pad_token_id is 3, the model's is 1",
+    }
+    for name, error in errors.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / name), str(tmp_path / "out"), "--window-size", "16"])
+        assert exit_info.value.code == 2
+        assert error in capsys.readouterr().err, name
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+def test_converted_config_carries_every_roberta_field(roberta, tmp_path):
+    """The converter builds its config with LongShortConfig.from_roberta (labels and use_cache included) and always
+    writes a bidirectional masked LM."""
+    shutil.copytree(roberta, tmp_path / "src")
+    AutoConfig.from_pretrained(
+        roberta, use_cache=False, num_labels=5, problem_type="regression", classifier_dropout=0.3, is_decoder=True
+    ).save_pretrained(tmp_path / "src")
+    config = LongShortForMaskedLM.from_pretrained(convert_roberta(tmp_path / "src", tmp_path / "ls")).config
+    assert (config.use_cache, config.num_labels, config.problem_type, config.classifier_dropout) == (
+        False, 5, "regression", 0.3
+    )
+    assert not config.is_decoder and config.max_position_embeddings == 4098
 
 
 def test_console_script_reports_errors(tmp_path):

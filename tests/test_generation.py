@@ -78,6 +78,40 @@ def test_step_by_step_forward_with_cache_matches_the_full_forward(model):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_step_by_step_decoding_of_a_left_padded_batch_matches_the_full_forward(model):
+    """A hand-written decoding loop passes a mask over past + new tokens: its positions must skip the left padding as
+    the full forward's do (generate passes position_ids, this loop does not)."""
+    ids = tokens(2, 14)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 1, 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = LongShortCache(model.config)
+        steps = [model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True).logits]
+        for t in range(6, 14):
+            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_step_checks_the_attention_mask_shape(model):
+    ids = tokens(2, 8)
+    cache = LongShortCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"= \(2, 2\) or \(batch, cached \+ new tokens\) = \(2, 8\).*got \(2, 7\)"):
+            model(ids[:, 6:], attention_mask=torch.ones(2, 7), past_key_values=cache)
+        assert cache.get_seq_length() == 6
+        model(ids[:, 6:], attention_mask=torch.ones(2, 8), past_key_values=cache)
+    assert cache.get_seq_length() == 8
+
+
+@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+def test_cache_implementation_is_refused_clearly(model, cache_implementation):
+    match = f"only with LongShortCache.*drop cache_implementation='{cache_implementation}'"
+    with pytest.raises(ValueError, match=match):
+        model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation=cache_implementation)
+
+
 def test_cache_batch_operations_follow_the_beams(model):
     ids = tokens(3, 10)
     with torch.no_grad():

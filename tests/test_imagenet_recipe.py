@@ -9,7 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
+import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
+from timm.data import resolve_data_config
 from timm.data.auto_augment import AugmentOp
 
 from recipes.imagenet import train
@@ -65,19 +69,67 @@ def test_trains_resumes_and_exports(data_dir, tmp_path, capsys):
     rows = summary(out)
     assert [row["epoch"] for row in rows] == ["0", "1", "2"]
 
-    # The exported best (EMA) weights load by path with their classes and reproduce the best recorded top-1.
+    # The exported best (EMA) weights load by path with their classes and input size and reproduce the best recorded
+    # top-1; as a --pretrained-file they load whole too, classifier included.
     best = max(float(row["eval_ema_top1"]) for row in rows)
     metrics = train.main(["--data-dir", str(data_dir), "--model", f"local-dir:{out / 'best'}", "--pretrained",
-                          "--eval-only", "--img-size", "32", "--workers", "0"])
+                          "--eval-only", "--workers", "0"])
     assert metrics["top1"] == pytest.approx(best)
+    from_file = train.main(["--data-dir", str(data_dir), *TINY, "--pretrained-file",
+                            str(out / "best" / "model.safetensors"), "--eval-only"])
+    assert from_file == pytest.approx(metrics)
 
 
 def test_paper_defaults_without_mixup(data_dir, tmp_path):
-    """Label smoothing alone (no Mixup/CutMix) takes the other loss; no EMA, a plain export."""
+    """Label smoothing alone (no Mixup/CutMix) takes the other loss; no EMA, a plain export. The warm-up starts from
+    0.002 x --lr and rises linearly over 5 epochs of 3 steps."""
     out = tmp_path / "plain"
     metrics = train.main(["--data-dir", str(data_dir), "--output-dir", str(out), *TINY, "--epochs", "1",
-                          "--mixup", "0", "--cutmix", "0", "--aa", "none"])
+                          "--mixup", "0", "--cutmix", "0", "--aa", "none", "--lr", "2e-3"])
     assert set(metrics) == {"loss", "top1", "top5"} and (out / "best" / "model.safetensors").is_file()
+    start = 0.002 * 2e-3
+    assert float(summary(out)[0]["lr"]) == pytest.approx(start + (2e-3 - start) * 3 / 15)
+
+
+def test_pretrained_file_for_other_classes(data_dir, tmp_path, capsys):
+    """Weights with a classifier for 5 classes: --eval-only refuses them for the 3 colour classes; training keeps
+    their backbone and fine-tunes a new classifier."""
+    kwargs = {"embed_dims": (16, 32, 48), "depths": (1, 1, 1), "num_heads": (1, 2, 2)}
+    save_file(timm.create_model("cvt_ls_13", num_classes=5, **kwargs).state_dict(), tmp_path / "five.safetensors")
+    start = load_file(tmp_path / "five.safetensors")
+    args = ["--data-dir", str(data_dir), "--output-dir", str(tmp_path / "run"), *TINY, "--pretrained-file",
+            str(tmp_path / "five.safetensors")]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*args, "--eval-only"])
+    assert exit_info.value.code == 2 and "classifies 5 classes, but --data-dir" in capsys.readouterr().err
+
+    frozen = ["--lr", "0", "--warmup-lr", "0"]  # the saved backbone stays the file's
+    train.main([*args, "--epochs", "1", *frozen, "--mixup", "0", "--cutmix", "0", "--aa", "none"])
+    assert "fine-tuning with a new classifier" in capsys.readouterr().out
+    saved = load_file(tmp_path / "run" / "best" / "model.safetensors")
+    assert saved["head.weight"].shape == (3, 48)
+    changed = [k for k in start if not k.startswith("head.") and not torch.equal(start[k], saved[k])]
+    assert all(k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in changed), changed
+
+
+def test_checkpoint_classes_of_timm_and_official_files(tmp_path):
+    head = torch.zeros(7, 4)
+    torch.save({"net": {"module.head.weight": head}, "epoch": 300}, tmp_path / "official.pth")
+    save_file({"head.weight": head}, tmp_path / "timm.safetensors")
+    save_file({"stages.0.embed.proj.weight": head}, tmp_path / "backbone.safetensors")
+    files = ("official.pth", "timm.safetensors", "backbone.safetensors")
+    assert [train.checkpoint_classes(str(tmp_path / name), "head") for name in files] == [7, 7, 0]
+
+
+def test_model_keeps_its_input_size_without_img_size():
+    """vil_ls_medium_384 without --img-size: the architecture and the data config of its own 384 input."""
+    parser = train.build_parser()
+    args = parser.parse_args(["--data-dir", "unused", "--model", "vil_ls_medium_384"])
+    with torch.device("meta"):
+        model, reference = train.create_model(parser, args, 1000), timm.create_model("vil_ls_medium_384")
+    shapes = [{name: tensor.shape for name, tensor in m.state_dict().items()} for m in (model, reference)]
+    assert shapes[0] == shapes[1]
+    assert resolve_data_config({"img_size": args.img_size}, model=model)["input_size"] == (3, 384, 384)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

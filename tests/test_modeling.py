@@ -124,6 +124,24 @@ def test_masked_lm_refuses_causal_config_and_causal_lm_refuses_bidirectional():
         LongShortForCausalLM(tiny_config())
 
 
+@pytest.mark.parametrize(
+    "model_class, auto_class",
+    [(LongShortForSequenceClassification, AutoModelForSequenceClassification),
+     (LongShortForMultipleChoice, AutoModelForMultipleChoice)],
+    ids=lambda v: v.__name__,
+)
+def test_first_token_heads_refuse_a_causal_config(tmp_path, model_class, auto_class):
+    """Causally <s> sees only itself, so a head pooling it would ignore the text; loading a causal checkpoint with
+    is_decoder=False gives the same weights a working head."""
+    with pytest.raises(ValueError, match="first token.*is_decoder=False"):
+        model_class(tiny_config(is_decoder=True))
+    LongShortForCausalLM(tiny_config(is_decoder=True)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is_decoder=False"):
+        auto_class.from_pretrained(tmp_path)
+    model = auto_class.from_pretrained(tmp_path, is_decoder=False)
+    assert type(model) is model_class and not model.config.is_decoder
+
+
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
     """A RoBERTa checkpoint loads with ROBERTA_KEY_MAPPING; with use_dual_ln=False, r=0 and a window covering the
@@ -301,6 +319,34 @@ def test_any_length_up_to_the_position_limit_and_a_clear_error_beyond():
         model(tokens(1, 39))
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
+def test_attention_mask_of_the_wrong_shape_is_refused(overrides):
+    model = LongShortModel(tiny_config(**overrides)).eval()
+    ids = tokens(2, 19)
+    for shape in ((2, 18), (2, 25), (3, 19), (2, 19, 1)):
+        with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, new tokens\) = \(2, 19\)"):
+            model(ids, attention_mask=torch.ones(shape, dtype=torch.long))
+
+
+def test_sdpa_is_accepted_and_computes_what_eager_does(tmp_path):
+    """The attention always runs on torch SDPA: attn_implementation="sdpa" (Transformers' default) loads, and so does
+    "eager"; both give the same outputs and attention weights."""
+    LongShortForMaskedLM(tiny_config()).save_pretrained(tmp_path)
+    default = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    sdpa = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    eager = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert default.config._attn_implementation == sdpa.config._attn_implementation == "sdpa"
+    assert eager.config._attn_implementation == "eager"
+    from_config = AutoModelForMaskedLM.from_config(tiny_config(), attn_implementation="sdpa")
+    assert from_config.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        expected = eager(tokens(), output_attentions=True)
+        got = sdpa(tokens(), output_attentions=True)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+    torch.testing.assert_close(got.attentions, expected.attentions, rtol=0, atol=0)
+    assert len(AutoModelForMaskedLM.from_pretrained(tmp_path, output_attentions=True)(tokens()).attentions) == 2
 
 
 def test_output_attentions_from_config():

@@ -4,13 +4,16 @@ the artefacts appear, an interrupted run resumes, and bad arguments exit with a 
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import load_dataset
+from safetensors.torch import load_file
 from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
-from recipes import demo, finetune_imdb, pretrain_mlm, push_to_hub
+from recipes import common, demo, finetune_imdb, pretrain_mlm, push_to_hub
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
@@ -52,28 +55,75 @@ def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
     assert logged_losses(out)[:12] == losses and len(logged_losses(out)) == 14
 
 
-def test_finetune_imdb_keeps_best_model_and_resumes(model_dir, tmp_path):
+def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_dir, tmp_path):
     out = tmp_path / "imdb"
-    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--validation_file",
-            str(IMDB_TEST), "--output_dir", str(out), "--do_train", "--do_eval", "--logging_steps", "1",
+    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
+            "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict", "--logging_steps", "1",
             "--max_train_samples", "160", *FAST]
-    metrics = finetune_imdb.main([*args, "--num_train_epochs", "2"])  # 10 steps per epoch
+    metrics = finetune_imdb.main([*args, "--num_train_epochs", "4"])  # 10 steps per epoch
     losses = logged_losses(out)
-    assert len(losses) == 20 and sum(losses[-5:]) < sum(losses[:5])
-    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_dataset"] == IMDB_TEST.name
+    assert len(losses) == 40 and sum(losses[-10:]) < sum(losses[:10])
     assert metrics["accuracy_computed_by"] == "local"
+    # The best epoch is chosen on reviews held out of the training file; the test file only scores the kept model.
+    assert metrics["eval_dataset"] == IMDB_TRAIN.name and metrics["test_dataset"] == IMDB_TEST.name
     state = json.loads((out / "trainer_state.json").read_text())
-    best = state["best_model_checkpoint"]
-    assert best is not None and state["best_metric"] == max(
-        entry["eval_accuracy"] for entry in state["log_history"] if "eval_accuracy" in entry
-    )
+    validation = [entry["eval_accuracy"] for entry in state["log_history"] if "eval_accuracy" in entry]
+    assert len(validation) == 4 and state["best_metric"] == max(validation) == metrics["eval_accuracy"]
+    kept, best = (load_file(Path(folder) / "model.safetensors") for folder in (out, state["best_model_checkpoint"]))
+    assert kept.keys() == best.keys() and all(torch.equal(kept[name], best[name]) for name in kept)
+    assert 0.0 <= metrics["test_accuracy"] <= 1.0
+    assert json.loads((out / "test_results.json").read_text())["test_accuracy"] == metrics["test_accuracy"]
     model = LongShortForSequenceClassification.from_pretrained(out)
     assert model.config.id2label == {0: "0", 1: "1"}
     assert all((out / name).is_file() for name in ("model.safetensors", "all_results.json", "eval_results.json"))
 
-    finetune_imdb.main([*args, "--num_train_epochs", "3", "--seed", "1"])  # resumes from the epoch-2 checkpoint
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 30
-    assert logged_losses(out)[:20] == losses and len(logged_losses(out)) == 30
+    finetune_imdb.main([*args, "--num_train_epochs", "5", "--seed", "1"])  # resumes from the epoch-4 checkpoint
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 50
+    assert logged_losses(out)[:40] == losses and len(logged_losses(out)) == 50
+
+
+def test_imdb_from_the_hub_holds_out_validation_reviews_and_keeps_test_apart(monkeypatch):
+    """stanfordnlp/imdb has train, test and unsupervised splits (stand-ins here): no validation split, so the recipe
+    holds out --validation_split_percentage of train, the same reviews in every run, and reads test only to score."""
+    imdb = load_dataset("csv", data_files={"train": str(IMDB_TRAIN), "test": str(IMDB_TEST),
+                                           "unsupervised": str(IMDB_TEST)})
+    monkeypatch.setattr(common, "load_dataset", lambda name, config: imdb if name == "stanfordnlp/imdb" else None)
+    data_args, columns = finetune_imdb.ImdbDataArguments(), ["text", "label"]
+    data = common.load_data(data_args, columns, need_eval=True, need_test=True)
+    assert (len(data["train"]), len(data["validation"]), len(data["test"])) == (304, 16, 80)
+    assert not set(data["validation"]["text"]) & set(data["train"]["text"])
+    assert set(data["validation"]["text"]) <= set(imdb["train"]["text"])
+    assert data["test"]["text"] == imdb["test"]["text"]
+    again = common.load_data(data_args, columns, need_eval=True)
+    assert again["validation"]["text"] == data["validation"]["text"] and "test" not in again
+    assert set(common.load_data(data_args, columns, need_eval=False)) == {"train"}
+
+
+@pytest.mark.parametrize(("extra", "selects"), [([], True), (["--eval_strategy", "no"], False)])
+def test_finetune_imdb_train_only(model_dir, tmp_path, extra, selects):
+    """Without --do_eval the run still keeps its best epoch on held-out reviews, or with --eval_strategy no its last."""
+    out = tmp_path / "imdb"
+    metrics = finetune_imdb.main(["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN),
+                                  "--output_dir", str(out), "--do_train", "--max_steps", "2", *extra, *FAST])
+    assert metrics["train_loss"] > 0 and (out / "model.safetensors").is_file()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert (state["best_model_checkpoint"] is not None) == selects
+    assert metrics.get("eval_dataset") == (IMDB_TRAIN.name if selects else None)
+
+
+def test_max_tokens_is_the_models_max_input_length():
+    config, tokenizer = SimpleNamespace(max_input_length=100), SimpleNamespace(model_max_length=512)
+    assert [common.max_tokens(config, tokenizer, n) for n in (None, 64, 4096)] == [100, 64, 100]
+    assert common.max_tokens(config, SimpleNamespace(model_max_length=50), None) == 50
+
+
+def test_model_card_reports_the_test_metrics(tmp_path):
+    results = {"eval_accuracy": 0.9, "eval_loss": 0.3, "eval_dataset": "imdb_train.csv", "test_accuracy": 0.8,
+               "test_loss": 0.4, "test_dataset": "imdb_test.csv"}
+    (tmp_path / "all_results.json").write_text(json.dumps(results))
+    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.8, "eval_loss": 0.4}, "imdb_test.csv")
+    (tmp_path / "all_results.json").write_text(json.dumps({k: v for k, v in results.items() if "test" not in k}))
+    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.9, "eval_loss": 0.3}, "imdb_train.csv")
 
 
 def test_accuracy_falls_back_to_local_computation():
@@ -96,6 +146,10 @@ def test_accuracy_falls_back_to_local_computation():
                          str(IMDB_TRAIN), "--validation_file", str(IMDB_TEST), "--text_column_name", "review"],
          "no column 'review'"),
         (finetune_imdb, ["--model_name_or_path", "./nowhere", "--output_dir", "o", "--do_eval"], "no model folder"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_predict", "--train_file",
+                         str(IMDB_TRAIN)], "--do_predict needs test data: pass --test_file"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
+                         str(IMDB_TRAIN), "--validation_split_percentage", "0"], "--validation_split_percentage"),
         (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train"], "no data"),
         (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
                         str(IMDB_TRAIN), "--mlm_probability", "1.5"], "--mlm_probability"),
@@ -126,8 +180,9 @@ def test_demo_end_to_end(tmp_path, capsys):
     summary = demo.main(["--output-dir", str(tmp_path / "demo")])
     assert "Summary" in capsys.readouterr().out
     assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == summary
-    for key in ("converted LongShort masked LM", "masked-LM pretraining output", "IMDb-format classifier (best epoch)",
-                "causal LM output", "Hub repo folder (dry run)"):
+    for key in ("converted LongShort masked LM", "masked-LM pretraining output",
+                "IMDb-format classifier (best validation epoch)", "causal LM output", "Hub repo folder (dry run)"):
         assert (Path(summary[key]) / "config.json").is_file(), key
     assert summary["causal LM greedy continuation"].startswith(demo.PROMPT)
+    assert summary["IMDb-format test accuracy of that classifier"].endswith("(computed by local)")
     assert (tmp_path / "demo" / "hub" / "README.md").is_file()

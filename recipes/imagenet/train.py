@@ -6,8 +6,9 @@
 ``--data-dir`` holds ``train/<class>/*`` and ``val/<class>/*`` (or ``validation/``). The defaults are the official
 ViL-LS-Medium recipe (NVIDIA/transformer-ls ``imagenet/``, paper Sec. 4.3): 300 epochs of AdamW (lr 8e-4 for a global
 batch of 1024, weight decay 0.1, none on norms, biases, cls tokens and position tables), a per-step cosine schedule
-with 5 warm-up epochs from 0.002 x lr down to 1e-6, label smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment
-rand-m9-mstd0.5-inc1, random erasing 0.25 and drop path 0.3 (with fp16 autocast: ``--mixed-precision fp16``).
+with 5 linear warm-up epochs from 0.002 x lr (``--warmup-lr``) and then down to 1e-6, label smoothing 0.1, Mixup 0.8 /
+CutMix 1.0, RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25 and drop path 0.3 (with fp16 autocast:
+``--mixed-precision fp16``).
 Every epoch ends with top-1/top-5 on the validation images, a line in ``summary.csv``, the full training state in
 ``OUTPUT_DIR/last`` (a rerun resumes from it) and, when top-1 improves, the weights (EMA ones with ``--model-ema``) in
 ``OUTPUT_DIR/best``, loadable with ``timm.create_model("local-dir:OUTPUT_DIR/best", pretrained=True)``.
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader
 import ls_timm  # noqa: F401  (registers the vil_ls_* and cvt_ls_* models)
 
 EVAL_SPLITS = ("val", "validation")
+WARMUP_FACTOR = 0.002  # official SOLVER.WARMUP_FACTOR: warm-up starts from 0.002 x the peak learning rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default="vil_ls_medium", help="timm model name (e.g. vil_ls_medium, cvt_ls_13) or local-dir:PATH.")
     add("--model-kwargs", nargs="*", default={}, action=ParseKwargs, help="Extra model arguments, e.g. depths=(1,1,2).")
     add("--pretrained", action="store_true", help="Start from the model's registered weights (downloaded by timm).")
-    add("--pretrained-file", help="Start from a local checkpoint (timm or official format, converted by the model).")
-    add("--img-size", type=int, default=224, help="Training and evaluation image side (CvT-LS picks r and w from it).")
+    add("--pretrained-file", help="Start from a local checkpoint (timm or official format, converted by the model); "
+        "a classifier for other classes is replaced by a new one to fine-tune.")
+    add("--img-size", type=int, help="Training and evaluation image side (CvT-LS picks r and w from it); default: the "
+        "model's own, e.g. 384 for vil_ls_medium_384.")
     add("--eval-only", action="store_true", help="Only evaluate the (pretrained) model on the validation images.")
     add("--epochs", type=int, default=300)
     add("--batch-size", type=int, default=128, help="Images per process and step (official: 8 GPUs x 128).")
@@ -54,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--opt-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, help="Gradient norm clipping (off in the official recipe).")
     add("--warmup-epochs", type=int, default=5, help="Linear warm-up, then cosine decay (updated every step).")
-    add("--warmup-lr", type=float, default=1.6e-6, help="Learning rate at the start of warm-up (0.002 x 8e-4).")
+    add("--warmup-lr", type=float, help=f"Learning rate at the start of warm-up; default: {WARMUP_FACTOR} x --lr.")
     add("--min-lr", type=float, default=1e-6)
     add("--drop-path", type=float, default=0.3, help="Stochastic depth (official: 0.3 Medium, 0.5 Base, 0.2 at 384).")
     add("--smoothing", type=float, default=0.1, help="Label smoothing.")
@@ -93,24 +97,54 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
         parser.error("--pretrained and --pretrained-file both pick start weights; pass one of them.")
     if args.pretrained_file and not Path(args.pretrained_file).is_file():
         parser.error(f"--pretrained-file {args.pretrained_file!r}: no such file.")
+    if args.pretrained_file and ":" in args.model:
+        parser.error(f"--pretrained-file loads into a registered --model; {args.model!r} brings its own weights: pass "
+                     f"--pretrained instead.")
     for name in ("epochs", "batch_size", "img_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
         parser.error(f"--batch-size {args.batch_size}: Mixup/CutMix mix pairs of images, so it must be even.")
     return splits
 
 
-def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
-    """The timm model for ``num_classes`` classes, with the start weights asked for."""
-    overlay = {"file": args.pretrained_file} if args.pretrained_file else None
+def checkpoint_classes(path: str, classifier: str) -> int:
+    """Outputs of the ``classifier`` layer in a checkpoint file, timm or official format (a ``net`` state dict with
+    ``module.`` prefixes); 0 without one."""
+    state = timm.models.load_state_dict(path)
+    weight = timm.models.clean_state_dict(state.get("net", state)).get(f"{classifier}.weight")
+    return 0 if weight is None else len(weight)
+
+
+def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_classes: int,
+                 log=print) -> torch.nn.Module:
+    """The timm model for ``num_classes`` classes, with the start weights asked for.
+
+    Start weights whose classifier has ``num_classes`` outputs are loaded whole. Weights trained on other classes
+    (ImageNet-1k ones for another dataset) start a fine-tuning: timm drops their classifier and the model gets a new
+    one, as ``timm.create_model(name, pretrained=True, num_classes=...)`` does; --eval-only refuses to score that one.
+    """
+    kwargs = {"num_classes": num_classes, "drop_path_rate": args.drop_path, **args.model_kwargs}
+    if args.img_size is not None:
+        kwargs["img_size"] = args.img_size
+    overlay = None
+    if args.pretrained_file:  # timm loads the file's classifier when the overlay says it has the model's classes
+        classifier = timm.models.get_pretrained_cfg_value(args.model, "classifier")
+        overlay = {"file": args.pretrained_file, "num_classes": checkpoint_classes(args.pretrained_file, classifier)}
     try:
-        return timm.create_model(args.model, pretrained=args.pretrained or overlay is not None,
-                                 pretrained_cfg_overlay=overlay, num_classes=num_classes, img_size=args.img_size,
-                                 drop_path_rate=args.drop_path, **args.model_kwargs)
-    except (ValueError, TypeError) as err:
-        parser.error(f"--model {args.model} with --img-size {args.img_size} and --model-kwargs {args.model_kwargs}: "
-                     f"{err}")
+        model = timm.create_model(args.model, pretrained=args.pretrained or overlay is not None,
+                                  pretrained_cfg_overlay=overlay, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: start weights that do not fit the model
+        parser.error(f"--model {args.model} with {kwargs}: {err}")
+    start_classes = model.pretrained_cfg["num_classes"]
+    if (args.pretrained or args.pretrained_file) and start_classes != num_classes:
+        start = f"--pretrained-file {args.pretrained_file!r}" if args.pretrained_file else f"--pretrained {args.model}"
+        mismatch = f"{start} classifies {start_classes} classes, but --data-dir {args.data_dir!r} holds {num_classes}"
+        if args.eval_only:
+            parser.error(f"{mismatch}; --eval-only would score a new, untrained classifier. Evaluate on data with the "
+                         f"weights' classes, or train (no --eval-only) to fine-tune them.")
+        log(f"{mismatch}: fine-tuning with a new classifier.")
+    return model
 
 
 def evaluate(model, loader, accelerator: Accelerator) -> dict[str, float]:
@@ -158,7 +192,7 @@ def main(argv=None) -> dict[str, float]:
 
     val_set = create_dataset("", root=str(splits["val"]), split="validation")
     classes = sorted(val_set.reader.class_to_idx, key=val_set.reader.class_to_idx.get)
-    model = create_model(parser, args, len(classes))
+    model = create_model(parser, args, len(classes), accelerator.print)
     data_config = resolve_data_config({"img_size": args.img_size}, model=model)
     val_set.transform = create_transform(**data_config)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers)
@@ -188,8 +222,9 @@ def main(argv=None) -> dict[str, float]:
 
     optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay, eps=args.opt_eps)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    warmup_lr = WARMUP_FACTOR * args.lr if args.warmup_lr is None else args.warmup_lr
     scheduler, epochs = create_scheduler_v2(optimizer, sched="cosine", num_epochs=args.epochs, min_lr=args.min_lr,
-                                            warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs,
+                                            warmup_lr=warmup_lr, warmup_epochs=args.warmup_epochs,
                                             step_on_epochs=False, updates_per_epoch=len(train_loader))
     ema = ModelEmaV3(accelerator.unwrap_model(model), decay=args.model_ema_decay) if args.model_ema else None
     if ema is not None:
