@@ -24,6 +24,8 @@ inside ``generate`` (a stopping criterion records the clock), so the prefill is 
     python -m bench.bench_models --lengths 16384 --layers 1 --repeats 1 --skip-generation
     python -m bench.bench_models --quick                           # n = 1024, short contexts: a smoke run
 
+Writes ``bench/results/models_cpu.json`` (``models_cpu_quick.json`` with ``--quick``; ``--out`` another path): the
+machine and command, each row's step times in run order with their median, tokens/s and ratios, and the bars.
 Prints markdown tables with ratios and the issue's bars (PASS/MISS); times are never asserted anywhere.
 """
 
@@ -31,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -48,6 +53,7 @@ from transformers import (
 from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
 
+RESULTS = Path(__file__).resolve().parent / "results"
 BASE = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
 WINDOW, RANK, LONGFORMER_WINDOW = 256, 64, 512
 PEERS = ("long-short", "roberta-sdpa", "longformer")
@@ -104,9 +110,8 @@ def measure_memory(peer: str, n: int, layers: int, vocab: int) -> dict:
 
 def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
     """Step times of all peers built in one process and stepped in turn (``interleaved_times``). Returns
-    {peer: sorted times}."""
-    times = interleaved_times({peer: training_step(peer, n, layers, vocab) for peer in peers}, repeats)
-    return {peer: sorted(values) for peer, values in times.items()}
+    {peer: times in run order}."""
+    return interleaved_times({peer: training_step(peer, n, layers, vocab) for peer in peers}, repeats)
 
 
 def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:
@@ -130,7 +135,8 @@ def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:
         for row in rows[-len(peers):]:
             if row["peer"] in fitting and timed["status"] == "ok":
                 times = timed[row["peer"]]
-                row |= {"time_s": times[len(times) // 2], "times_s": times, "tokens_per_s": n / times[len(times) // 2]}
+                median = sorted(times)[len(times) // 2]
+                row |= {"time_s": median, "times_s": times, "tokens_per_s": n / median}
                 print(f"  time   n={n:<6} {row['peer']:<13} {row['time_s']:8.2f} s", flush=True)
             elif row["peer"] in fitting:
                 row |= {"status": timed["status"], "reason": timed.get("reason", "")}
@@ -160,9 +166,10 @@ def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: i
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens + 1, do_sample=False, use_cache=use_cache,
                    stopping_criteria=StoppingCriteriaList([clock]))
-    steps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
-    per_token = steps[len(steps) // 2]
-    return {"prefill_s": clock.times[0] - start, "per_token_s": per_token, "tokens_per_s": 1 / per_token}
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    per_token = sorted(steps)[len(steps) // 2]
+    return {"prefill_s": clock.times[0] - start, "per_token_s": per_token, "per_token_times_s": steps,
+            "tokens_per_s": 1 / per_token}
 
 
 def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads) -> list[dict]:
@@ -181,17 +188,29 @@ def _find(rows, **keys):
     return next((r for r in rows if all(r.get(k) == v for k, v in keys.items()) and r["status"] == "ok"), None)
 
 
+def add_ratios(train_rows, gen_rows) -> None:
+    """Store what the tables show as ratios: ``ls_speedup`` (long-short tokens/s over the peer's, at the same n) in
+    the other peers' rows, ``cache_speedup`` (cached tokens/s over uncached, same context) in the cached rows."""
+    for row in train_rows:
+        ours = _find(train_rows, peer="long-short", n=row["n"])
+        if ours and row["peer"] != "long-short" and row["status"] == "ok":
+            row["ls_speedup"] = ours["tokens_per_s"] / row["tokens_per_s"]
+    for row in gen_rows:
+        plain = _find(gen_rows, context=row["context"], use_cache=False)
+        if plain and row["use_cache"] and row["status"] == "ok":
+            row["cache_speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
+
+
 def training_table(rows, peers, lengths) -> str:
     lines = ["| n | layers | peer | s / step | tokens / s | LS speedup | peak RSS above model (MiB) |",
              "|---|---|---|---|---|---|---|"]
     for n in lengths:
-        ours = _find(rows, peer="long-short", n=n)
         for peer in peers:
             row = next(r for r in rows if r["peer"] == peer and r["n"] == n)
             if row["status"] != "ok":
                 lines.append(f"| {n} | {row['layers']} | {peer} | {row['status']} ({row.get('reason', '')}) | | | |")
                 continue
-            speedup = f"{ours['tokens_per_s'] / row['tokens_per_s']:.2f}x" if ours and peer != "long-short" else ""
+            speedup = f"{row['ls_speedup']:.2f}x" if "ls_speedup" in row else ""
             lines.append(f"| {n} | {row['layers']} | {peer} | {row['time_s']:.2f} | {row['tokens_per_s']:.0f} | "
                          f"{speedup} | {row['peak_mem_bytes'] / 2**20:.0f} |")
     return "\n".join(lines) + "\n"
@@ -203,26 +222,28 @@ def generation_table(rows, contexts) -> str:
     for context in contexts:
         cached, plain = _find(rows, context=context, use_cache=True), _find(rows, context=context, use_cache=False)
         cells = [f"{cached['tokens_per_s']:.1f}" if cached else "-", f"{plain['tokens_per_s']:.2f}" if plain else "-",
-                 f"{cached['tokens_per_s'] / plain['tokens_per_s']:.0f}x" if cached and plain else "-",
+                 f"{cached['cache_speedup']:.0f}x" if cached and "cache_speedup" in cached else "-",
                  f"{cached['per_token_s'] * 1e3:.1f}" if cached else "-", f"{cached['prefill_s']:.2f}" if cached else "-"]
         lines.append(f"| {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def bars(train_rows, gen_rows, contexts) -> list[str]:
-    lines = []
+def check_bars(train_rows, gen_rows, contexts) -> list[dict]:
+    """The training throughput bars (value >= target) and, with two contexts or more, the cached decoding bar
+    (per-token time at the longest context over the shortest, value <= target); PASS/MISS, n/a when not measured."""
+    results = []
     for name, n, baseline, target in TRAIN_BARS:
-        ours, theirs = _find(train_rows, peer="long-short", n=n), _find(train_rows, peer=baseline, n=n)
-        if ours and theirs:
-            value = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            lines.append(f"{'PASS' if value >= target else 'MISS':<5} {name}: {value:.2f}x (bar {target}x)")
-    if gen_rows and len(contexts) > 1:
+        theirs = _find(train_rows, peer=baseline, n=n)
+        value = theirs.get("ls_speedup") if theirs else None
+        verdict = "n/a" if value is None else "PASS" if value >= target else "MISS"
+        results.append({"bar": f"{name} (>= {target}x)", "value": value, "target": target, "verdict": verdict})
+    if len(contexts) > 1:
         short, long = (_find(gen_rows, context=c, use_cache=True) for c in (contexts[0], contexts[-1]))
-        if short and long:
-            value = long["per_token_s"] / short["per_token_s"]
-            lines.append(f"{'PASS' if value <= DECODE_BAR else 'MISS':<5} cached decoding, per-token time at "
-                         f"{contexts[-1]} / at {contexts[0]}: {value:.2f}x (bar <= {DECODE_BAR}x)")
-    return lines
+        value = long["per_token_s"] / short["per_token_s"] if short and long else None
+        verdict = "n/a" if value is None else "PASS" if value <= DECODE_BAR else "MISS"
+        name = f"cached decoding, per-token time at {contexts[-1]} / at {contexts[0]} (<= {DECODE_BAR}x)"
+        results.append({"bar": name, "value": value, "target": DECODE_BAR, "verdict": verdict})
+    return results
 
 
 def main(argv=None) -> None:
@@ -239,6 +260,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-generation", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per measurement (0: torch default)")
     parser.add_argument("--quick", action="store_true", help="n = 1024, 1 layer, contexts 256 and 1024")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/models_cpu.json)")
     args = parser.parse_args(argv)
     for name in ("layers", "repeats", "vocab", "cached_tokens", "uncached_tokens", "threads"):
         if getattr(args, name) < (0 if name == "threads" else 1):
@@ -255,10 +277,26 @@ def main(argv=None) -> None:
     gen_rows = [] if args.skip_generation else run_generation(
         args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
     )
-    info = machine()
+    add_ratios(train_rows, gen_rows)
     command = "python -m bench.bench_models " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"\n{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}  {info['cpu']}  "
-          f"nproc={info['nproc']} threads={args.threads or info['threads']}  torch {info['torch']}  float32\n`{command.strip()}`\n")
+    meta = machine() | {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command.strip(),
+        "load_average": os.getloadavg(),
+        "measurement_threads": args.threads or torch.get_num_threads(),
+        "dtype": "fp32",
+        "config": {**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
+                   "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
+                   "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
+                                  "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
+        "memory": "RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
+                  "per (peer, n)",
+        "time": f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
+                "of one n stepped in turn in one forked process (times_s in run order); generation: median time "
+                "between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
+    }
+    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
+          f"torch {meta['torch']}  float32\n`{meta['command']}`\n")
     if train_rows:
         print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, median of {args.repeats} rounds after a warm-up "
               f"round, peers interleaved in one process; "
@@ -268,8 +306,15 @@ def main(argv=None) -> None:
         print(f"**Greedy decoding, LongShortForCausalLM d=768, {args.layers} layers, w={WINDOW}, l=16, r=1; median time between "
               f"decoding steps over {args.cached_tokens} cached / {args.uncached_tokens} uncached steps**\n")
         print(generation_table(gen_rows, args.contexts))
-    for line in bars(train_rows, gen_rows, args.contexts):
-        print(line)
+    bars = check_bars(train_rows, gen_rows, args.contexts)
+    for bar in bars:
+        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}x"
+        print(f"{bar['verdict']:<5} {bar['bar']}: {value}")
+
+    out = args.out or RESULTS / f"models_cpu{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "training": train_rows, "generation": gen_rows, "bars": bars}, indent=1))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 
 Inference (Table 5 style): images per second, the median of ``--repeats`` forward passes under
 ``torch.inference_mode`` (float32, batch 8), at 224, 384 and 448; both models are built in one process and take
-their passes in turn after a warm-up round, so that load from other processes hits both alike. Peak memory: each
+their passes in turn after a warm-up round, so that load from other processes hits both alike (a model alone when
+the other is skipped at that size, ``timed_with`` in its row). Peak memory: each
 (model, resolution, mode) in its own forked process, the RSS high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs``) minus the RSS after building the model and its input, over one pass or step.
 Training-step memory (Figure 7 style): one forward + backward of the cross-entropy loss at batch 1 as the resolution
@@ -83,9 +84,9 @@ def measure_memory(name: str, resolution: int, batch: int, train: bool) -> dict:
     return {"peak_mem_bytes": peak_rss_above(base), "gmacs": counter.get_total_flops() / 2e9}
 
 
-def measure_times(resolution: int, batch: int, repeats: int) -> dict:
-    """Inference times of both models, built in one process and run in turn (``interleaved_times``)."""
-    models = {name: build(name, resolution).eval() for name in MODELS}
+def measure_times(names, resolution: int, batch: int, repeats: int) -> dict:
+    """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``)."""
+    models = {name: build(name, resolution).eval() for name in names}
     images = torch.randn(batch, 3, resolution, resolution)
 
     def step(model):
@@ -108,7 +109,8 @@ def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> floa
 
 def run(resolution: int, batch: int, train: bool, repeats: int) -> list[dict]:
     """Rows for one resolution and mode: each model's memory in its own forked process, then (inference) the times
-    of both side by side in one more. A model whose estimated need exceeds 80 % of the free memory is skipped."""
+    of those measured side by side in one more (``timed_with``: the models in it). A model whose estimated need
+    exceeds 80 % of the free memory is skipped, and the other is then timed alone."""
     rows = []
     for name in MODELS:
         row = {"model": name, "resolution": resolution, "batch": batch, "mode": "train" if train else "inference"}
@@ -118,19 +120,24 @@ def run(resolution: int, batch: int, train: bool, repeats: int) -> list[dict]:
         else:
             row |= forked(measure_memory, name, resolution, batch, train)
         rows.append(row)
-    if not train and all(map(_ok, rows)):
-        timed = forked(measure_times, resolution, batch, repeats)
+    fitting = [row["model"] for row in rows if _ok(row)]
+    if not train and fitting:
+        timed = forked(measure_times, fitting, resolution, batch, repeats)
         for row in rows:
+            if row["model"] not in fitting:
+                continue
             if timed["status"] != "ok":
                 row |= {"status": timed["status"], "reason": timed.get("reason", "")}
                 continue
             times = timed[row["model"]]
-            row |= {"time_s": times[len(times) // 2], "times_s": times, "images_per_s": batch / times[len(times) // 2]}
+            row |= {"time_s": times[len(times) // 2], "times_s": times, "images_per_s": batch / times[len(times) // 2],
+                    "timed_with": fitting}
     for row in rows:
         shown = row.get("reason", "")
         if row["status"] == "ok":
             shown = f"{row['peak_mem_bytes'] / 2**20:8.0f} MiB"
-            shown += f" {row['images_per_s']:7.2f} img/s {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
+            shown += f" {row['images_per_s']:7.2f} img/s" if "images_per_s" in row else ""
+            shown += f" {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
         print(f"  {row['mode']:<9} {resolution:>5} {row['model']:<10} {row['status']:<8} {shown}", flush=True)
     return rows
 
@@ -139,8 +146,9 @@ def _get(rows, mode, name, resolution):
     return next((r for r in rows if (r["mode"], r["model"], r["resolution"]) == (mode, name, resolution)), None)
 
 
-def _ok(row) -> bool:
-    return row is not None and row["status"] == "ok"
+def _ok(row, key: str = "status") -> bool:
+    """The row exists, was measured, and has ``key``."""
+    return row is not None and row["status"] == "ok" and key in row
 
 
 def table(rows, mode, resolutions) -> str:
@@ -150,9 +158,10 @@ def table(rows, mode, resolutions) -> str:
     lines = [f"| {mode} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for res in resolutions:
         found = [_get(rows, mode, m, res) for m in MODELS]
-        cells = [format(row[key] * scale, fmt) if _ok(row) else row["status"] if row else "-"
+        cells = [format(row[key] * scale, fmt) if _ok(row, key) else row["status"] if row and not _ok(row) else "-"
                  for row in found for _, key, scale, fmt in columns]
-        cells += [f"{found[0][key] / found[1][key]:.2f}x" if all(map(_ok, found)) else "-" for _, key, *_ in columns]
+        cells += [f"{found[0][key] / found[1][key]:.2f}x" if all(_ok(row, key) for row in found) else "-"
+                  for _, key, *_ in columns]
         lines.append(f"| {res} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -164,7 +173,7 @@ def check_bars(rows, resolutions) -> list[dict]:
     results = []
     for name, res, key, target in bars:
         ls, hf = (_get(rows, "inference", m, res) for m in MODELS)
-        value = ls[key] / hf[key] if _ok(ls) and _ok(hf) else None
+        value = ls[key] / hf[key] if _ok(ls, key) and _ok(hf, key) else None
         passed = value is not None and (value >= target if key == "images_per_s" else value < target)
         verdict = "n/a" if value is None else "PASS" if passed else "MISS"
         results.append({"bar": name, "value": value, "target": target, "verdict": verdict})
@@ -201,7 +210,8 @@ def main(argv=None) -> None:
         "memory": "RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
                   "and input, forked process per row",
         "time": f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
-                f"after a warm-up round, batch {args.batch}, float32; "
+                f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
+                "float32; "
                 "training: one forward + backward at batch 1",
     }
     bars = check_bars(rows, args.resolutions)

@@ -51,6 +51,24 @@ def test_left_padded_batch_generates_the_same_with_and_without_cache(model):
     assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
+def test_left_padded_greedy_generation_matches_a_loop_of_full_forwards(model, use_cache):
+    """generate builds its own positions from the attention mask; a plain full forward takes them from the ids (pad
+    = padding). Rows with 0, 2 and 5 left pads must get the tokens of a greedy loop over full masked forwards."""
+    prompt = tokens(3, 10, seed=3)
+    mask = torch.ones_like(prompt)
+    for row, pad in ((1, 2), (2, 5)):
+        prompt[row, :pad], mask[row, :pad] = 1, 0
+    generated = generate(model, prompt, use_cache=use_cache, attention_mask=mask, do_sample=False)
+    ids, ones = prompt, torch.ones(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(12):
+            next_token = model(ids, attention_mask=mask).logits[:, -1].argmax(-1, keepdim=True)
+            ids, mask = torch.cat([ids, next_token], 1), torch.cat([mask, ones], 1)
+    assert (ids[:, 10:] > 2).all()  # no generated special token, which the full forward would take for padding
+    assert torch.equal(generated, ids)
+
+
 def test_generate_uses_a_long_short_cache_of_bounded_size(model):
     out = model.generate(tokens(1, 9), max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     cache = out.past_key_values
@@ -112,22 +130,60 @@ def test_cache_implementation_is_refused_clearly(model, cache_implementation):
         model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation=cache_implementation)
 
 
-def test_cache_batch_operations_follow_the_beams(model):
+STATE_TENSORS = ("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending")  # all of CausalState's
+
+
+def padded_batch():
+    """3 rows of 10 tokens, the first with 5 left pads: its first segment (l=3) and window key 4 are padding."""
     ids = tokens(3, 10)
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 1, 0
+    return ids, mask
+
+
+def cache_of(model, ids, mask):
+    cache = LongShortCache(model.config)
     with torch.no_grad():
-        cache = LongShortCache(model.config)
-        model(ids, past_key_values=cache, use_cache=True)
-        cache.reorder_cache(torch.tensor([2, 0, 0]))
-        step = model(ids[[2, 0, 0], :1], past_key_values=cache, use_cache=True).logits
-        expected = model(torch.cat([ids[[2, 0, 0]], ids[[2, 0, 0], :1]], 1)).logits[:, -1:]
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def assert_same_cache(got, expected):
+    assert got.get_seq_length() == expected.get_seq_length()
+    for got_layer, expected_layer in zip(got.layers, expected.layers, strict=True):
+        for name in STATE_TENSORS:
+            got_tensor, expected_tensor = getattr(got_layer.state, name), getattr(expected_layer.state, name)
+            torch.testing.assert_close(got_tensor, expected_tensor, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_cache_batch_operations_follow_the_beams(model):
+    ids, mask = padded_batch()
+    beams = torch.tensor([2, 0, 0])
+    cache = cache_of(model, ids, mask)
+    cache.reorder_cache(beams)
+    assert_same_cache(cache, cache_of(model, ids[beams], mask[beams]))
+    longer_ids = torch.cat([ids[beams], tokens(3, 1, seed=1)], 1)
+    longer_mask = torch.cat([mask[beams], torch.ones(3, 1, dtype=torch.long)], 1)
+    with torch.no_grad():
+        step = model(longer_ids[:, -1:], attention_mask=longer_mask, past_key_values=cache, use_cache=True).logits
+        expected = model(longer_ids, attention_mask=longer_mask).logits[:, -1:]
     torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-5)
-    cache.batch_select_indices(torch.tensor([1]))
-    cache.batch_repeat_interleave(2)
-    assert all(layer.state.keys.shape[0] == 2 for layer in cache.layers)
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(1)
     cache.reset()
     assert cache.get_seq_length() == 0
+
+
+def test_cache_batch_select_and_repeat_interleave_keep_each_row_with_its_sequence(model):
+    """Contrastive search selects rows and beam search repeats them: the cache must become the one that the selected
+    (repeated) rows build, every tensor (window, projected rows, their validity, pending scores) included."""
+    ids, mask = padded_batch()  # w=4, l=3: window keys of positions 4-9, 3 segments of rows and 1 pending score
+    cache = cache_of(model, ids, mask)
+    assert all(getattr(cache.layers[0].state, name) is not None for name in STATE_TENSORS)
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    assert_same_cache(cache, cache_of(model, ids[[2, 0]], mask[[2, 0]]))
+    cache.batch_repeat_interleave(2)
+    assert_same_cache(cache, cache_of(model, ids[[2, 2, 0, 0]], mask[[2, 2, 0, 0]]))
 
 
 def test_a_foreign_cache_is_refused_clearly(model):

@@ -13,7 +13,10 @@ from transformers import (
     AutoModelForTokenClassification,
     RobertaConfig,
     RobertaForMaskedLM,
+    RobertaForMultipleChoice,
+    RobertaForQuestionAnswering,
     RobertaForSequenceClassification,
+    RobertaForTokenClassification,
 )
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
@@ -145,21 +148,25 @@ def test_first_token_heads_refuse_a_causal_config(tmp_path, model_class, auto_cl
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
     """A RoBERTa checkpoint loads with ROBERTA_KEY_MAPPING; with use_dual_ln=False, r=0 and a window covering the
-    input the LongShort model computes RoBERTa's logits (MLM and classification heads)."""
+    input the LongShort model computes RoBERTa's outputs with every head (num_labels=2: QA's start and end logits,
+    compared apart). initializer_range=0.2 makes the weights large enough that a misused input shows beyond atol."""
     roberta_config = RobertaConfig(
         vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
-        max_position_embeddings=40, type_vocab_size=1, layer_norm_eps=1e-5, num_labels=3,
+        max_position_embeddings=40, type_vocab_size=1, layer_norm_eps=1e-5, num_labels=2, initializer_range=0.2,
         attn_implementation=attn_implementation,
     )
     config = LongShortConfig.from_roberta(roberta_config, window_size=32, projection_rank=0, use_dual_ln=False)
-    ids = tokens(2, 30)
+    ids = tokens(6, 30)
     mask = torch.ones_like(ids)
-    ids[1, 21:], mask[1, 21:] = config.pad_token_id, 0
+    ids[1::2, 21:], mask[1::2, 21:] = config.pad_token_id, 0
     real = mask.bool()
     torch.manual_seed(0)
-    for roberta_class, ours_class in (
-        (RobertaForMaskedLM, LongShortForMaskedLM),
-        (RobertaForSequenceClassification, LongShortForSequenceClassification),
+    for roberta_class, ours_class, output_names in (
+        (RobertaForMaskedLM, LongShortForMaskedLM, ["logits"]),
+        (RobertaForSequenceClassification, LongShortForSequenceClassification, ["logits"]),
+        (RobertaForTokenClassification, LongShortForTokenClassification, ["logits"]),
+        (RobertaForQuestionAnswering, LongShortForQuestionAnswering, ["start_logits", "end_logits"]),
+        (RobertaForMultipleChoice, LongShortForMultipleChoice, ["logits"]),
     ):
         roberta = roberta_class(roberta_config).eval()
         roberta.save_pretrained(tmp_path / roberta_class.__name__)
@@ -167,11 +174,16 @@ def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
             tmp_path / roberta_class.__name__, config=config, key_mapping=ROBERTA_KEY_MAPPING, output_loading_info=True
         )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if ours_class is LongShortForMultipleChoice:
+            inputs = {name: x.view(2, 3, 30) for name, x in inputs.items()}  # 2 questions, 3 choices each
         with torch.no_grad():
-            expected, got = roberta(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-        if ours_class is LongShortForMaskedLM:
-            expected, got = expected[real], got[real]
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            expected, got = roberta(**inputs), ours(**inputs)
+        for name in output_names:
+            want, have = expected[name], got[name]
+            if want.shape[:2] == ids.shape:  # per-token outputs: only real tokens (padded ones differ)
+                want, have = want[real], have[real]
+            torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4, msg=f"{ours_class.__name__}.{name}")
 
 
 @pytest.mark.parametrize("model_class, overrides", [(LongShortForMaskedLM, {}), (LongShortForCausalLM, {"is_decoder": True}),
@@ -347,6 +359,29 @@ def test_sdpa_is_accepted_and_computes_what_eager_does(tmp_path):
     torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
     torch.testing.assert_close(got.attentions, expected.attentions, rtol=0, atol=0)
     assert len(AutoModelForMaskedLM.from_pretrained(tmp_path, output_attentions=True)(tokens()).attentions) == 2
+
+
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["sdpa", "explicit_softmax"])
+def test_attention_dropout_acts_in_training_only(output_attentions):
+    """attention_probs_dropout_prob drops attention probabilities in train mode only (tiny_config has no hidden
+    dropout, so only the attention's own dropout can act): the output then depends on the RNG seed, reproducibly."""
+    dropped = LongShortModel(tiny_config(attention_probs_dropout_prob=0.5))
+    plain = LongShortModel(tiny_config())
+    plain.load_state_dict(dropped.state_dict())
+    ids = tokens()
+
+    def run(model, train, seed=0):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return model.train(train)(ids, output_attentions=output_attentions).last_hidden_state
+
+    reference = run(plain, train=False)
+    torch.testing.assert_close(run(plain, train=True), reference, rtol=0, atol=0)
+    torch.testing.assert_close(run(dropped, train=False), reference, rtol=0, atol=0)
+    first = run(dropped, train=True, seed=1)
+    torch.testing.assert_close(run(dropped, train=True, seed=1), first, rtol=0, atol=0)
+    assert not torch.allclose(first, reference, atol=1e-3)
+    assert not torch.allclose(run(dropped, train=True, seed=2), first, atol=1e-3)
 
 
 def test_output_attentions_from_config():

@@ -3,6 +3,7 @@ the artefacts appear, an interrupted run resumes, and bad arguments exit with a 
 
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,13 +83,19 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     assert logged_losses(out)[:40] == losses and len(logged_losses(out)) == 50
 
 
-def test_imdb_from_the_hub_holds_out_validation_reviews_and_keeps_test_apart(monkeypatch):
-    """stanfordnlp/imdb has train, test and unsupervised splits (stand-ins here): no validation split, so the recipe
-    holds out --validation_split_percentage of train, the same reviews in every run, and reads test only to score."""
-    imdb = load_dataset("csv", data_files={"train": str(IMDB_TRAIN), "test": str(IMDB_TEST),
-                                           "unsupervised": str(IMDB_TEST)})
-    monkeypatch.setattr(common, "load_dataset", lambda name, config: imdb if name == "stanfordnlp/imdb" else None)
-    data_args, columns = finetune_imdb.ImdbDataArguments(), ["text", "label"]
+def test_imdb_dataset_name_holds_out_validation_reviews_and_keeps_test_apart(tmp_path):
+    """stanfordnlp/imdb has train, test and unsupervised splits and no validation split. A local folder laid out
+    the same way (``data/<split>-00000-of-00001.csv``, the sample as stand-ins) goes through --dataset_name and a
+    real ``load_dataset``: the recipe holds out --validation_split_percentage of train, the same reviews in every
+    run, and reads test only to score."""
+    folder = tmp_path / "imdb"
+    (folder / "data").mkdir(parents=True)
+    for split, source in (("train", IMDB_TRAIN), ("test", IMDB_TEST), ("unsupervised", IMDB_TEST)):
+        shutil.copy(source, folder / "data" / f"{split}-00000-of-00001.csv")
+    assert set(load_dataset(str(folder))) == {"train", "test", "unsupervised"}
+    imdb = load_dataset("csv", data_files={"train": str(IMDB_TRAIN), "test": str(IMDB_TEST)})
+    (data_args,) = common.parse_args((finetune_imdb.ImdbDataArguments,), ["--dataset_name", str(folder)])
+    columns = ["text", "label"]
     data = common.load_data(data_args, columns, need_eval=True, need_test=True)
     assert (len(data["train"]), len(data["validation"]), len(data["test"])) == (304, 16, 80)
     assert not set(data["validation"]["text"]) & set(data["train"]["text"])
@@ -97,6 +104,7 @@ def test_imdb_from_the_hub_holds_out_validation_reviews_and_keeps_test_apart(mon
     again = common.load_data(data_args, columns, need_eval=True)
     assert again["validation"]["text"] == data["validation"]["text"] and "test" not in again
     assert set(common.load_data(data_args, columns, need_eval=False)) == {"train"}
+    assert data_args.data_name("validation") == str(folder)
 
 
 @pytest.mark.parametrize(("extra", "selects"), [([], True), (["--eval_strategy", "no"], False)])

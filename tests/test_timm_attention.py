@@ -1,6 +1,7 @@
 """2-D Long-Short attention (``ls_timm.long_short_attention_2d``) against an explicit per-query reference, the
 official ViL-LS fixtures, the LMSA parameter counts and its argument checks."""
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ls_timm.long_short_attention_2d import LongShortAttention2d, window_layout
+from ls_timm.long_short_attention_2d import ConvBn, LongShortAttention2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -174,6 +176,52 @@ def test_backward_reaches_every_parameter():
     m(x, (7, 5)).square().sum().backward()
     assert x.grad.abs().sum() > 0
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+def test_conv_bn_trains_on_batch_statistics_and_folds_in_eval():
+    """CvT's dw_bn projection: in training, conv then BatchNorm on the batch statistics, updating the running ones as
+    a plain BatchNorm2d does; in eval, the BatchNorm folded into the conv equals conv then BatchNorm on the running
+    statistics."""
+    conv_bn = ConvBn(nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.BatchNorm2d(6))
+    _randomise(conv_bn)  # running statistics far from the batch ones
+    conv, bn = copy.deepcopy(conv_bn)
+    x = torch.randn(4, 6, 5, 7, generator=torch.Generator().manual_seed(2)) * 2 + 1
+    with torch.no_grad():
+        for _ in range(2):  # the second step starts from updated running statistics
+            torch.testing.assert_close(conv_bn.train()(x), bn.train()(F.conv2d(x, conv.weight, padding=1, groups=6)))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                torch.testing.assert_close(getattr(conv_bn[1], name), getattr(bn, name), msg=name)
+        assert conv_bn[1].num_batches_tracked == 2
+        want = F.batch_norm(F.conv2d(x, conv.weight, padding=1, groups=6), bn.running_mean, bn.running_var, bn.weight,
+                            bn.bias, False, 0.0, bn.eps)
+        torch.testing.assert_close(conv_bn.eval()(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv_bn[1].running_mean, bn.running_mean)  # eval leaves them alone
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["blocked", "dense"])
+def test_attention_dropout_in_training_only(dense):
+    """attn_drop drops attention probabilities in training, in both layouts: the output depends on the seed (and is
+    the same for the same seed) and differs from eval; with attn_drop=0 training gives the eval output (ViL-style
+    projections: no BatchNorm, whose statistics differ between the modes)."""
+    H, W = 9, 10
+    m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, window_bias=True, attn_drop=0.3)
+    _randomise(m)
+    m.dense_max_tokens = 10**9 if dense else 0
+    x = torch.randn(2, 1 + H * W, 16, generator=torch.Generator().manual_seed(2))
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return m(x, (H, W))
+
+    with torch.no_grad():
+        expected = m.eval()(x, (H, W))
+        m.train()
+        first = run(0)
+        torch.testing.assert_close(run(0), first, atol=0, rtol=0)
+        assert not torch.allclose(run(1), first)
+        assert not torch.allclose(first, expected)
+        m.attn_drop = 0.0
+        torch.testing.assert_close(run(0), expected)
 
 
 @pytest.mark.parametrize("qk_dim,count", [(64, 12288), (32, 8192), (16, 6144), (2, 4352)])

@@ -147,6 +147,35 @@ def test_classifier_reset_and_pooling(name):
             timm.create_model(name, depths=(1, 1, 1, 1), img_size=64, global_pool="")
 
 
+@pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
+def test_pooled_features_values(name):
+    """What the head pools: CvT-LS 'token' takes the cls token, its 'avg' the mean of the patch tokens only (the
+    normed last map of forward_intermediates); ViL-LS 'avg' the mean over its map. The same through reset_classifier
+    and create_model(global_pool=...), and the logits are the head on the pooled features."""
+    torch.manual_seed(0)
+    model, size = _reduced(name, num_classes=0)
+    model.eval()
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        patches = model.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)[0]  # (B, C, H, W)
+        assert patches.shape[-2:] == (size // (16 if name in CVT else 32),) * 2
+        want = {"avg": patches.mean((2, 3))}
+        if name in CVT:
+            assert features.shape[1] == 1 + patches.shape[-2] * patches.shape[-1]
+            want["token"] = features[:, 0]
+        else:
+            torch.testing.assert_close(features, patches)
+        for pool, pooled in want.items():
+            model.reset_classifier(0, pool)
+            torch.testing.assert_close(model.forward_head(features, pre_logits=True), pooled, msg=pool)
+            torch.testing.assert_close(model(x), pooled, msg=pool)
+            classifier, _ = _reduced(name, num_classes=3, global_pool=pool)
+            missing, _ = classifier.load_state_dict(model.state_dict(), strict=False)  # the same backbone
+            assert sorted(missing) == ["head.bias", "head.weight"]
+            torch.testing.assert_close(classifier.eval()(x), classifier.head(pooled), msg=pool)
+
+
 @pytest.mark.parametrize("name", ["cvt_ls_21s", "vil_ls_medium"])
 def test_optimizer_helpers(name):
     model, _ = _reduced(name)
