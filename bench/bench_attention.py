@@ -24,10 +24,7 @@ the bars of issue 2 (PASS/MISS). Times are never asserted anywhere.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -36,7 +33,15 @@ from torch import nn
 from transformers import LongformerConfig
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
-from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
+from bench.common import (
+    forked,
+    free_bytes,
+    interleaved_times,
+    peak_rss_above,
+    reset_peak_rss,
+    run_meta,
+    write_json,
+)
 from bench.plot import plot_scaling
 from ls_hf.long_short_attention import LongShortSelfAttention
 
@@ -298,20 +303,18 @@ def main(argv=None) -> None:
             shown = f"{row['time_s'] * 1e3:9.1f} ms {row['peak_mem_bytes'] / 2**20:8.0f} MiB" if ok else ""
             print(f"  n={n:<6} {row['peer']:<11} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
 
-    command = "python -m bench.bench_attention " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = machine() | {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command.strip(),
-        "device": args.device,
-        "dtype": args.dtype,
-        "repeats": args.repeats,
-        "config": {"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK, "batch": BATCH,
-                   "longformer_attention_window": LONGFORMER_WINDOW},
-        "memory": "RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
+    meta = run_meta(
+        "bench_attention", argv,
+        device=args.device,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        config={"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK, "batch": BATCH,
+                "longformer_attention_window": LONGFORMER_WINDOW},
+        memory="RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
         if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
-        "time": f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
+        time=f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
         "turn in one process",
-    }
+    )
     bars = check_bars(rows)
     lines = [
         f"{meta['date']}, {meta['cpu']}, nproc {meta['nproc']}, torch {meta['torch']}, {args.device} {args.dtype}",
@@ -330,8 +333,7 @@ def main(argv=None) -> None:
 
     suffix = ("" if args.dtype == "fp32" else f"_{args.dtype}") + ("_quick" if args.quick else "")
     out = args.out or RESULTS / f"attention_{args.device}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows, "bars": bars}, indent=1))
+    write_json(out, {"meta": meta, "results": rows, "bars": bars})
     out.with_suffix(".md").write_text(text)
     title = f"one attention layer, fwd+bwd, d={HIDDEN}, H={HEADS}, w={WINDOW}, r={RANK}, {args.device} {args.dtype}"
     plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")

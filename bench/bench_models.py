@@ -32,10 +32,6 @@ Prints markdown tables with ratios and the issue's bars (PASS/MISS); times are n
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -50,7 +46,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
+from bench.common import forked, free_bytes, interleaved_times, peak_rss_above, reset_peak_rss, run_meta, write_json
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -278,23 +274,20 @@ def main(argv=None) -> None:
         args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
     )
     add_ratios(train_rows, gen_rows)
-    command = "python -m bench.bench_models " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = machine() | {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command.strip(),
-        "load_average": os.getloadavg(),
-        "measurement_threads": args.threads or torch.get_num_threads(),
-        "dtype": "fp32",
-        "config": {**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
-                   "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
-                   "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
-                                  "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
-        "memory": "RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
-                  "per (peer, n)",
-        "time": f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
-                "of one n stepped in turn in one forked process (times_s in run order); generation: median time "
-                "between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
-    }
+    meta = run_meta(
+        "bench_models", argv,
+        measurement_threads=args.threads or torch.get_num_threads(),
+        dtype="fp32",
+        config={**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
+                "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
+                "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
+                               "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
+        memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
+               "per (peer, n)",
+        time=f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
+             "of one n stepped in turn in one forked process (times_s in run order); generation: median time "
+             "between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
+    )
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
           f"torch {meta['torch']}  float32\n`{meta['command']}`\n")
     if train_rows:
@@ -312,8 +305,7 @@ def main(argv=None) -> None:
         print(f"{bar['verdict']:<5} {bar['bar']}: {value}")
 
     out = args.out or RESULTS / f"models_cpu{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "training": train_rows, "generation": gen_rows, "bars": bars}, indent=1))
+    write_json(out, {"meta": meta, "training": train_rows, "generation": gen_rows, "bars": bars})
     print(f"\nwrote {out}")
 
 

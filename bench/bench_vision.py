@@ -25,11 +25,7 @@ Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
-import json
-import os
-import sys
 from pathlib import Path
 
 import timm
@@ -39,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CvtConfig, CvtForImageClassification
 
 import ls_timm  # registers cvt_ls_13
-from bench.common import forked, free_bytes, interleaved_times, machine, peak_rss_above, reset_peak_rss
+from bench.common import forked, free_bytes, interleaved_times, peak_rss_above, reset_peak_rss, run_meta, write_json
 from bench.plot import plot_scaling
 
 MODELS = ("cvt_ls_13", "hf_cvt_13")
@@ -201,19 +197,15 @@ def main(argv=None) -> None:
     rows = [row for r in args.resolutions for row in run(r, args.batch, False, args.repeats)]
     rows += [row for r in args.train_resolutions for row in run(r, 1, True, 0)]
 
-    command = "python -m bench.bench_vision " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = machine() | {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command.strip(),
-        "load_average": os.getloadavg(),
-        "ls_timm_sources_sha256": source_hash,
-        "memory": "RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
-                  "and input, forked process per row",
-        "time": f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
-                f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
-                "float32; "
-                "training: one forward + backward at batch 1",
-    }
+    meta = run_meta(
+        "bench_vision", argv,
+        ls_timm_sources_sha256=source_hash,
+        memory="RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
+               "and input, forked process per row",
+        time=f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
+             f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
+             "float32; training: one forward + backward at batch 1",
+    )
     bars = check_bars(rows, args.resolutions)
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
           f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}\nmemory: {meta['memory']}\n")
@@ -226,8 +218,7 @@ def main(argv=None) -> None:
               f"{bar['target']})")
 
     out = args.out or RESULTS / f"vision_cpu{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows, "bars": bars}, indent=1))
+    write_json(out, {"meta": meta, "results": rows, "bars": bars})
     written = [out]
     for mode, path, what in (("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
                              ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1")):

@@ -1,11 +1,15 @@
-"""What the benchmarks share: the machine description, free memory, peak-RSS measurement, forked runs and peers
-timed in turn."""
+"""What the benchmarks share: the machine description, the results' header and file, free memory, peak-RSS
+measurement, forked runs and peers timed in turn."""
 
+import datetime
+import json
 import multiprocessing
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,6 +27,24 @@ def machine() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
+
+
+def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
+    """The results' header: the machine, the UTC date, the command that ran ``bench.<script>`` (``argv``, default the
+    command line) and the load average, then the script's ``fields``."""
+    command = f"python -m bench.{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return machine() | {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command.strip(),
+        "load_average": os.getloadavg(),
+        **fields,
+    }
+
+
+def write_json(path: Path, results: dict) -> None:
+    """Write ``results`` (header, rows, bars) to ``path``, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
 
 def free_bytes(device: str = "cpu") -> int:
     """Memory available for a new allocation on ``device``."""
