@@ -17,6 +17,8 @@ calls GFLOPs) come from ``torch.utils.flop_counter`` at batch 1.
     python -m bench.bench_vision --repeats 5    # the full table and sweep (5-20 minutes on 2 cores, by load)
     python -m bench.bench_vision --quick        # 224 only, batch 2: a smoke run
     python -m bench.bench_vision --train-resolutions --out bench/results/vision_cpu_inference.json  # no sweep
+    python -m bench.bench_vision --reparam --resolutions 224 --train-resolutions --out bench/results/vision_cpu_reparam.json
+        # cvt_ls_13 with its convs fused for inference (timm.utils.reparameterize_model)
 
 Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
 ``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the bars of issue 5 (PASS/MISS).
@@ -50,10 +52,13 @@ COLUMNS = {
 }
 
 
-def build(name: str, resolution: int) -> torch.nn.Module:
+def build(name: str, resolution: int, reparam: bool = False) -> torch.nn.Module:
+    """The model; with ``reparam``, cvt_ls_13 with its convs fused for inference (``reparameterize_model``, as timm's
+    own benchmark script's ``--reparam``)."""
     torch.manual_seed(0)
     if name == "cvt_ls_13":
-        return timm.create_model("cvt_ls_13", img_size=resolution)
+        model = timm.create_model("cvt_ls_13", img_size=resolution)
+        return timm.utils.reparameterize_model(model.eval()) if reparam else model
     return CvtForImageClassification(CvtConfig(num_labels=1000))
 
 
@@ -62,10 +67,10 @@ def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def measure_memory(name: str, resolution: int, batch: int, train: bool) -> dict:
+def measure_memory(name: str, resolution: int, batch: int, train: bool, reparam: bool) -> dict:
     """Peak RSS above the built model and its input over one step, and for inference the GMACs of one image (counted
     on a pass at batch 1 before the measured one)."""
-    model = build(name, resolution).train(train)
+    model = build(name, resolution, reparam).train(train)
     images = torch.randn(batch, 3, resolution, resolution)
     if train:
         base = reset_peak_rss()
@@ -80,9 +85,9 @@ def measure_memory(name: str, resolution: int, batch: int, train: bool) -> dict:
     return {"peak_mem_bytes": peak_rss_above(base), "gmacs": counter.get_total_flops() / 2e9}
 
 
-def measure_times(names, resolution: int, batch: int, repeats: int) -> dict:
+def measure_times(names, resolution: int, batch: int, repeats: int, reparam: bool) -> dict:
     """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``)."""
-    models = {name: build(name, resolution).eval() for name in names}
+    models = {name: build(name, resolution, reparam).eval() for name in names}
     images = torch.randn(batch, 3, resolution, resolution)
 
     def step(model):
@@ -103,7 +108,7 @@ def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> floa
     return need
 
 
-def run(resolution: int, batch: int, train: bool, repeats: int) -> list[dict]:
+def run(resolution: int, batch: int, train: bool, repeats: int, reparam: bool = False) -> list[dict]:
     """Rows for one resolution and mode: each model's memory in its own forked process, then (inference) the times
     of those measured side by side in one more (``timed_with``: the models in it). A model whose estimated need
     exceeds 80 % of the free memory is skipped, and the other is then timed alone."""
@@ -114,11 +119,11 @@ def run(resolution: int, batch: int, train: bool, repeats: int) -> list[dict]:
         if need > 0.8 * free:
             row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
         else:
-            row |= forked(measure_memory, name, resolution, batch, train)
+            row |= forked(measure_memory, name, resolution, batch, train, reparam and not train)
         rows.append(row)
     fitting = [row["model"] for row in rows if _ok(row)]
     if not train and fitting:
-        timed = forked(measure_times, fitting, resolution, batch, repeats)
+        timed = forked(measure_times, fitting, resolution, batch, repeats, reparam)
         for row in rows:
             if row["model"] not in fitting:
                 continue
@@ -184,6 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed inference passes after one warm-up")
     parser.add_argument("--train-resolutions", type=int, nargs="*", default=[224, 448, 672, 896, 1120],
                         help="training-step memory sweep at batch 1 (none: no sweep); sizes that do not fit: skipped")
+    parser.add_argument("--reparam", action="store_true",
+                        help="inference with cvt_ls_13's convs fused once (timm.utils.reparameterize_model)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_cpu.json)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -194,12 +201,13 @@ def main(argv=None) -> None:
     # the ls_timm code measured (it is imported once, before the forks), for tracing results in an uncommitted tree
     source_hash = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(ls_timm.__file__).parent.glob("*.py"))))
     source_hash = source_hash.hexdigest()[:12]
-    rows = [row for r in args.resolutions for row in run(r, args.batch, False, args.repeats)]
+    rows = [row for r in args.resolutions for row in run(r, args.batch, False, args.repeats, args.reparam)]
     rows += [row for r in args.train_resolutions for row in run(r, 1, True, 0)]
 
     meta = run_meta(
         "bench_vision", argv,
         ls_timm_sources_sha256=source_hash,
+        reparam=args.reparam,
         memory="RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
                "and input, forked process per row",
         time=f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ls_timm.long_short_attention_2d import ConvBn, LongShortAttention2d, window_layout
+from ls_timm.long_short_attention_2d import ConvBn, LongShortAttention2d, StdConv2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -95,6 +95,29 @@ def _randomise(m: torch.nn.Module) -> None:
             if isinstance(mod, torch.nn.BatchNorm2d):
                 mod.running_mean.normal_()
                 mod.running_var.uniform_(0.5, 2.0)
+
+
+def test_reparameterize_model_fuses_the_conv_projections():
+    """``timm.utils.reparameterize_model`` turns CvT*-LS's conv+BatchNorm projections and its weight-standardised
+    dynamic-projection convs into plain convs, folded once: same eval outputs (logits and stage maps), no BatchNorm
+    or standardisation left, and the original model untouched."""
+    import timm
+
+    import ls_timm  # noqa: F401  (registers cvt_ls_13)
+
+    model = timm.create_model("cvt_ls_13", depths=(1, 1, 2))
+    _randomise(model)
+    model.eval()
+    fused = timm.utils.reparameterize_model(model)
+    kinds = (ConvBn, StdConv2d, nn.BatchNorm2d)
+    assert not any(isinstance(m, kinds) for m in fused.modules())
+    assert sum(isinstance(m, ConvBn) for m in model.modules()) == 3 * 4  # q, k, v in each of the 4 blocks
+    x = torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+        for got, want in zip(fused.forward_intermediates(x, intermediates_only=True),
+                             model.forward_intermediates(x, intermediates_only=True)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
