@@ -18,8 +18,11 @@ Python), on strided (.., heads, L, d) views:
 * blocked: the w x w query blocks and their key tiles plus the projected and global rows are gathered as whole
   token rows (``index_select``), with a (blocks x keys) mask; O(HW (w + 2e)^2 + HW r) work. On CPU the blocks go
   in chunks of ``chunk_bytes`` gathered keys/values, each attended while still in cache (bounded workspace);
-* dense (maps of at most ``dense_max_tokens`` patches, where blocks of a few queries cost more than they save):
-  all patch queries against all keys with the (HW x keys) visibility mask, one call.
+* strips (maps of at most ``strip_max_tokens`` patches, where blocks of a few queries cost more than they save):
+  the map is cut into strips of w whole rows (one strip of all rows when w does not divide H); a strip's queries
+  are a view, and its keys/values [e halo rows above; extra keys; its rows; extra keys; e halo rows below] are one
+  overlapping strided view of a buffer that holds every patch row once and the extra rows once per strip (the
+  first copy in a strip is the previous strip's, hidden). No gathers, one call; O(HW (w + 2e) W + HW r) work.
 
 Both layouts' index tensors and masks depend on the map size only (``window_layout``), so they are built once per
 size and shared by every layer of a stage. Maps whose sides are not multiples of ``w`` get partial last blocks:
@@ -92,12 +95,14 @@ def vil_window_bias_index(window: int) -> Tensor:
 
 
 class WindowLayout(NamedTuple):
-    """Where the patch queries and keys of one map size meet (``window_layout``): G groups of Q query slots against K
-    keys ([patches; extra keys]), the dense layout being one group of all HW queries against all keys in order."""
+    """Where the patch queries and keys of one map size meet (``window_layout``): G groups (blocks or strips) of Q
+    query slots against K key slots, of which ``patch_slots`` hold patches and the rest extra keys."""
 
     target: Tensor | None  # blocked: (G, Q) raster position of each query slot, -1 outside the map (padding)
     k_index: Tensor | None  # blocked: (G, K) rows of [patches; extra keys]; tile keys outside the map read patch 0
-    keep: Tensor  # bool visibility: blocked (G, 1, 1, K), a block's queries sharing their keys; dense (1, 1, HW, K)
+    keep: Tensor  # bool visibility: blocked (G, 1, 1, K), a block's queries sharing their keys; strips (G, 1, Q, K)
+    patch_slots: Tensor  # (K - extra,) the key slots holding patches, in the order of ``bias_index``
+    halo: int  # strips: the halo rows above and below each strip's own rows (0 for one strip)
     bias_index: Tensor | None  # with the ViL-LS bias: (G or 1, Q, K - extra) rows of its table for the patch keys
 
 
@@ -105,23 +110,37 @@ class WindowLayout(NamedTuple):
 def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: bool, bias: bool,
                   device: torch.device) -> WindowLayout:
     """The ``WindowLayout`` of an (H, W) map, cached: it depends on the geometry only, so every layer of a stage shares
-    it. Blocked: w x w query blocks, each against its T x T key tile (T = w + 2e) and the ``extra`` keys; dense: all
-    queries against all keys. Built outside inference mode, so that a layout first made there serves training too."""
+    it. Blocked: w x w query blocks, each against its T x T key tile (T = w + 2e) and the ``extra`` keys; strips: see
+    ``LongShortAttention2d._strip_view`` for the key slots. Built outside inference mode, so that a layout first made
+    there serves training too."""
     (H, W), w = feat_size, window
     e = max(w // 2, 1)
     with torch.inference_mode(False):
         if blocked:
-            blocks = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
-            q_yx = blocks + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
-            k_yx = blocks + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
+            starts = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
+            q_yx = starts + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
+            k_yx = starts + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
             target = torch.where(_inside(q_yx, feat_size), q_yx[..., 0] * W + q_yx[..., 1], -1)
             k_index = torch.cat([torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
                                  torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1)], 1)
+            patch_slots, halo = torch.arange(k_yx.shape[1], device=device), 0
+            extra_slots, slots = k_yx.shape[1], k_yx.shape[1] + extra
+            visible = window_keep_2d(starts, k_yx, w, feat_size)  # a block's queries share their keys
         else:
-            q_yx = k_yx = _grid(H, W, device).view(1, -1, 2)
+            rows = w if H % w == 0 else H  # strip height
+            halo = e if rows < H else 0
+            starts = torch.arange(0, H, rows, device=device).view(-1, 1, 1) * torch.tensor([1, 0], device=device)
+            q_yx = starts + _grid(rows, W, device).view(1, -1, 2)  # (G, Q, 2)
+            k_yx = starts + (_grid(rows + 2 * halo, W, device) - torch.tensor([halo, 0], device=device)).view(1, -1, 2)
             target = k_index = None
-        keep = window_keep_2d(blocks if blocked else q_yx, k_yx, w, feat_size)  # a block's queries share their keys
-        keep = torch.cat([keep, keep.new_ones(*keep.shape[:-1], extra)], -1).unsqueeze(1)
+            own = torch.arange((rows + 2 * halo) * W, device=device)  # slots: [halo; extra; rows; extra; halo]
+            patch_slots = own + extra * (own >= halo * W) + extra * (own >= (rows + halo) * W)
+            extra_slots, slots = (rows + halo) * W + extra, len(own) + 2 * extra
+            visible = window_keep_2d(q_yx, k_yx, w, feat_size)
+        keep = visible.new_zeros(*visible.shape[:-1], slots)
+        keep[..., patch_slots] = visible
+        keep[..., extra_slots:extra_slots + extra] = True
+        keep = keep.unsqueeze(1)
         bias_index = vil_window_bias_index(w).to(device) if bias else None  # (query in block, key in its tile)
         if bias and blocked:  # the keys of every block are its tile in order
             bias_index = bias_index.unsqueeze(0)
@@ -130,7 +149,7 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
             tile = k_yx.unsqueeze(1) - (torch.div(q_yx, w, rounding_mode="floor") * w - e).unsqueeze(2)
             tile = (tile[..., 0] * T + tile[..., 1]).clamp(0, T * T - 1)
             bias_index = bias_index[((q_yx[..., 0] % w) * w + q_yx[..., 1] % w).unsqueeze(-1), tile]
-    return WindowLayout(target, k_index, keep, bias_index)
+    return WindowLayout(target, k_index, keep, patch_slots, halo, bias_index)
 
 
 def _plain_conv(conv: nn.Conv2d, weight: Tensor, bias: Tensor | None) -> nn.Conv2d:
@@ -204,9 +223,10 @@ class LongShortAttention2d(nn.Module):
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
     """
 
-    # Maps of at most this many patches attend through one dense masked call (measured faster on CPU than
-    # blocks of few queries, e.g. CvT stage 3 at 224: 14 x 14, w = 2); both layouts give the same result.
-    dense_max_tokens: int = 256
+    # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
+    # stage-3 attention at batch 8 on CPU, strips against blocks: 14 x 14 (w = 2) 15.3 against 19.6 ms, 24 x 24
+    # (w = 3) 60 against 65; 28 x 28 (w = 4) a tie; 56 x 56 (w = 8) blocks 2.4x faster.
+    strip_max_tokens: int = 576
     # Blocked layout: blocks are attended in chunks gathering about this many key/value bytes. On CPU a chunk's tiles
     # are still in cache when SDPA reads them (CvT stage attention at 448 measured 1.5-2.3x faster than one call);
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
@@ -316,7 +336,7 @@ class LongShortAttention2d(nn.Module):
         if layout.bias_index is None:
             return layout.keep
         bias = self.relative_position_bias_table[layout.bias_index].permute(0, 3, 1, 2).to(dtype)  # (G or 1, heads, Q, T)
-        bias = F.pad(bias, (0, layout.keep.shape[-1] - bias.shape[-1]))
+        bias = bias.new_zeros(*bias.shape[:-1], layout.keep.shape[-1]).index_copy(-1, layout.patch_slots, bias)
         return bias.masked_fill(~layout.keep, float("-inf"))
 
     def _chunks(self, B: int, G: int, block_bytes: int, device) -> list[tuple[int, int, int, int]]:
@@ -334,14 +354,16 @@ class LongShortAttention2d(nn.Module):
         m = -(-G // parts)
         return [(b, b + 1, g, min(g + m, G)) for b in range(B) for g in range(0, G, m)]
 
-    def _attend_blocked(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
+    def _attend_blocked(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
+                        feat_size: tuple[int, int]) -> Tensor:
         """Every w x w query block against its key tile and the extra keys, in one softmax per query.
 
-        q (B, HW, qk_dim) patch queries; keys/values (B, L, .) = [patches; extra keys]; -> (B, HW, C). The blocks are
-        taken in chunks (``_chunks``); each gathers its queries and keys as whole rows (all heads at once) and hands
-        (blocks, heads, slots, d) strided views to one SDPA call, whose output rows are copied to their raster
-        positions (padding slots to a sink row past the end).
+        q (B, HW, qk_dim) patch queries; keys/values: (patches (B, HW, .), extra keys (B, X, .)); -> (B, HW, C). The
+        blocks are taken in chunks (``_chunks``); each gathers its queries and keys as whole rows (all heads at once)
+        and hands (blocks, heads, slots, d) strided views to one SDPA call, whose output rows are copied to their
+        raster positions (padding slots to a sink row past the end).
         """
+        keys, values = (torch.cat(t, 1) if t[1].shape[1] else t[0] for t in (keys, values))
         B, HW, _ = q.shape
         L, C, device = keys.shape[1], values.shape[-1], q.device
         target, k_index, *_ = layout = self._layout(feat_size, L - HW, True, device)
@@ -370,19 +392,43 @@ class LongShortAttention2d(nn.Module):
             out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
-    def _attend_dense(self, q: Tensor, keys: Tensor, values: Tensor, feat_size: tuple[int, int]) -> Tensor:
-        """All patch queries against all keys [patches; extra keys] with the (HW, L) visibility mask: one SDPA call,
-        cheaper than many tiny blocks on small maps. Same shapes as ``_attend_blocked``."""
-        mask = self._mask(self._layout(feat_size, keys.shape[1] - q.shape[1], False, q.device), q.dtype)
-        out = F.scaled_dot_product_attention(self._heads(q), self._heads(keys), self._heads(values), attn_mask=mask,
+    def _strip_view(self, patches: Tensor, extra: Tensor, strips: int, halo: int) -> Tensor:
+        """The key (or value) slots of every strip, (B * strips, heads, K, d), from patch rows (B, HW, c) and extra
+        rows (B, X, c): [``halo`` patch rows above; extra rows (the previous strip's copy, hidden); own rows; extra
+        rows; ``halo`` patch rows below] of strip i start at row ``i * (own + X)`` of one buffer that holds, per strip,
+        its own rows then the extra rows. Strips overlap in the buffer, so the view copies nothing; the rows before
+        the first strip's own rows and after the last's are zeros (hidden, finite)."""
+        B, HW, c = patches.shape
+        own, X = HW // strips, extra.shape[1]
+        period, front = own + X, halo + X
+        buf = patches.new_empty((B * strips - 1) * period + own + 2 * front, c)
+        buf[:front] = 0
+        buf[front + B * strips * period:] = 0
+        body = buf[front:front + B * strips * period].view(B, strips, period, c)
+        body[:, :, :own] = patches.view(B, strips, own, c)
+        body[:, :, own:] = extra.unsqueeze(1)
+        heads, d = self.num_heads, c // self.num_heads
+        return buf.as_strided((B * strips, heads, own + 2 * front, d), (period * c, d, c, 1))
+
+    def _attend_strips(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
+                       feat_size: tuple[int, int]) -> Tensor:
+        """The queries of every strip against its key slots (``_strip_view``), one SDPA call over all strips. Same
+        arguments as ``_attend_blocked``."""
+        B, HW, _ = q.shape
+        layout = self._layout(feat_size, keys[1].shape[1], False, q.device)
+        strips, halo_rows = layout.keep.shape[0], layout.halo * feat_size[1]
+        mask = self._mask(layout, q.dtype)
+        k, v = (self._strip_view(*t, strips, halo_rows) for t in (keys, values))
+        q = q.reshape(B * strips, HW // strips, self.num_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(B, 1, 1, 1) if B > 1 else mask,
                                              dropout_p=self.attn_drop if self.training else 0.0)
-        return out.transpose(1, 2).flatten(2)
+        return out.transpose(1, 2).reshape(B, HW, -1)
 
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        Maps of at most ``dense_max_tokens`` patches use the dense masked layout, larger ones the blocked layout.
-        Keys and values stay in token rows (B, L, heads * d): [patches; projected rows; global tokens].
+        Maps of at most ``strip_max_tokens`` patches use the strip layout, larger ones the blocked layout. Keys and
+        values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows; global tokens].
         """
         B, _, C = x.shape
         g = self.num_prefix_tokens
@@ -391,18 +437,18 @@ class LongShortAttention2d(nn.Module):
         if self.conv_proj is not None or self.dp_conv is not None:  # the patch tokens as a channels-last map
             x_map = patches.transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
         q, k, v = self._qkv(patches, x_map)
-        keys, values = [k], [v]
+        extra_k, extra_v = [k[:, :0]], [v[:, :0]]
         if self.projection_rank:  # the projected rows (Eq. 3), seen by every patch
             rows_k, rows_v = self._project(patches, x_map, k, v)
-            keys.append(rows_k)
-            values.append(rows_v)
+            extra_k.append(rows_k)
+            extra_v.append(rows_v)
         if g:
             q_g, k_g, v_g = self._qkv(x[:, :g])
-            keys.append(k_g)
-            values.append(v_g)
-        keys, values = (torch.cat(t, 1) if len(t) > 1 else t[0] for t in (keys, values))
-        attend = self._attend_dense if feat_size[0] * feat_size[1] <= self.dense_max_tokens else self._attend_blocked
-        out = attend(q, keys, values, feat_size)  # (B, HW, C)
+            extra_k.append(k_g)
+            extra_v.append(v_g)
+        extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
+        small = feat_size[0] * feat_size[1] <= self.strip_max_tokens
+        out = (self._attend_strips if small else self._attend_blocked)(q, (k, extra_k), (v, extra_v), feat_size)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
             glob = F.scaled_dot_product_attention(self._heads(q_g), self._heads(torch.cat([k_g, out], 1)),
                                                   self._heads(torch.cat([v_g, out], 1)))

@@ -131,15 +131,33 @@ CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
 ]
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["blocked", "dense"])
+@pytest.mark.parametrize("strips", [False, True], ids=["blocked", "strips"])
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
-def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, dense):
+def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, strips):
     m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
     _randomise(m)
-    m.dense_max_tokens = 10**9 if dense else 0
+    m.strip_max_tokens = 10**9 if strips else 0
     x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
+def test_layouts_give_the_same_gradients(H, W, dim, heads, w, r, g, kwargs):
+    """Strips (keys and values as one overlapping strided view) and blocks (gathered keys and values): the same
+    gradients for the input and every parameter."""
+    m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
+    _randomise(m)
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for strip_max_tokens in (0, 10**9):
+        m.strip_max_tokens = strip_max_tokens
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        m(xi, (H, W)).square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters() if p.grad is not None])
+    assert len(grads[1]) == len(grads[0]) > 5
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kwargs", [{"window_bias": True}, {"conv_proj": True, "conv_dynamic_proj": True}],
@@ -151,7 +169,7 @@ def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
     H, W, dim, heads, w, r, g, B = 9, 11, 16, 2, 4, 3, 1, 3
     m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
     _randomise(m)
-    m.dense_max_tokens = 0
+    m.strip_max_tokens = 0
     blocks = math.ceil(H / w) * math.ceil(W / w)
     block_bytes = ((w + 2 * (w // 2)) ** 2 + r + g) * 2 * dim * 4  # keys + values of one block, float32
     m.chunk_bytes = {"block": block_bytes, "half_image": blocks * block_bytes // 2,
@@ -174,12 +192,12 @@ def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
 
 
 @pytest.mark.parametrize("kwargs", [{"window_bias": True}, {}], ids=["vil", "plain"])
-@pytest.mark.parametrize("side", [9, 20], ids=["dense", "blocked"])
+@pytest.mark.parametrize("side", [9, 20], ids=["strips", "blocked"])
 def test_layout_cached_in_inference_mode_serves_training(kwargs, side):
     """The window layout is cached per map size; one first built under ``torch.inference_mode`` must still be usable
     in a training step (inference tensors cannot be saved for backward)."""
     m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, **kwargs)
-    m.dense_max_tokens = 100
+    m.strip_max_tokens = 100
     x = torch.randn(2, 1 + side * (side + 1), 16)
     window_layout.cache_clear()
     with torch.inference_mode():
@@ -221,15 +239,15 @@ def test_conv_bn_trains_on_batch_statistics_and_folds_in_eval():
         torch.testing.assert_close(conv_bn[1].running_mean, bn.running_mean)  # eval leaves them alone
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["blocked", "dense"])
-def test_attention_dropout_in_training_only(dense):
+@pytest.mark.parametrize("strips", [False, True], ids=["blocked", "strips"])
+def test_attention_dropout_in_training_only(strips):
     """attn_drop drops attention probabilities in training, in both layouts: the output depends on the seed (and is
     the same for the same seed) and differs from eval; with attn_drop=0 training gives the eval output (ViL-style
     projections: no BatchNorm, whose statistics differ between the modes)."""
     H, W = 9, 10
     m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, window_bias=True, attn_drop=0.3)
     _randomise(m)
-    m.dense_max_tokens = 10**9 if dense else 0
+    m.strip_max_tokens = 10**9 if strips else 0
     x = torch.randn(2, 1 + H * W, 16, generator=torch.Generator().manual_seed(2))
 
     def run(seed):
