@@ -437,7 +437,7 @@ class LongShortAttention2d(nn.Module):
         if self.conv_proj is not None or self.dp_conv is not None:  # the patch tokens as a channels-last map
             x_map = patches.transpose(1, 2).reshape(B, C, *feat_size).contiguous(memory_format=torch.channels_last)
         q, k, v = self._qkv(patches, x_map)
-        extra_k, extra_v = [k[:, :0]], [v[:, :0]]
+        extra_k, extra_v = [k[:, :0]], [v[:, :0]]  # zero rows of the right widths, for maps with no extra keys
         if self.projection_rank:  # the projected rows (Eq. 3), seen by every patch
             rows_k, rows_v = self._project(patches, x_map, k, v)
             extra_k.append(rows_k)
