@@ -227,6 +227,9 @@ class LongShortAttention2d(nn.Module):
     # stage-3 attention at batch 8 on CPU, strips against blocks: 14 x 14 (w = 2) 15.3 against 19.6 ms, 24 x 24
     # (w = 3) 60 against 65; 28 x 28 (w = 4) a tie; 56 x 56 (w = 8) blocks 2.4x faster.
     strip_max_tokens: int = 576
+    # A map whose height w does not divide is one strip (every query against every patch key): blocks win sooner
+    # (21 x 21, w = 2: 51.7 ms against 48.5 in blocks; 17 x 17 a tie).
+    one_strip_max_tokens: int = 256
     # Blocked layout: blocks are attended in chunks gathering about this many key/value bytes. On CPU a chunk's tiles
     # are still in cache when SDPA reads them (CvT stage attention at 448 measured 1.5-2.3x faster than one call);
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
@@ -392,6 +395,12 @@ class LongShortAttention2d(nn.Module):
             out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
+    def _in_strips(self, feat_size: tuple[int, int]) -> bool:
+        """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
+        H, W = feat_size
+        limit = self.strip_max_tokens if H % self.window_size == 0 else self.one_strip_max_tokens
+        return H * W <= min(limit, self.strip_max_tokens)
+
     def _strip_view(self, patches: Tensor, extra: Tensor, strips: int, halo: int) -> Tensor:
         """The key (or value) slots of every strip, (B * strips, heads, K, d), from patch rows (B, HW, c) and extra
         rows (B, X, c): [``halo`` patch rows above; extra rows (the previous strip's copy, hidden); own rows; extra
@@ -427,8 +436,9 @@ class LongShortAttention2d(nn.Module):
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        Maps of at most ``strip_max_tokens`` patches use the strip layout, larger ones the blocked layout. Keys and
-        values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows; global tokens].
+        Maps of at most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not divide H) use the strip
+        layout, larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches',
+        and the extra rows [projected rows; global tokens].
         """
         B, _, C = x.shape
         g = self.num_prefix_tokens
@@ -447,8 +457,8 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        small = feat_size[0] * feat_size[1] <= self.strip_max_tokens
-        out = (self._attend_strips if small else self._attend_blocked)(q, (k, extra_k), (v, extra_v), feat_size)
+        attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
+        out = attend(q, (k, extra_k), (v, extra_v), feat_size)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
             glob = F.scaled_dot_product_attention(self._heads(q_g), self._heads(torch.cat([k_g, out], 1)),
                                                   self._heads(torch.cat([v_g, out], 1)))

@@ -142,6 +142,14 @@ def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, strips):
         torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("w,side,strips", [(2, 14, True), (3, 24, True), (4, 28, False), (2, 15, True),
+                                           (2, 17, False), (2, 21, False)])
+def test_layout_choice(w, side, strips):
+    """Strips for maps of up to 576 patches whose height w divides (CvT stage 3 at 224 and 384), one strip only up to
+    256 patches, blocks otherwise (CvT stage 3 at 448, odd sizes, stages 1-2)."""
+    assert LongShortAttention2d(16, 2, w, 2)._in_strips((side, side)) == strips
+
+
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
 def test_layouts_give_the_same_gradients(H, W, dim, heads, w, r, g, kwargs):
     """Strips (keys and values as one overlapping strided view) and blocks (gathered keys and values): the same
