@@ -128,6 +128,7 @@ CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
     (5, 7, 8, 1, 2, 0, 0, {"conv_proj": True}),  # no projection (window only), w=2
     (6, 6, 16, 2, 1, 2, 0, {"qk_dim": 8}),  # LMSA with w=1 (e=1 rounding)
     (12, 12, 16, 4, 8, 2, 2, {"qk_dim": 16}),  # one block, two global tokens
+    (8, 6, 16, 2, 2, 0, 0, {}),  # four strips, no extra keys
 ]
 
 
