@@ -58,7 +58,7 @@ def build(name: str, resolution: int, reparam: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "cvt_ls_13":
         model = timm.create_model("cvt_ls_13", img_size=resolution)
-        return timm.utils.reparameterize_model(model.eval()) if reparam else model
+        return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
     return CvtForImageClassification(CvtConfig(num_labels=1000))
 
 
@@ -119,7 +119,7 @@ def run(resolution: int, batch: int, train: bool, repeats: int, reparam: bool = 
         if need > 0.8 * free:
             row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
         else:
-            row |= forked(measure_memory, name, resolution, batch, train, reparam and not train)
+            row |= forked(measure_memory, name, resolution, batch, train, reparam)
         rows.append(row)
     fitting = [row["model"] for row in rows if _ok(row)]
     if not train and fitting:

@@ -28,7 +28,6 @@ def machine() -> dict:
     return info
 
 
-
 def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
     """The results' header: the machine, the UTC date, the command that ran ``bench.<script>`` (``argv``, default the
     command line) and the load average, then the script's ``fields``."""
@@ -45,6 +44,7 @@ def write_json(path: Path, results: dict) -> None:
     """Write ``results`` (header, rows, bars) to ``path``, creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
+
 
 def free_bytes(device: str = "cpu") -> int:
     """Memory available for a new allocation on ``device``."""

@@ -398,8 +398,8 @@ class LongShortAttention2d(nn.Module):
     def _in_strips(self, feat_size: tuple[int, int]) -> bool:
         """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
         H, W = feat_size
-        limit = self.strip_max_tokens if H % self.window_size == 0 else self.one_strip_max_tokens
-        return H * W <= min(limit, self.strip_max_tokens)
+        one_strip = H % self.window_size != 0
+        return H * W <= (min(self.strip_max_tokens, self.one_strip_max_tokens) if one_strip else self.strip_max_tokens)
 
     def _strip_view(self, patches: Tensor, extra: Tensor, strips: int, halo: int) -> Tensor:
         """The key (or value) slots of every strip, (B * strips, heads, K, d), from patch rows (B, HW, c) and extra

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,10 +102,6 @@ def test_reparameterize_model_fuses_the_conv_projections():
     """``timm.utils.reparameterize_model`` turns CvT*-LS's conv+BatchNorm projections and its weight-standardised
     dynamic-projection convs into plain convs, folded once: same eval outputs (logits and stage maps), no BatchNorm
     or standardisation left, and the original model untouched."""
-    import timm
-
-    import ls_timm  # noqa: F401  (registers cvt_ls_13)
-
     model = timm.create_model("cvt_ls_13", depths=(1, 1, 2))
     _randomise(model)
     model.eval()
