@@ -12,13 +12,17 @@ the other is skipped at that size, ``timed_with`` in its row). Peak memory: each
 ``/proc/self/clear_refs``) minus the RSS after building the model and its input, over one pass or step.
 Training-step memory (Figure 7 style): one forward + backward of the cross-entropy loss at batch 1 as the resolution
 grows, a size being skipped once its estimated need exceeds 80 % of the free memory. GMACs per image (what the paper
-calls GFLOPs) come from ``torch.utils.flop_counter`` at batch 1.
+calls GFLOPs) come from ``torch.utils.flop_counter`` at batch 1. Page faults: the median count of minor faults in a
+timed pass, memory the allocator had handed back to the system and touched again (glibc's default ``malloc`` does
+that with large blocks, which costs the full-attention model most; RESULTS.md, "Allocator").
 
     python -m bench.bench_vision --repeats 5    # the full table and sweep (5-20 minutes on 2 cores, by load)
     python -m bench.bench_vision --quick        # 224 only, batch 2: a smoke run
     python -m bench.bench_vision --train-resolutions --out bench/results/vision_cpu_inference.json  # no sweep
     python -m bench.bench_vision --reparam --resolutions 224 --train-resolutions --out bench/results/vision_cpu_reparam.json
         # cvt_ls_13 with its convs fused for inference (timm.utils.reparameterize_model)
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 python -m bench.bench_vision ...
+        # glibc keeping freed memory, as jemalloc or tcmalloc would: no page faults
 
 Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
 ``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the bars of issue 5 (PASS/MISS).
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import resource
+import statistics
 from pathlib import Path
 
 import timm
@@ -47,7 +53,7 @@ SPEED_BARS = ((224, 1.0), (448, 1.5))
 # mode -> table columns (label, key, scale, format); a training step is timed once, cold, so only its memory counts.
 COLUMNS = {
     "inference": (("img/s", "images_per_s", 1, ".2f"), ("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),
-                  ("GMACs", "gmacs", 1, ".2f")),
+                  ("GMACs", "gmacs", 1, ".2f"), ("k page faults", "page_faults", 1e-3, ".1f")),
     "train": (("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),),
 }
 
@@ -86,16 +92,20 @@ def measure_memory(name: str, resolution: int, batch: int, train: bool, reparam:
 
 
 def measure_times(names, resolution: int, batch: int, repeats: int, reparam: bool) -> dict:
-    """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``)."""
+    """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``), and the
+    median count of minor page faults in a pass (memory the allocator had returned to the system, touched again)."""
     models = {name: build(name, resolution, reparam).eval() for name in names}
     images = torch.randn(batch, 3, resolution, resolution)
+    faults = {name: [] for name in names}
 
-    def step(model):
+    def step(name):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with torch.inference_mode():
-            logits(model, images)
+            logits(models[name], images)
+        faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
-    times = interleaved_times({name: (lambda m=model: step(m)) for name, model in models.items()}, repeats)
-    return {name: sorted(t) for name, t in times.items()}
+    times = interleaved_times({name: (lambda n=name: step(n)) for name in names}, repeats)
+    return {name: {"times": sorted(times[name]), "page_faults": statistics.median(faults[name])} for name in names}
 
 
 def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> float:
@@ -130,9 +140,9 @@ def run(resolution: int, batch: int, train: bool, repeats: int, reparam: bool = 
             if timed["status"] != "ok":
                 row |= {"status": timed["status"], "reason": timed.get("reason", "")}
                 continue
-            times = timed[row["model"]]
+            times = timed[row["model"]]["times"]
             row |= {"time_s": times[len(times) // 2], "times_s": times, "images_per_s": batch / times[len(times) // 2],
-                    "timed_with": fitting}
+                    "page_faults": timed[row["model"]]["page_faults"], "timed_with": fitting}
     for row in rows:
         shown = row.get("reason", "")
         if row["status"] == "ok":
@@ -216,7 +226,8 @@ def main(argv=None) -> None:
     )
     bars = check_bars(rows, args.resolutions)
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
-          f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}\nmemory: {meta['memory']}\n")
+          f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}  "
+          f"allocator {meta['allocator_env'] or 'defaults'}\nmemory: {meta['memory']}\n")
     for mode, sizes in (("inference", args.resolutions), ("train", args.train_resolutions)):
         if sizes:
             print(table(rows, mode, sizes))

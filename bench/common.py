@@ -28,13 +28,20 @@ def machine() -> dict:
     return info
 
 
+# Environment variables that change the memory allocator. They move CPU timings: glibc's defaults return large freed
+# blocks to the system, so the next pass pays page faults to touch them again (see RESULTS.md, "Allocator").
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "TCMALLOC_RELEASE_RATE")
+
+
 def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
     """The results' header: the machine, the UTC date, the command that ran ``bench.<script>`` (``argv``, default the
-    command line) and the load average, then the script's ``fields``."""
+    command line), the allocator's environment variables that are set, and the load average, then the script's
+    ``fields``."""
     command = f"python -m bench.{script} " + " ".join(sys.argv[1:] if argv is None else argv)
     return machine() | {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command.strip(),
+        "allocator_env": {name: os.environ[name] for name in ALLOCATOR_ENV if name in os.environ},
         "load_average": os.getloadavg(),
         **fields,
     }
