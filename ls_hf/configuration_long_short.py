@@ -127,9 +127,11 @@ class LongShortConfig(PreTrainedConfig):
                 causal=kwargs["causal"],
                 segment_length=kwargs["segment_length"],
                 qk_head_dim=kwargs["qk_head_dim"],
+                attention_dropout=kwargs["attention_dropout"],
                 names={
                     "num_heads": "num_attention_heads",
                     "segment_length": "causal_segment_length",
+                    "attention_dropout": "attention_probs_dropout_prob",
                     "window_size": per_layer.get("window_size", "window_size"),
                     "projection_rank": per_layer.get("projection_rank", "projection_rank"),
                 },

@@ -53,6 +53,7 @@ def validate_long_short_args(
     causal: bool = False,
     segment_length: int | None = None,
     qk_head_dim: int | None = None,
+    attention_dropout: float = 0.0,
     names: dict | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the offending parameter (``names`` maps ours to the caller's field names)."""
@@ -76,6 +77,9 @@ def validate_long_short_args(
         )
     if qk_head_dim is not None and (not _is_int(qk_head_dim) or qk_head_dim < 1):
         raise ValueError(f"{name('qk_head_dim')} must be None or an integer >= 1, got {qk_head_dim!r}.")
+    if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
+            or not 0 <= attention_dropout < 1:
+        raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; got {attention_dropout!r}.")
     if not causal:
         if window_size == 0 and projection_rank == 0:
             raise ValueError(
@@ -217,6 +221,7 @@ class LongShortSelfAttention(nn.Module):
             causal=causal,
             segment_length=segment_length,
             qk_head_dim=qk_head_dim,
+            attention_dropout=attention_dropout,
         )
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads

@@ -313,8 +313,8 @@ class LongShortModel(LongShortPreTrainedModel):
 
     ``attentions`` (``output_attentions=True``) are, per layer, (B, H, n, R + S): each query's weights over the R
     projected rows (r per head; causal: r per finished segment of l tokens) followed by its S window keys
-    (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w; in a cached decoding step the
-    cached window). Padded queries output the attention output bias. LongShort has no user-set global tokens: the
+    (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w, or all n keys when fewer than w
+    tokens are fed; in a cached decoding step the cached window). Padded queries output the attention output bias. LongShort has no user-set global tokens: the
     dynamic projection is the global part. Inputs of any length up to ``config.max_input_length`` work (the
     attention pads internally); window segments are counted from the first column, so pad on the right.
     """
@@ -512,6 +512,11 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(labels, logits, self.config, **kwargs)
+            num_items = kwargs.get("num_items_in_batch")
+            if num_items is not None and self.config.problem_type != "single_label_classification":
+                # Transformers' MSE and BCE losses average the micro-batch and ignore num_items_in_batch, while the
+                # Trainer, which passes it, no longer divides by the accumulation steps: rescale to the whole batch.
+                loss = loss * labels.numel() / num_items
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

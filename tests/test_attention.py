@@ -16,7 +16,7 @@ from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
 from tests.reference import reference_attention
 
 TOL = 1e-5
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # produced by the official code (fixtures/README.md)
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -204,8 +204,6 @@ def test_causal_state_map_batch_reorders_the_cache():
 
 # ---------------------------------------------------------------------------- official implementation
 def _fixture_cases():
-    if not (FIXTURES / "lra_attention_ls.json").exists():
-        return []
     return sorted(json.loads((FIXTURES / "lra_attention_ls.json").read_text())["cases"])
 
 
@@ -220,11 +218,11 @@ OFFICIAL_NAMES = {
 }
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"official fixtures not found at {FIXTURES}")
 @pytest.mark.parametrize("output_attentions", [False, True])
-@pytest.mark.parametrize("case", _fixture_cases() or ["a"])
+@pytest.mark.parametrize("case", _fixture_cases())
 def test_official_lra_outputs(case, output_attentions):
-    """``lra/attention_transformer_ls.py`` outputs (seven cases, float64, padding, cls) reproduced after renaming."""
+    """``lra/attention_transformer_ls.py`` outputs (seven cases, float64, padding, cls) reproduced after renaming, to
+    1e-6: the official code takes its softmaxes in float32 (up to 6e-7 from float64 ones, its fixture notes)."""
     from safetensors.torch import load_file
 
     meta = json.loads((FIXTURES / "lra_attention_ls.json").read_text())["cases"][case]
@@ -248,7 +246,7 @@ def test_official_lra_outputs(case, output_attentions):
             cls_hidden=tensors.get(f"{case}.cls"),
             output_attentions=output_attentions,
         )
-    torch.testing.assert_close(out, tensors[f"{case}.out"], atol=TOL, rtol=0)
+    torch.testing.assert_close(out, tensors[f"{case}.out"], atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------------- padding invariance

@@ -78,6 +78,8 @@ def test_per_layer_values():
         ({"qk_head_dim": 0}, "qk_head_dim"),
         ({"pad_token_id": None}, "pad_token_id"),
         ({"max_position_embeddings": 2}, "max_position_embeddings"),
+        ({"attention_probs_dropout_prob": 1.5}, "attention_probs_dropout_prob"),
+        ({"attention_probs_dropout_prob": -0.2}, "attention_probs_dropout_prob"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(kwargs, field):

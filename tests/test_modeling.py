@@ -342,9 +342,9 @@ def test_attention_mask_of_the_wrong_shape_is_refused(overrides):
             model(ids, attention_mask=torch.ones(shape, dtype=torch.long))
 
 
-def test_sdpa_is_accepted_and_computes_what_eager_does(tmp_path):
-    """The attention always runs on torch SDPA: attn_implementation="sdpa" (Transformers' default) loads, and so does
-    "eager"; both give the same outputs and attention weights."""
+def test_attn_implementations_load_and_the_fused_path_matches_the_explicit_softmax(tmp_path):
+    """attn_implementation="sdpa" (Transformers' default) and "eager" both load; either way the attention runs the
+    fused SDPA path, and with output_attentions=True an explicit softmax that returns the weights: the two agree."""
     LongShortForMaskedLM(tiny_config()).save_pretrained(tmp_path)
     default = AutoModelForMaskedLM.from_pretrained(tmp_path)
     sdpa = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="sdpa")
@@ -353,12 +353,15 @@ def test_sdpa_is_accepted_and_computes_what_eager_does(tmp_path):
     assert eager.config._attn_implementation == "eager"
     from_config = AutoModelForMaskedLM.from_config(tiny_config(), attn_implementation="sdpa")
     assert from_config.config._attn_implementation == "sdpa"
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
     with torch.no_grad():
-        expected = eager(tokens(), output_attentions=True)
-        got = sdpa(tokens(), output_attentions=True)
-    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
-    torch.testing.assert_close(got.attentions, expected.attentions, rtol=0, atol=0)
-    assert len(AutoModelForMaskedLM.from_pretrained(tmp_path, output_attentions=True)(tokens()).attentions) == 2
+        fused = sdpa(ids, attention_mask=mask)
+        explicit = sdpa(ids, attention_mask=mask, output_attentions=True)
+    torch.testing.assert_close(fused.logits, explicit.logits, rtol=1e-5, atol=1e-5)
+    assert len(explicit.attentions) == 2 and fused.attentions is None
+    assert len(AutoModelForMaskedLM.from_pretrained(tmp_path, output_attentions=True)(ids).attentions) == 2
 
 
 @pytest.mark.parametrize("output_attentions", [False, True], ids=["sdpa", "explicit_softmax"])
@@ -429,18 +432,30 @@ def test_package_exports():
     assert {"CausalState", "LongShortSelfAttention", "LongShortConfig", "LongShortCache"} <= set(ls_hf.__all__)
 
 
-def test_trainer_loss_is_not_scaled_by_gradient_accumulation(tmp_path):
+@pytest.mark.parametrize("problem_type", [None, "single_label_classification", "regression",
+                                          "multi_label_classification"], ids=["mlm", "single", "regression", "multi"])
+def test_trainer_loss_is_not_scaled_by_gradient_accumulation(tmp_path, problem_type):
     """The Trainer passes num_items_in_batch to heads that take **kwargs; with lr = 0 its reported loss must be
-    the plain mean loss (a head averaging per micro-batch would report it x gradient_accumulation_steps)."""
+    the plain mean loss (a head averaging per micro-batch would report it x gradient_accumulation_steps): the MLM
+    head, and the sequence classifier for each problem type."""
     from transformers import Trainer, TrainingArguments
 
-    model = LongShortForMaskedLM(tiny_config())
-    data = [{"input_ids": ids, "labels": ids} for ids in tokens(8, 12)]
+    ids = tokens(8, 12)
+    if problem_type is None:
+        model = LongShortForMaskedLM(tiny_config())
+        labels = ids
+    else:
+        num_labels = 1 if problem_type == "regression" else 3
+        model = LongShortForSequenceClassification(tiny_config(num_labels=num_labels, problem_type=problem_type))
+        torch.manual_seed(1)
+        labels = {"single_label_classification": torch.randint(0, 3, (8,)), "regression": torch.randn(8),
+                  "multi_label_classification": torch.randint(0, 2, (8, 3)).float()}[problem_type]
+    data = [{"input_ids": i, "labels": label} for i, label in zip(ids, labels)]
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
     )
     result = Trainer(model=model, args=args, train_dataset=data).train()
     with torch.no_grad():
-        expected = model(torch.stack([d["input_ids"] for d in data]), labels=torch.stack([d["labels"] for d in data])).loss
+        expected = model(ids, labels=labels).loss
     assert result.training_loss == pytest.approx(expected.item(), rel=1e-4)

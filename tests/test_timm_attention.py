@@ -15,7 +15,7 @@ from torch import nn
 from ls_timm.long_short_attention_2d import ConvBn, LongShortAttention2d, StdConv2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # produced by the official code (fixtures/README.md)
 
 
 def _ln(ln, x):
@@ -309,12 +309,9 @@ def test_compiles_without_graph_breaks():
 
 
 def _fixture(name):
-    path = FIXTURES / f"{name}.safetensors"
-    if not path.exists():
-        pytest.skip(f"fixture {path} not found (needs the shared fixtures folder next to the repository)")
     from safetensors.torch import load_file
 
-    return load_file(path), json.loads((FIXTURES / f"{name}.json").read_text())
+    return load_file(FIXTURES / f"{name}.safetensors"), json.loads((FIXTURES / f"{name}.json").read_text())
 
 
 @pytest.mark.parametrize("name", ["vil_ls_tiny", "vil_ls_tiny_224"])
