@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, trunc_normal_
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 from torch import Tensor, nn
@@ -60,6 +60,7 @@ class ConvEmbed(nn.Module):
         return self.norm(x.flatten(2).transpose(1, 2)), feat_size
 
 
+@register_notrace_module  # FX tracing (timm's fx tests, create_feature_extractor) keeps a stage as one leaf
 class Stage(nn.Module):
     """Conv embedding, ``num_prefix_tokens`` learned global tokens, then ``len(drop_paths)`` blocks.
 
@@ -89,6 +90,7 @@ class Stage(nn.Module):
         return x, feat_size
 
 
+@register_notrace_function  # feat_size is a stage's output, a traced value under FX
 def to_map(x: Tensor, num_prefix_tokens: int, feat_size: tuple[int, int]) -> Tensor:
     """Patch tokens (B, g + HW, C) -> NCHW map (B, C, H, W) (global tokens dropped)."""
     return x[:, num_prefix_tokens:].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)
@@ -177,9 +179,10 @@ class HierarchicalTransformer(nn.Module):
         global_pool = self.global_pool if global_pool is None else global_pool
         self._check_pool(global_pool, num_classes)
         self.num_classes, self.global_pool = num_classes, global_pool
-        dd = {"device": self.norm.weight.device, "dtype": self.norm.weight.dtype} if hasattr(self.norm, "weight") \
-            else {}
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        weight = next(self.stages.parameters())  # the norm may be pruned (nn.Identity)
+        self.head = nn.Linear(self.num_features, num_classes, device=weight.device, dtype=weight.dtype) \
+            if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
 
     def _final(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         x = self.norm(x)
@@ -208,12 +211,15 @@ class HierarchicalTransformer(nn.Module):
 
     def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> list[int]:
+        """Drop the stages after the last of ``indices``; then the final norm and the head, which are sized for the
+        last stage, go too (as in timm's models), else as ``prune_norm`` / ``prune_head`` ask."""
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[: max_index + 1]
         self._set_last_stage()
-        if prune_norm:
+        if prune_norm or prune_end:
             self.norm = nn.Identity()
-        if prune_head:
+        if prune_head or prune_end:
             self.reset_classifier(0, "")
         return take_indices
 
@@ -225,8 +231,8 @@ class HierarchicalTransformer(nn.Module):
         return self._final(x, feat_size)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == "avg":
-            x = x.mean((2, 3)) if x.ndim == 4 else x[:, self.num_prefix_tokens:].mean(1)
+        if self.global_pool == "avg":  # forward_features gives a map exactly when the last stage has no global token
+            x = x[:, self.num_prefix_tokens:].mean(1) if self.num_prefix_tokens else x.mean((2, 3))
         elif self.global_pool == "token":
             x = x[:, 0]
         x = self.head_drop(x)

@@ -137,6 +137,10 @@ class VilLs(HierarchicalTransformer):
                         num_global_tokens=num_global_tokens, long_short=long_short, qk_dims=qk_dims)
         if num_global_tokens[-1]:
             raise ValueError("num_global_tokens[-1] must be 0: the head averages the last stage's patch tokens.")
+        for i, (ls, qk_dim) in enumerate(zip(long_short, qk_dims)):
+            if qk_dim is not None and not ls:
+                raise ValueError(f"qk_dims[{i}]={qk_dim} sets the LMSA query/key width of a full-attention stage "
+                                 f"(long_short[{i}] is False), which has none; use None there.")
         side, sides = to_2tuple(img_size), []
         for p in patch_sizes:
             side = (side[0] // p, side[1] // p)

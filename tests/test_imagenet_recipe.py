@@ -64,10 +64,12 @@ def test_trains_resumes_and_exports(data_dir, tmp_path, capsys):
 
     # A rerun with a longer schedule continues after epoch 1 instead of starting over.
     capsys.readouterr()
-    train.main([*args, "--epochs", "3"])
+    third = train.main([*args, "--epochs", "3"])
     assert "after epoch 1" in capsys.readouterr().out
     rows = summary(out)
     assert [row["epoch"] for row in rows] == ["0", "1", "2"]
+    assert train.main([*args, "--epochs", "3"]) == third  # nothing left to train: the last metrics, no new row
+    assert len(summary(out)) == 3
 
     # The exported best (EMA) weights load by path with their classes and input size and reproduce the best recorded
     # top-1; as a --pretrained-file they load whole too, classifier included.

@@ -90,6 +90,18 @@ def test_forward_backward_and_grad_checkpointing(name):
         model.set_grad_checkpointing()
         torch.testing.assert_close(model(x), ref)
 
+    def grads(checkpointing):  # training mode, where checkpointing recomputes the blocks in the backward
+        model.set_grad_checkpointing(checkpointing)
+        model.zero_grad()
+        model.train()
+        model(x).square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys()
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], msg=n)
+
 
 @pytest.mark.parametrize("name", CVT + VIL)
 def test_features_and_intermediates(name):
@@ -192,14 +204,17 @@ def test_optimizer_helpers(name):
     assert len(optimizer.param_groups) > 2
 
 
+@pytest.mark.parametrize("prune_norm, prune_head", [(True, True), (False, False)], ids=["asked_pruned", "asked_kept"])
 @pytest.mark.parametrize("name", ["cvt_ls_17", "vil_ls_base"])
-def test_prune_intermediate_layers(name):
+def test_prune_intermediate_layers(name, prune_norm, prune_head):
+    """Cutting later stages drops the final norm and the head (sized for the last stage) whatever prune_norm and
+    prune_head say, as in timm's models; a new classifier then fits the kept stages, in the model's dtype."""
     model, size = _reduced(name)
     model.eval()
     x = torch.randn(1, 3, size, size)
     with torch.no_grad():
         want = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
-        assert model.prune_intermediate_layers(indices=[0, 1], prune_norm=True) == [0, 1]
+        assert model.prune_intermediate_layers(indices=[0, 1], prune_norm=prune_norm, prune_head=prune_head) == [0, 1]
         got = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
         out = model(x)  # the pruned model's output: its last stage, unnormed (tokens if that stage has a global one)
     assert len(model.stages) == 2 and model.num_classes == 0 and model.num_features == want[-1].shape[1]
@@ -207,6 +222,9 @@ def test_prune_intermediate_layers(name):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(to_map(out, model.num_prefix_tokens, want[-1].shape[-2:]) if out.ndim == 3 else out,
                                want[-1])
+    model.to(torch.float64).reset_classifier(5, "avg")
+    assert model.head.weight.dtype == torch.float64 and not model.head.training
+    assert model(x.double()).shape == (1, 5)
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_medium"])
@@ -302,6 +320,8 @@ def test_bad_inputs_raise_clear_errors():
         timm.create_model("cvt_ls_13", window_size=(8, 4))
     with pytest.raises(ValueError, match="global_pool"):
         timm.create_model("cvt_ls_13", global_pool="max")
+    with pytest.raises(ValueError, match=r"qk_dims\[2\]"):  # stage 3 of ViL-LS has full attention, no LMSA width
+        timm.create_model("vil_ls_small", qk_dims=(None, None, 64, None))
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
@@ -319,3 +339,18 @@ def test_compiles_without_graph_breaks(name):
         raise
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
+def test_fx_trace_and_torch_export_match_forward(name):
+    """timm's FX tracing (each stage a leaf) and ``torch.export`` both reproduce the eager forward. (TorchScript is
+    not supported: ``torch.compile`` and ``torch.export`` are its successors.)"""
+    model, size = _reduced(name)
+    model.eval()
+    x = torch.randn(2, 3, size, size)
+    traced = timm.models.create_feature_extractor(model, return_nodes={"head": "logits"})
+    exported = torch.export.export(model, (x,)).module()
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(traced(x)["logits"], want)
+        torch.testing.assert_close(exported(x), want)

@@ -231,12 +231,12 @@ def main(argv=None) -> dict[str, float]:
         accelerator.register_for_checkpointing(ema)  # the scheduler needs no state: it steps on the absolute step
 
     out = Path(args.output_dir)
-    progress = {"epoch": -1, "best_top1": -1.0}
+    progress = {"epoch": -1, "best_top1": -1.0, "metrics": {}}
     if (out / "last" / "progress.json").is_file():
         accelerator.load_state(out / "last")
         progress = json.loads((out / "last" / "progress.json").read_text())
         accelerator.print(f"resuming from {out / 'last'} after epoch {progress['epoch']}")
-    metrics = {}
+    metrics = progress.get("metrics", {})  # a finished run's last metrics, when no epoch is left
     for epoch in range(progress["epoch"] + 1, epochs):
         train_metrics = train_one_epoch(model, train_loader, optimizer, scheduler, criterion, mixup, ema, accelerator,
                                         epoch, args)
@@ -253,7 +253,7 @@ def main(argv=None) -> dict[str, float]:
                 save_for_hf(best, out / "best", model_config={"label_names": classes}, data_config=data_config,
                             safe_serialization=True)
             update_summary(epoch, train_metrics, metrics, out / "summary.csv", lr=optimizer.param_groups[0]["lr"])
-        progress = {"epoch": epoch, "best_top1": max(top1, progress["best_top1"])}
+        progress = {"epoch": epoch, "best_top1": max(top1, progress["best_top1"]), "metrics": metrics}
         accelerator.save_state(out / "last")
         if accelerator.is_main_process:
             (out / "last" / "progress.json").write_text(json.dumps(progress))
