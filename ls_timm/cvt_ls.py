@@ -31,7 +31,7 @@ from timm.layers import calculate_drop_path_rates, to_2tuple, to_ntuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .hierarchical import HierarchicalTransformer, Stage, check_per_stage
+from .hierarchical import HierarchicalTransformer, Stage, check_per_stage, feature_cfg
 from .long_short_attention_2d import LongShortAttention2d
 
 __all__ = ["PAPER_SETTINGS", "CvtLs"]
@@ -106,12 +106,7 @@ class CvtLs(HierarchicalTransformer):
 
 
 def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2))
-    return build_model_with_cfg(
-        CvtLs, variant, pretrained,
-        feature_cfg={"out_indices": out_indices, "feature_cls": "getter"},
-        **kwargs,
-    )
+    return build_model_with_cfg(CvtLs, variant, pretrained, feature_cfg=feature_cfg(kwargs, 3), **kwargs)
 
 
 def _cfg(url: str = "", **kwargs) -> dict:

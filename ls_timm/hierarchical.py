@@ -17,7 +17,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 from torch import Tensor, nn
 
-__all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage", "check_per_stage", "to_map"]
+__all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage", "check_per_stage", "feature_cfg", "to_map"]
 
 
 def check_per_stage(depths: Sequence[int], **per_stage: Sequence) -> None:
@@ -25,6 +25,17 @@ def check_per_stage(depths: Sequence[int], **per_stage: Sequence) -> None:
     for name, value in per_stage.items():
         if len(value) != len(depths):
             raise ValueError(f"{name} needs one entry per stage ({len(depths)}, as depths), got {len(value)}.")
+
+
+def feature_cfg(kwargs: dict, num_stages: int) -> dict:
+    """timm's ``feature_cfg`` for these models, taking ``out_indices`` from ``kwargs`` (default: every stage).
+    Features come from ``forward_intermediates`` (timm's "getter"): a stage returns tokens and its map size, not a
+    map, so the "hook" and "fx" feature wrappers cannot take it."""
+    feature_cls = kwargs.pop("feature_cls", "getter")
+    if feature_cls != "getter":
+        raise ValueError(f"feature_cls={feature_cls!r} is not supported: these models give their features through "
+                         f"forward_intermediates; leave feature_cls unset (or 'getter').")
+    return {"out_indices": kwargs.pop("out_indices", tuple(range(num_stages))), "feature_cls": feature_cls}
 
 
 class Block(nn.Module):

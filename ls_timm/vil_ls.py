@@ -26,7 +26,7 @@ from timm.layers import calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
 from torch import Tensor, nn
 
-from .hierarchical import HierarchicalTransformer, Stage, check_per_stage
+from .hierarchical import HierarchicalTransformer, Stage, check_per_stage, feature_cfg
 from .long_short_attention_2d import LongShortAttention2d
 
 __all__ = ["VilLs"]
@@ -207,13 +207,8 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
 
 
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs) -> VilLs:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return build_model_with_cfg(
-        VilLs, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg={"out_indices": out_indices, "feature_cls": "getter"},
-        **kwargs,
-    )
+    return build_model_with_cfg(VilLs, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=feature_cfg(kwargs, 4), **kwargs)
 
 
 def _cfg(url: str = "", **kwargs) -> dict:

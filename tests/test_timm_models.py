@@ -320,6 +320,8 @@ def test_bad_inputs_raise_clear_errors():
         timm.create_model("cvt_ls_13", window_size=(8, 4))
     with pytest.raises(ValueError, match="global_pool"):
         timm.create_model("cvt_ls_13", global_pool="max")
+    with pytest.raises(ValueError, match="feature_cls='fx' is not supported"):
+        timm.create_model("cvt_ls_13", features_only=True, feature_cls="fx")
     with pytest.raises(ValueError, match=r"qk_dims\[2\]"):  # stage 3 of ViL-LS has full attention, no LMSA width
         timm.create_model("vil_ls_small", qk_dims=(None, None, 64, None))
 
