@@ -10,7 +10,7 @@ import datasets
 import torch
 import transformers
 from datasets import DatasetDict, load_dataset
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 logger = logging.getLogger("recipes")
@@ -57,6 +57,10 @@ class ModelArguments:
     def load(self, auto_class, **kwargs):
         """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config)."""
         name, remote = self.model_name_or_path, self.trust_remote_code
+        model_type = AutoConfig.from_pretrained(name, trust_remote_code=remote).model_type
+        if model_type != "long_short":
+            raise UsageError(f"--model_name_or_path {name!r} holds a {model_type!r} model, not LongShort; convert a "
+                             f"RoBERTa checkpoint with ls-convert-roberta first.")
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
         return tokenizer, auto_class.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote, **kwargs)
 
@@ -144,8 +148,13 @@ def parse_args(types, argv=None, actions=("do_train", "do_eval")):
         for group in args:
             if hasattr(group, "check"):
                 group.check()
-            if isinstance(group, transformers.TrainingArguments) and not any(getattr(group, a) for a in actions):
-                raise ValueError(f"nothing to do: pass at least one of {', '.join('--' + a for a in actions)}.")
+            if isinstance(group, transformers.TrainingArguments):
+                if not any(getattr(group, a) for a in actions):
+                    raise ValueError(f"nothing to do: pass at least one of {', '.join('--' + a for a in actions)}.")
+                other = [a for a in ("do_train", "do_eval", "do_predict") if getattr(group, a) and a not in actions]
+                if other:
+                    raise ValueError(f"--{other[0]} is not an action of this recipe; it takes "
+                                     f"{', '.join('--' + a for a in actions)}.")
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -227,6 +236,9 @@ def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, te
     (``eval_dataset``, ``test_dataset``: a Hub dataset or a local file name, for model cards). Returns all metrics.
     """
     results = {}
+    if training_args.do_train and trainer.is_world_process_zero():  # a new model: earlier metrics no longer apply
+        for prefix in ("all", "eval", "test"):
+            (Path(training_args.output_dir) / f"{prefix}_results.json").unlink(missing_ok=True)
 
     def report(prefix: str, split: str, metrics: dict) -> None:
         metrics.update(extra_metrics(metrics) if extra_metrics else {})

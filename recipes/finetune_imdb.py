@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
     data = load_data(data_args, [text, label], training_args.do_eval, training_args.do_predict)
     feature = data["train"].features[label]
     values = sorted(set(data["train"][label]))
+    if len(values) < 2:
+        raise UsageError(f"the training data holds the single label {values} (--max_train_samples takes the first "
+                         f"rows, which may be sorted by label); a classifier needs at least two.")
     names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
     label_ids = {value: i for i, value in enumerate(values)}
 

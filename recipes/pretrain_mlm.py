@@ -52,13 +52,20 @@ class MlmTrainingArguments(TrainingArguments):
     """TrainingArguments with Longformer's continued-pretraining schedule as defaults."""
 
     learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
-    warmup_steps: int = field(default=500, metadata={"help": "Linear warmup steps."})
+    warmup_steps: float = field(
+        default=500, metadata={"help": "Linear warmup: steps, or a fraction of all steps when below 1."}
+    )
     lr_scheduler_type: str = field(default="polynomial", metadata={"help": "Decay after warmup."})
     lr_scheduler_kwargs: dict | str | None = field(
-        default_factory=lambda: {"power": 3.0}, metadata={"help": "Scheduler options (JSON), e.g. the decay power."}
+        default=None, metadata={"help": "Scheduler options (JSON); polynomial decay defaults to power 3."}
     )
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     adam_epsilon: float = field(default=1e-6, metadata={"help": "AdamW epsilon."})
+
+    def __post_init__(self):
+        if self.lr_scheduler_kwargs is None and self.lr_scheduler_type == "polynomial":
+            self.lr_scheduler_kwargs = {"power": 3.0}  # Longformer's cubic decay; other schedules take no power
+        super().__post_init__()
 
 
 def group_texts(examples: dict, block: int) -> dict:

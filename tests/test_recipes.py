@@ -15,7 +15,7 @@ from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
 from recipes import common, demo, finetune_imdb, pretrain_mlm, push_to_hub
-from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short, tiny_roberta
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
 
@@ -23,6 +23,11 @@ FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--see
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_long_short(tmp_path_factory.mktemp("models") / "ls-tiny")
+
+
+@pytest.fixture(scope="module")
+def roberta_dir(tmp_path_factory):
+    return tiny_roberta(tmp_path_factory.mktemp("models") / "roberta-tiny")
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +69,7 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     metrics = finetune_imdb.main([*args, "--num_train_epochs", "4"])  # 10 steps per epoch
     losses = logged_losses(out)
     assert len(losses) == 40 and sum(losses[-10:]) < sum(losses[:10])
-    assert metrics["accuracy_computed_by"] == "local"
+    assert metrics["accuracy_computed_by"] in ("local", "evaluate")  # "evaluate" where the Hub is reachable
     # The best epoch is chosen on reviews held out of the training file; the test file only scores the kept model.
     assert metrics["eval_dataset"] == IMDB_TRAIN.name and metrics["test_dataset"] == IMDB_TEST.name
     state = json.loads((out / "trainer_state.json").read_text())
@@ -134,12 +139,26 @@ def test_model_card_reports_the_test_metrics(tmp_path):
     assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.9, "eval_loss": 0.3}, "imdb_train.csv")
 
 
-def test_accuracy_falls_back_to_local_computation():
-    compute, source = finetune_imdb.accuracy_metric()  # no network here: evaluate cannot fetch its script
-    assert source == "local"
+def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
+    import evaluate
+
     prediction = EvalPrediction(predictions=torch.tensor([[0.1, 0.9], [2.0, 1.0], [0.0, 1.0]]).numpy(),
                                 label_ids=torch.tensor([1, 1, 1]).numpy())
-    assert compute(prediction)["accuracy"] == pytest.approx(2 / 3)
+
+    class Accuracy:  # what evaluate.load("accuracy") returns where its script can be fetched
+        def compute(self, predictions, references):
+            return {"accuracy": float((predictions == references).mean())}
+
+    monkeypatch.setattr(evaluate, "load", lambda name: Accuracy())
+    compute, source = finetune_imdb.accuracy_metric()
+    assert source == "evaluate" and compute(prediction)["accuracy"] == pytest.approx(2 / 3)
+
+    def unreachable(name):  # what evaluate raises without the Hub and a cached script
+        raise FileNotFoundError(f"Couldn't find a module script at {name}")
+
+    monkeypatch.setattr(evaluate, "load", unreachable)
+    compute, source = finetune_imdb.accuracy_metric()
+    assert source == "local" and compute(prediction)["accuracy"] == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize(
@@ -163,13 +182,23 @@ def test_accuracy_falls_back_to_local_computation():
                         str(IMDB_TRAIN), "--mlm_probability", "1.5"], "--mlm_probability"),
         (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
                         str(IMDB_TRAIN), "--max_train_samples", "1", "--max_seq_length", "500"], "fewer than 500"),
+        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--do_predict",
+                        "--train_file", str(IMDB_TRAIN)], "--do_predict is not an action of this recipe"),
+        (finetune_imdb, ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file",
+                         str(IMDB_TRAIN)], "holds a 'roberta' model, not LongShort"),
+        (pretrain_mlm, ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file",
+                        str(IMDB_TRAIN)], "convert a RoBERTa checkpoint with ls-convert-roberta"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
+                         "one_label.csv", "--eval_strategy", "no"], "a classifier needs at least two"),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
 )
-def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_dir, tmp_path, capsys, monkeypatch):
+def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_dir, roberta_dir, tmp_path, capsys,
+                                                 monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = [str(model_dir) if arg == "MODEL" else arg for arg in argv]
+    (tmp_path / "one_label.csv").write_text("text,label\n" + "".join(f"review {i},1\n" for i in range(8)))
+    argv = [{"MODEL": str(model_dir), "ROBERTA": str(roberta_dir)}.get(arg, arg) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         script.main(argv)
     assert exit_info.value.code == 2
@@ -192,5 +221,44 @@ def test_demo_end_to_end(tmp_path, capsys):
                 "IMDb-format classifier (best validation epoch)", "causal LM output", "Hub repo folder (dry run)"):
         assert (Path(summary[key]) / "config.json").is_file(), key
     assert summary["causal LM greedy continuation"].startswith(demo.PROMPT)
-    assert summary["IMDb-format test accuracy of that classifier"].endswith("(computed by local)")
+    assert summary["IMDb-format test accuracy of that classifier"].endswith(("(computed by local)",
+                                                                             "(computed by evaluate)"))
     assert (tmp_path / "demo" / "hub" / "README.md").is_file()
+
+
+@pytest.mark.parametrize("scheduler", ["polynomial", "cosine", "linear"])
+def test_pretrain_mlm_schedulers_and_warmup_ratio(scheduler, tmp_path):
+    """Longformer's cubic decay is the default; another --lr_scheduler_type gets no stray power argument, and
+    --warmup_steps below 1 is a fraction of the steps (Transformers 5 has no warmup_ratio)."""
+    from transformers import get_scheduler
+
+    _, _, args = common.parse_args(
+        (common.ModelArguments, pretrain_mlm.MlmDataArguments, pretrain_mlm.MlmTrainingArguments),
+        ["--model_name_or_path", "some/model", "--output_dir", str(tmp_path), "--do_train", "--train_file",
+         str(IMDB_TRAIN), "--lr_scheduler_type", scheduler, "--warmup_steps", "0.1"],
+    )
+    assert (args.lr_scheduler_kwargs or {}) == ({"power": 3.0} if scheduler == "polynomial" else {})
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = get_scheduler(scheduler, optimizer, num_warmup_steps=args.get_warmup_steps(100),
+                             num_training_steps=100, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    rates = []
+    for _ in range(100):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert args.get_warmup_steps(100) == 10 and max(rates) == pytest.approx(1.0) and rates.index(max(rates)) == 10
+
+
+def test_training_again_drops_the_earlier_runs_metrics(model_dir, tmp_path):
+    """A new training run in the same --output_dir removes the old eval/test results, which described the old
+    weights (Trainer.save_metrics merges into all_results.json, and model cards read it)."""
+    out = tmp_path / "ft"
+    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
+            "--output_dir", str(out), "--max_seq_length", "32", "--eval_strategy", "no", "--save_strategy", "no",
+            *FAST]
+    finetune_imdb.main([*args, "--do_train", "--do_predict", "--max_steps", "1"])
+    assert "test_accuracy" in json.loads((out / "all_results.json").read_text())
+    finetune_imdb.main([*args, "--do_train", "--max_steps", "2"])
+    results = json.loads((out / "all_results.json").read_text())
+    assert "train_loss" in results and not any(key.startswith("test_") for key in results)
+    assert not (out / "test_results.json").exists()
