@@ -14,10 +14,12 @@ from safetensors.torch import load_file
 from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
-from recipes import common, demo, finetune_imdb, pretrain_mlm, push_to_hub
-from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short, tiny_roberta
+from recipes import char_lm, common, demo, finetune_imdb, pretrain_mlm, push_to_hub
+from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short, tiny_roberta
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
+TINY_CHAR_LM = ["--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--window_size", "32",
+                "--causal_segment_length", "16", "--max_positions", "256", "--dropout", "0", "--max_seq_length", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,11 @@ def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
                         str(IMDB_TRAIN)], "convert a RoBERTa checkpoint with ls-convert-roberta"),
         (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
                          "one_label.csv", "--eval_strategy", "no"], "a classifier needs at least two"),
+        (char_lm, ["--output_dir", "o", "--do_train"], "exactly one of --train_file"),
+        (char_lm, ["--train_file", "one_label.csv", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
+         "fewer than one block"),
+        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
+                   "--max_seq_length", "1024"], "exceeds the 256 positions"),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
@@ -206,7 +213,7 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("script", [finetune_imdb, pretrain_mlm, push_to_hub])
+@pytest.mark.parametrize("script", [finetune_imdb, pretrain_mlm, char_lm, push_to_hub])
 def test_help(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--help"])
@@ -262,3 +269,47 @@ def test_training_again_drops_the_earlier_runs_metrics(model_dir, tmp_path):
     results = json.loads((out / "all_results.json").read_text())
     assert "train_loss" in results and not any(key.startswith("test_") for key in results)
     assert not (out / "test_results.json").exists()
+
+
+def test_char_lm_splits_like_enwik8(tmp_path):
+    """Without validation/test files the text is cut in order: 90 % train, 5 % validation, the last 5 % test."""
+    path = tmp_path / "text.txt"
+    path.write_bytes(bytes(range(256)) * 4)
+    args = char_lm.CharLmArguments(train_file=str(path))
+    splits = char_lm.read_splits(args)
+    assert [len(splits[s]) for s in ("train", "validation", "test")] == [922, 51, 51]
+    assert splits["train"] + splits["validation"] + splits["test"] == path.read_bytes()
+    (tmp_path / "valid.txt").write_bytes(b"held out")
+    splits = char_lm.read_splits(char_lm.CharLmArguments(train_file=str(path), validation_file=str(tmp_path / "valid.txt")))
+    assert splits["validation"] == b"held out" and splits["train"] + splits["test"] == path.read_bytes()
+
+
+def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
+    """A tiny byte-level model learns the sample text; eval/test BPC are its losses over ln 2; the folder generates
+    through the Auto classes; a second phase continues from it with longer blocks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = tmp_path / "reviews.txt"
+    text.write_text("\n\n".join(sample_texts()))
+    out = tmp_path / "chars"
+    args = ["--train_file", str(text), "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict",
+            *TINY_CHAR_LM, "--max_steps", "60", "--warmup_steps", "5", "--learning_rate", "3e-3",
+            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--save_strategy", "no",
+            "--disable_tqdm", "True", "--seed", "0"]
+    metrics = char_lm.main(args)
+    losses = logged_losses(out)
+    assert len(losses) == 60 and sum(losses[-10:]) < 0.7 * sum(losses[:10])
+    for split in ("eval", "test"):
+        assert metrics[f"{split}_bpc"] == pytest.approx(metrics[f"{split}_loss"] / math.log(2))
+        assert metrics[f"{split}_bpc"] < 8 and metrics[f"{split}_dataset"] == "reviews.txt"
+
+    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
+    prompt = tokenizer("This movie ", add_special_tokens=False, return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert generated.shape == (1, prompt.shape[1] + 12)
+    assert tokenizer.decode(generated[0]).startswith("This movie ")
+
+    phase2 = char_lm.main([*args[: args.index("--max_steps")], "--model_name_or_path", str(out), "--max_seq_length",
+                           "256", "--output_dir", str(tmp_path / "phase2"), "--max_steps", "2",
+                           "--save_strategy", "no", "--disable_tqdm", "True"])
+    assert phase2["eval_bpc"] < 8
