@@ -315,8 +315,9 @@ class LongShortModel(LongShortPreTrainedModel):
     projected rows (r per head; causal: r per finished segment of l tokens) followed by its S window keys
     (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w, or all n keys when fewer than w
     tokens are fed; in a cached decoding step the cached window). Padded queries output the attention output bias.
-    LongShort has no user-set global tokens: the dynamic projection is the global part. Inputs of any length up to ``config.max_input_length`` work (the
-    attention pads internally); window segments are counted from the first column, so pad on the right.
+    LongShort has no user-set global tokens: the dynamic projection is the global part. Inputs of any length up to
+    ``config.max_input_length`` work (the attention pads internally); window segments are counted from the first
+    column, so pad on the right.
     """
 
     def __init__(self, config: LongShortConfig, add_pooling_layer: bool = True):
