@@ -79,7 +79,8 @@ def validate_long_short_args(
         raise ValueError(f"{name('qk_head_dim')} must be None or an integer >= 1, got {qk_head_dim!r}.")
     if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
             or not 0 <= attention_dropout < 1:
-        raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; got {attention_dropout!r}.")
+        raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; "
+                         f"got {attention_dropout!r}.")
     if not causal:
         if window_size == 0 and projection_rank == 0:
             raise ValueError(
