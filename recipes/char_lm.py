@@ -12,9 +12,14 @@ a block see little context (the paper scores each 512 bytes after 32K of context
 
 The defaults are the paper's smaller model and schedule (Appendix D): 12 layers of width 512 with 8 heads, w = 512,
 l = 16, r = 1, dropout 0.2, weight decay 0.01, a constant learning rate of 2.5e-4 after 10k warmup steps, no
-gradient clipping. The paper trains in three phases of 2048, 4096 and 8192 bytes: run the recipe three times, each
-phase with the previous output as --model_name_or_path and a longer --max_seq_length. Not reproduced here: the
-relative position encoding of the projected segments and the Transformer-XL memory of the paper's model.
+gradient clipping; its batches of 32, 32 and 16 blocks are --per_device_train_batch_size times the devices times
+--gradient_accumulation_steps. The paper trains in three phases of 2048, 4096 and 8192 bytes: run the recipe three
+times, each phase with the previous output as --model_name_or_path and a longer --max_seq_length. Not reproduced
+here: the paper's model is Pre-LN with a relative position encoding of the projected segments and a Transformer-XL
+memory; this one is the package's RoBERTa-style (Post-LN) LongShort decoder with learned absolute positions.
+
+The saved tokenizer is ByT5's, which appends ``</s>`` unless told not to; training saw none, so encode prompts with
+``add_special_tokens=False`` (also a ``pipeline("text-generation")`` argument).
 """
 
 import math
@@ -24,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     ByT5Tokenizer,
     DataCollatorForLanguageModeling,
@@ -71,8 +77,9 @@ class CharLmArguments:
             raise ValueError(f"--max_seq_length must be at least 2 bytes, got {self.max_seq_length}.")
 
     def data_name(self, split: str) -> str:
-        """What ``split`` is read from, for model cards."""
-        return self.dataset_name or Path(getattr(self, f"{split}_file") or self.train_file).name
+        """What ``split`` is read from, for model cards: its own file, else the training text's source."""
+        path = getattr(self, f"{split}_file") or self.train_file
+        return Path(path).name if path else self.dataset_name
 
 
 @dataclass
@@ -80,6 +87,7 @@ class CharLmTrainingArguments(TrainingArguments):
     """TrainingArguments with the paper's char-LM schedule (Appendix D) as defaults."""
 
     learning_rate: float = field(default=2.5e-4, metadata={"help": "Peak learning rate (text8: 5e-4)."})
+    prediction_loss_only: bool = field(default=True, metadata={"help": "Keep no logits when scoring (BPC only)."})
     warmup_steps: float = field(default=10000, metadata={"help": "Linear warmup steps (a fraction when below 1)."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Constant after warmup."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
@@ -98,7 +106,7 @@ def read_splits(args: CharLmArguments) -> dict[str, bytes]:
         text = "\n".join(raw[args.text_column_name]).encode()
     given = {split: Path(path).read_bytes() for split in SPLITS[1:] if (path := getattr(args, f"{split}_file"))}
     held_out = [split for split in SPLITS[1:] if split not in given]
-    cut = len(text) - len(held_out) * len(text) // 20
+    cut = len(text) - len(held_out) * (len(text) // 20)
     splits = {"train": text[:cut], **given}
     for i, split in enumerate(held_out):
         splits[split] = text[cut + i * (len(text) // 20) : cut + (i + 1) * (len(text) // 20)]
@@ -122,9 +130,17 @@ def bits_per_character(metrics: dict) -> dict:
 
 
 def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
-    """A new ``LongShortForCausalLM`` of the requested shape, or the one in --model_name_or_path."""
+    """A new ``LongShortForCausalLM`` of the requested shape, or the byte-level one in --model_name_or_path."""
     if args.model_name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        name = args.model_name_or_path
+        try:
+            config = AutoConfig.from_pretrained(name)
+        except OSError as err:
+            raise UsageError(f"--model_name_or_path {name!r}: no model there ({err}).") from err
+        if config.model_type != "long_short" or not config.is_decoder or config.vocab_size != len(tokenizer):
+            raise UsageError(f"--model_name_or_path {name!r} is not a byte-level LongShort decoder (an earlier "
+                             f"output of this recipe); start a new model by leaving it out.")
+        return AutoModelForCausalLM.from_pretrained(name)
     config = LongShortConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,
@@ -150,19 +166,21 @@ def main(argv=None) -> dict:
         raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "
                          f"positions of the model; raise --max_positions for a new model.")
     offset = tokenizer("\x00", add_special_tokens=False).input_ids[0]
+    needed = {"train": training_args.do_train, "test": training_args.do_predict,
+              "validation": training_args.do_eval or training_args.eval_strategy != "no"}
     data = DatasetDict({split: blocks(text, args.max_seq_length, offset, split)
-                        for split, text in read_splits(args).items()})
+                        for split, text in read_splits(args).items() if needed[split]})
 
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=data["train"] if training_args.do_train else None,
-        eval_dataset=data["validation"],
+        train_dataset=data.get("train"),
+        eval_dataset=data.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     )
     return finish(trainer, training_args, args, checkpoint_to_resume(training_args), bits_per_character,
-                  data["test"])
+                  data.get("test"))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ METRICS = {
     "eval_accuracy": ("accuracy", "Accuracy"),
     "perplexity": ("perplexity", "Perplexity"),
     "bits_per_token": ("bits_per_token", "Bits per token"),
+    "eval_bpc": ("bpc", "Bits per character"),
     "eval_loss": ("loss", "Loss"),
 }
 

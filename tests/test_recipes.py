@@ -193,6 +193,10 @@ def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
         (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
                          "one_label.csv", "--eval_strategy", "no"], "a classifier needs at least two"),
         (char_lm, ["--output_dir", "o", "--do_train"], "exactly one of --train_file"),
+        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
+                   "MODEL"], "is not a byte-level LongShort decoder"),
+        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
+                   "./nowhere"], "no model there"),
         (char_lm, ["--train_file", "one_label.csv", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
          "fewer than one block"),
         (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
@@ -282,6 +286,13 @@ def test_char_lm_splits_like_enwik8(tmp_path):
     (tmp_path / "valid.txt").write_bytes(b"held out")
     splits = char_lm.read_splits(char_lm.CharLmArguments(train_file=str(path), validation_file=str(tmp_path / "valid.txt")))
     assert splits["validation"] == b"held out" and splits["train"] + splits["test"] == path.read_bytes()
+    path.write_bytes(bytes(range(256)) * 4 + b"abcdef")  # 1030 bytes: every byte lands in one split
+    splits = char_lm.read_splits(char_lm.CharLmArguments(train_file=str(path)))
+    assert splits["train"] + splits["validation"] + splits["test"] == path.read_bytes()
+    # Only the splits a run uses must hold a block: 5 % of 1030 bytes is below 128, and training alone still runs.
+    metrics = char_lm.main(["--train_file", str(path), "--output_dir", str(tmp_path / "o"), "--do_train",
+                            *TINY_CHAR_LM, "--max_steps", "1", "--save_strategy", "no", "--disable_tqdm", "True"])
+    assert "train_loss" in metrics
 
 
 def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
