@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     ByT5Tokenizer,
     DataCollatorForLanguageModeling,
@@ -39,7 +38,15 @@ from transformers import (
 )
 
 from ls_hf import LongShortConfig, LongShortForCausalLM
-from recipes.common import UsageError, checkpoint_to_resume, cli, finish, parse_args, setup_logging
+from recipes.common import (
+    UsageError,
+    checkpoint_to_resume,
+    cli,
+    finish,
+    long_short_config,
+    parse_args,
+    setup_logging,
+)
 
 SPLITS = ("train", "validation", "test")
 
@@ -106,10 +113,11 @@ def read_splits(args: CharLmArguments) -> dict[str, bytes]:
         text = "\n".join(raw[args.text_column_name]).encode()
     given = {split: Path(path).read_bytes() for split in SPLITS[1:] if (path := getattr(args, f"{split}_file"))}
     held_out = [split for split in SPLITS[1:] if split not in given]
-    cut = len(text) - len(held_out) * (len(text) // 20)
+    part = len(text) // 20  # 5 %
+    cut = len(text) - len(held_out) * part
     splits = {"train": text[:cut], **given}
     for i, split in enumerate(held_out):
-        splits[split] = text[cut + i * (len(text) // 20) : cut + (i + 1) * (len(text) // 20)]
+        splits[split] = text[cut + i * part : cut + (i + 1) * part]
     return splits
 
 
@@ -133,14 +141,11 @@ def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
     """A new ``LongShortForCausalLM`` of the requested shape, or the byte-level one in --model_name_or_path."""
     if args.model_name_or_path is not None:
         name = args.model_name_or_path
-        try:
-            config = AutoConfig.from_pretrained(name)
-        except OSError as err:
-            raise UsageError(f"--model_name_or_path {name!r}: no model there ({err}).") from err
-        if config.model_type != "long_short" or not config.is_decoder or config.vocab_size != len(tokenizer):
+        config = long_short_config(name, "--model_name_or_path")
+        if not config.is_decoder or config.vocab_size != len(tokenizer):
             raise UsageError(f"--model_name_or_path {name!r} is not a byte-level LongShort decoder (an earlier "
                              f"output of this recipe); start a new model by leaving it out.")
-        return AutoModelForCausalLM.from_pretrained(name)
+        return AutoModelForCausalLM.from_pretrained(name, config=config)
     config = LongShortConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,

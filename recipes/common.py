@@ -13,6 +13,8 @@ from datasets import DatasetDict, load_dataset
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
+from ls_hf import LongShortConfig
+
 logger = logging.getLogger("recipes")
 # File extension -> datasets builder for --train_file / --validation_file.
 BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}
@@ -36,6 +38,18 @@ def cli(main):
     return run
 
 
+def long_short_config(name, argument: str, trust_remote_code: bool = False):
+    """The config of the model at ``name``; a ``UsageError`` naming ``argument`` unless it holds a LongShort model."""
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise UsageError(f"{argument} {str(name)!r}: no model there ({err}).") from err
+    if config.model_type != LongShortConfig.model_type:
+        raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model, not LongShort; convert a "
+                         f"RoBERTa checkpoint with ls-convert-roberta first.")
+    return config
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(
@@ -57,10 +71,7 @@ class ModelArguments:
     def load(self, auto_class, **kwargs):
         """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config)."""
         name, remote = self.model_name_or_path, self.trust_remote_code
-        model_type = AutoConfig.from_pretrained(name, trust_remote_code=remote).model_type
-        if model_type != "long_short":
-            raise UsageError(f"--model_name_or_path {name!r} holds a {model_type!r} model, not LongShort; convert a "
-                             f"RoBERTa checkpoint with ls-convert-roberta first.")
+        long_short_config(name, "--model_name_or_path", trust_remote_code=remote)
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
         return tokenizer, auto_class.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote, **kwargs)
 

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 import ls_hf
 from ls_hf.convert_roberta import write_folder
 from ls_hf.modeling_long_short import AUTO_CLASSES
+from recipes.common import long_short_config
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 RESULTS_MARKER = "<!-- measured results -->"
@@ -48,13 +49,9 @@ def load_model(model_dir: Path):
     """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer."""
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"MODEL_DIR {str(model_dir)!r} has no config.json; pass the --output_dir of a recipe.")
-    config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type != ls_hf.LongShortConfig.model_type:
-        raise ValueError(
-            f"MODEL_DIR holds a {config.model_type!r} model, not LongShort; convert RoBERTa with ls-convert-roberta."
-        )
+    config = long_short_config(model_dir, "MODEL_DIR")
     architecture = (config.architectures or ["LongShortModel"])[0]
-    model = getattr(ls_hf, architecture).from_pretrained(model_dir)
+    model = getattr(ls_hf, architecture).from_pretrained(model_dir, config=config)
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
