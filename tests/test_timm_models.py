@@ -94,13 +94,14 @@ def test_forward_backward_and_grad_checkpointing(name):
         model.set_grad_checkpointing(checkpointing)
         model.zero_grad()
         model.train()
-        model(x).square().mean().backward()
+        model(x.double()).square().mean().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    model.double()  # float64: some true gradients are 0 (biases that cancel in a softmax or a norm)
     plain, checkpointed = grads(False), grads(True)
     assert plain.keys() == checkpointed.keys()
     for n in plain:
-        torch.testing.assert_close(checkpointed[n], plain[n], msg=n)
+        torch.testing.assert_close(checkpointed[n], plain[n], atol=1e-12, rtol=1e-9, msg=n)
 
 
 @pytest.mark.parametrize("name", CVT + VIL)
