@@ -273,8 +273,12 @@ class LongShortSelfAttention(nn.Module):
         rows_valid = valid.view(B, n // segment, segment).any(-1).repeat_interleave(r, dim=1)
         return rows_k, rows_v, rows_valid
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, need_weights: bool):
-        """One softmax per query over all its keys. q (B', H, Q, d), k/v (B', H, K, d), keep (B', 1, Q|1, K)."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, need_weights: bool, layout: tuple):
+        """One softmax per query over all its keys. q (B', H, Q, d), k/v (B', H, K, d), keep (B', 1, Q|1, K).
+
+        With ``need_weights``, ``layout = (to_maps, from_maps)`` turns the probabilities into the caller's maps and
+        back: the output is computed from the returned maps themselves, so a gradient taken at them (attribution,
+        ``retain_grad``) is the output's."""
         dropout = self.attention_dropout if self.training else 0.0
         if not need_weights:
             return F.scaled_dot_product_attention(
@@ -283,8 +287,8 @@ class LongShortSelfAttention(nn.Module):
         dtype = torch.promote_types(q.dtype, torch.float32)
         scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         prob = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-        prob = F.dropout(prob, dropout, self.training)
-        return (prob.to(v.dtype) @ v.to(q.dtype)).to(q.dtype), prob
+        maps = layout[0](F.dropout(prob, dropout, self.training))
+        return (layout[1](maps).to(v.dtype) @ v.to(q.dtype)).to(q.dtype), maps
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -401,6 +405,13 @@ class LongShortSelfAttention(nn.Module):
         # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed below.
         keep = keep | ~keep.any(-1, keepdim=True)
 
+        def to_maps(prob):  # (B * G, H, Q, S) -> (B, H, m, S)
+            return prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
+
+        def from_maps(maps):  # (B, H, m, S) -> (B * G, H, Q, S), zero rows for the padding queries
+            tiles = _pad_seq(maps.transpose(1, 2), skip, groups * Q - skip - m).view(B, groups, Q, H, S)
+            return tiles.transpose(2, 3).flatten(0, 1)
+
         q = _pad_seq(q, skip, groups * Q - skip - m)
         out, prob = self._attend(
             q.view(B * groups, Q, H, -1).transpose(1, 2),
@@ -408,12 +419,11 @@ class LongShortSelfAttention(nn.Module):
             values.view(B * groups, S, H, -1).transpose(1, 2),
             keep.view(B * groups, 1, keep.shape[2], S),
             need_weights,
+            layout=(to_maps, from_maps),
         )
         context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
         if q_valid is not None:
             context = context * q_valid[:, :, None, None].to(context.dtype)
-        if prob is not None:
-            prob = prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
         return context, prob
 
     def _cls_output(self, cls_hidden, context, valid):

@@ -62,11 +62,26 @@ ROBERTA_KEY_MAPPING = {
 }
 
 
-def roberta_position_ids(real: torch.Tensor, padding_idx: int, past_length: int = 0) -> torch.Tensor:
-    """RoBERTa positions: the k-th real token (k >= 1, counting ``past_length`` earlier ones) gets
-    ``padding_idx + k``, padding gets ``padding_idx``. real (B, n) bool -> (B, n) long."""
+def roberta_position_ids(
+    padding_idx: int, *, input_ids=None, inputs_embeds=None, attention_mask=None, past_length: int = 0
+) -> torch.Tensor:
+    """RoBERTa positions of the n new tokens (B, n), the one rule of the plain forward, the cached step and generate.
+
+    The k-th real token (k >= 1, counting earlier ones) gets ``padding_idx + k``, padding gets ``padding_idx``. Real
+    tokens are those ``attention_mask`` marks ((B, n), or (B, past + n) covering the cached tokens too); without a
+    mask, those of ``input_ids`` that are not ``padding_idx``; for ``inputs_embeds`` without a mask, all. The
+    ``past_length`` cached tokens that the mask does not cover count as real."""
+    new = input_ids if input_ids is not None else inputs_embeds[..., 0]
+    n = new.shape[1]
+    if attention_mask is not None:
+        real = attention_mask.to(device=new.device) > 0
+    elif input_ids is not None:
+        real = input_ids.ne(padding_idx)
+    else:
+        real = torch.ones(new.shape[:2], dtype=torch.bool, device=new.device)
+    earlier = past_length - (real.shape[1] - n)  # cached tokens before the first column of `real`
     real = real.long()
-    return (real.cumsum(1) + past_length) * real + padding_idx
+    return ((real.cumsum(1) + earlier) * real + padding_idx)[:, -n:]
 
 
 def require_bidirectional(model_class: type, config: LongShortConfig, reason: str) -> None:
@@ -94,13 +109,10 @@ class LongShortEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_length=0):
-        """input_ids / token_type_ids / position_ids (B, n), or inputs_embeds (B, n, d) -> (B, n, d)."""
+    def forward(self, position_ids, input_ids=None, token_type_ids=None, inputs_embeds=None):
+        """position_ids / input_ids / token_type_ids (B, n), or inputs_embeds (B, n, d) -> (B, n, d)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
-        if position_ids is None:
-            real = input_ids.ne(self.padding_idx) if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2], dtype=torch.bool)
-            position_ids = roberta_position_ids(real, self.padding_idx, past_length)
         if token_type_ids is None:
             token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
@@ -342,8 +354,10 @@ class LongShortModel(LongShortPreTrainedModel):
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
-        ``attention_mask`` may cover the cached tokens too, (B, past + n): positions then count its real tokens (left
-        padding aware, as in the full forward) and its last n columns mask the keys."""
+        ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n columns mask the keys.
+        Without ``position_ids``, positions follow ``roberta_position_ids``: counted over the real tokens that the
+        mask marks (else the ids that are not ``pad_token_id``), the same in a full forward, a cached step and
+        ``generate``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
         if past_key_values is not None and not isinstance(past_key_values, LongShortCache):
@@ -370,14 +384,18 @@ class LongShortModel(LongShortPreTrainedModel):
                 f"pad_token_id + 1). Truncate the input (e.g. tokenizer(..., truncation=True, "
                 f"max_length={self.config.max_input_length})) or extend the position embeddings."
             )
-        if position_ids is None and attention_mask is not None and attention_mask.shape[1] > n:
-            # the mask covers the cached tokens too: count real tokens from its first column, as the full forward does
-            position_ids = roberta_position_ids(attention_mask.bool(), self.config.pad_token_id)[:, -n:]
+        if position_ids is None:
+            position_ids = roberta_position_ids(
+                self.config.pad_token_id, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask, past_length=past_length,
+            )
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = self.config.output_attentions
 
-        hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, past_length)
+        hidden_states = self.embeddings(
+            position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
+        )
         hidden_states = self.encoder(hidden_states, attention_mask, past_key_values, output_attentions)
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
@@ -419,7 +437,8 @@ class LongShortForMaskedLM(LongShortLanguageModel):
     ):
         """labels (B, n): token ids to predict, -100 where no loss is taken."""
         outputs = self.long_short(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
@@ -431,11 +450,15 @@ class LongShortForMaskedLM(LongShortLanguageModel):
 class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     """Causal LongShort language model (Eq. 5, Appendix D). Needs ``config.is_decoder=True``.
 
-    ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards, padding
-    aware), continued from the cache during decoding. Left-padded batches work (padded keys are masked, and cached
+    ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards), by the
+    one rule of ``roberta_position_ids`` (real tokens from the attention mask) in ``forward``, a cached step and
+    ``generate`` alike. The cache cannot be cropped (``_is_stateful``), so ``generate`` refuses assisted and
+    prompt-lookup decoding up front. Left-padded batches work (padded keys are masked, and cached
     and uncached decoding agree), but window segments count from the first column, so a left-padded prompt is not
     bit-identical to the same prompt unpadded.
     """
+
+    _is_stateful = True  # finished segments are compressed into projected rows: the cache cannot be cropped
 
     def __init__(self, config: LongShortConfig):
         if not config.is_decoder:
@@ -455,8 +478,9 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         if labels is not None:
             use_cache = False
         outputs = self.long_short(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            past_key_values=past_key_values, use_cache=use_cache, return_dict=True, **kwargs,
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, past_key_values=past_key_values,
+            use_cache=use_cache, return_dict=True, **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, keep])
@@ -484,11 +508,12 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """RoBERTa positions from the attention mask (left padding gets ``pad_token_id``)."""
-        attention_mask = model_kwargs.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.bool, device=inputs_tensor.device)
-        return roberta_position_ids(attention_mask.bool(), self.config.pad_token_id)
+        """The positions ``forward`` would give the prompt (``roberta_position_ids``); ``generate`` extends them."""
+        ids = inputs_tensor if inputs_tensor.dim() == 2 else None
+        return roberta_position_ids(
+            self.config.pad_token_id, input_ids=ids, inputs_embeds=None if ids is not None else inputs_tensor,
+            attention_mask=model_kwargs.get("attention_mask"),
+        )
 
 
 class LongShortForSequenceClassification(LongShortPreTrainedModel):
@@ -507,7 +532,8 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
     ):
         """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa)."""
         outputs = self.long_short(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
         )
         logits = self.classifier(outputs.last_hidden_state)
         loss = None
@@ -540,7 +566,8 @@ class LongShortForTokenClassification(LongShortPreTrainedModel):
     ):
         """labels (B, n): class ids, -100 where no loss is taken."""
         outputs = self.long_short(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
@@ -565,7 +592,8 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
     ):
         """start_positions / end_positions (B,): the answer span's token indices."""
         outputs = self.long_short(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         loss = None
