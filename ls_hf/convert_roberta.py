@@ -15,11 +15,8 @@ source's function (tested to 1e-4 on the masked-LM logits).
 """
 
 import argparse
-import os
 import re
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -27,10 +24,10 @@ import torch
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
 
 from .configuration_long_short import LongShortConfig
-from .hub import save_for_hub
+from .hub import is_local_path, save_for_hub
 from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForMaskedLM
 
-__all__ = ["ROBERTA_FAMILY", "convert_roberta", "main", "write_folder"]
+__all__ = ["ROBERTA_FAMILY", "convert_roberta", "main"]
 
 # Model types whose masked LM has RoBERTa's exact layout (post-LN encoder, learned positions after pad_token_id).
 ROBERTA_FAMILY = ("roberta", "xlm-roberta", "camembert")
@@ -52,10 +49,10 @@ def _load_source(src: str):
     """Source config, masked LM and tokenizer; ``ValueError`` naming the problem if SRC is unusable."""
     src = str(src)
     path = Path(src).expanduser()
-    looks_local = src.startswith((".", "/", "~")) or src.count("/") > 1 or path.exists()
-    if looks_local and not path.is_dir():
+    local = is_local_path(src)
+    if local and not path.is_dir():
         raise ValueError(f"SRC {src!r}: no such folder. Pass a local checkpoint folder or a Hub id (roberta-base).")
-    src = str(path) if looks_local else src
+    src = str(path) if local else src
     try:
         config = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as err:
@@ -148,35 +145,15 @@ def _copy_weights(source, model, log) -> None:
     log(f"mapped {len(state)} tensors from SRC:")
     for (old, target), count in renamed.items():
         log(f"  {old} -> {target}" + (f"  (x{count})" if count > 1 else ""))
-    log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled)")
+    if len(new_positions) >= len(old_positions):
+        log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled)")
+    else:
+        log(f"truncated {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (the first ones kept)")
     if new:
         std = model.config.initializer_range
         log(f"initialised {len(new)} new tensors (W^P: N(0, {std}); DualLN: weight 1, bias 0):")
     for key in sorted({_pattern(key) for key in new}):
         log(f"  {key}")
-
-
-def write_folder(out, model, tokenizer, files: dict | None = None, overwrite: bool = False) -> Path:
-    """Save ``model`` and ``tokenizer`` as a Hub folder (``save_for_hub``) plus ``files`` (name -> text) at ``out``.
-
-    Everything is written next to ``out`` first and moved into place at the end (replacing ``out`` only when
-    ``overwrite``), so a failure leaves neither a half-written nor a missing folder.
-    """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ValueError(f"{str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_for_hub(model, staging / "new", tokenizer)
-        for name, text in (files or {}).items():
-            (staging / "new" / name).write_text(text)
-        if out.exists():
-            os.replace(out, staging / "old")
-        os.replace(staging / "new", out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
 
 
 def convert_roberta(
@@ -211,7 +188,7 @@ def convert_roberta(
     _copy_weights(source, model, log)
     tokenizer.model_max_length = tokenizer.init_kwargs["model_max_length"] = max_position_embeddings
 
-    write_folder(out, model, tokenizer, overwrite=overwrite)
+    save_for_hub(model, out, tokenizer, overwrite=overwrite)
     c = model.config
     log(
         f"wrote {out}: LongShortForMaskedLM, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
@@ -225,12 +202,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="ls-convert-roberta",
         description="Convert a RoBERTa-family masked LM (roberta-base, roberta-large, ...) into a LongShort model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    defaults = LongShortConfig()
     parser.add_argument("src", metavar="SRC", help="local checkpoint folder or Hub id of a RoBERTa-family masked LM")
     parser.add_argument("out", metavar="OUT", help="output folder (created; see --overwrite)")
-    parser.add_argument("--max-position-embeddings", type=int, default=4096, help="tokens the model reads (4096)")
-    parser.add_argument("--window-size", type=int, help="window segment length w (default: LongShortConfig's)")
-    parser.add_argument("--projection-rank", type=int, help="dynamic projection rank r; 0 turns it off")
+    parser.add_argument("--max-position-embeddings", type=int, default=4096, help="tokens the model reads")
+    parser.add_argument("--window-size", type=int, default=defaults.window_size, help="window segment length w")
+    parser.add_argument("--projection-rank", type=int, default=defaults.projection_rank,
+                        help="dynamic projection rank r; 0 turns it off")
     parser.add_argument("--no-dual-ln", action="store_true", help="leave DualLN out (exact RoBERTa function)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)

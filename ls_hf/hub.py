@@ -1,4 +1,5 @@
-"""Write a LongShort model as a self-contained Hub folder (weights, config with a complete ``auto_map``, remote code)."""
+"""Write a LongShort model as a self-contained Hub folder (weights, config with a complete ``auto_map``, remote code),
+and tell a local folder from a Hub id."""
 
 import os
 import shutil
@@ -7,39 +8,59 @@ from pathlib import Path
 
 from .modeling_long_short import LongShortPreTrainedModel
 
-__all__ = ["REMOTE_CODE_FILES", "save_for_hub"]
+__all__ = ["REMOTE_CODE_FILES", "is_local_path", "save_for_hub"]
 
 # The files a folder needs to load with trust_remote_code=True where ls_hf is not installed.
 REMOTE_CODE_FILES = ("configuration_long_short.py", "modeling_long_short.py", "long_short_attention.py")
 
 
-def save_for_hub(model, folder, tokenizer=None, **save_kwargs) -> Path:
-    """Save ``model`` (and ``tokenizer``) into ``folder``, ready for ``upload_folder`` / ``push_to_hub``.
+def is_local_path(name) -> bool:
+    """Whether ``name`` means a local folder rather than a Hub id (``owner/name`` or ``name``): it exists, starts with
+    ``.``, ``/`` or ``~``, or has more than one ``/``."""
+    name = str(name)
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _readable(folder: Path) -> None:
+    """``mkdtemp`` creates mode 0700: give the folder the mode a plain ``mkdir`` would (the umask's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+
+
+def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overwrite: bool = False,
+                 **save_kwargs) -> Path:
+    """Save ``model`` (and ``tokenizer``, and ``files``: name -> text) into ``folder``, ready for ``upload_folder``.
 
     The folder gets ``model.safetensors``, ``config.json`` whose ``auto_map`` names the config and every head (so
     ``AutoModel``, ``AutoModelForMaskedLM``, ``AutoModelForCausalLM``, ... all load it with ``trust_remote_code=True``),
     the remote-code files ``REMOTE_CODE_FILES``, ``generation_config.json`` for causal models, and the tokenizer
-    files. Everything is written to a temporary folder first and moved into place at the end, so a failure leaves
-    nothing half-written. ``folder`` must not exist or be empty. Returns ``Path(folder)``.
+    files. Everything is written next to ``folder`` first and moved into place at the end, so a failure leaves
+    neither a half-written nor a missing folder. ``folder`` must not exist or be empty, unless ``overwrite``
+    (then it is replaced). Returns ``Path(folder)``.
     """
     if not isinstance(model, LongShortPreTrainedModel):
         raise TypeError(f"model must be a LongShort model (LongShortPreTrainedModel), got {type(model).__name__}.")
-    folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ValueError(f"folder {str(folder)!r} already exists and is not an empty directory; pick a new path.")
+    folder = Path(folder).expanduser()
+    if folder.exists() and not overwrite and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{str(folder)!r} already exists and is not an empty directory; pick a new path or pass "
+                         f"overwrite=True (--overwrite) to replace it.")
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        model.save_pretrained(staging, **save_kwargs)
+        new = staging / "new"
+        model.save_pretrained(new, **save_kwargs)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        missing = [name for name in REMOTE_CODE_FILES if not (staging / name).is_file()]
+            tokenizer.save_pretrained(new)
+        for name, text in (files or {}).items():
+            (new / name).write_text(text)
+        missing = [name for name in REMOTE_CODE_FILES if not (new / name).is_file()]
         if missing:
             raise RuntimeError(f"save_pretrained did not write the remote code files {missing}.")
+        _readable(new)
         if folder.exists():
-            folder.rmdir()
-        os.replace(staging, folder)
-    except BaseException:
+            os.replace(folder, staging / "old")
+        os.replace(new, folder)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return folder

@@ -40,6 +40,7 @@ from transformers import (
 from ls_hf import LongShortConfig, LongShortForCausalLM
 from recipes.common import (
     UsageError,
+    check_memory,
     checkpoint_to_resume,
     cli,
     finish,
@@ -99,6 +100,7 @@ class CharLmTrainingArguments(TrainingArguments):
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Constant after warmup."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping (0: none, as the paper)."})
+    save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept (the oldest are deleted)."})
 
 
 def read_splits(args: CharLmArguments) -> dict[str, bytes]:
@@ -170,6 +172,9 @@ def main(argv=None) -> dict:
     if args.max_seq_length > model.config.max_input_length:
         raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "
                          f"positions of the model; raise --max_positions for a new model.")
+    checkpoint = checkpoint_to_resume(training_args, model)
+    if training_args.do_train:
+        check_memory(model, training_args.per_device_train_batch_size, args.max_seq_length, training_args)
     offset = tokenizer("\x00", add_special_tokens=False).input_ids[0]
     needed = {"train": training_args.do_train, "test": training_args.do_predict,
               "validation": training_args.do_eval or training_args.eval_strategy != "no"}
@@ -184,8 +189,7 @@ def main(argv=None) -> dict:
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     )
-    return finish(trainer, training_args, args, checkpoint_to_resume(training_args), bits_per_character,
-                  data.get("test"))
+    return finish(trainer, training_args, args, checkpoint, bits_per_character, data.get("test"))
 
 
 if __name__ == "__main__":

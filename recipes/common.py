@@ -1,5 +1,6 @@
 """What the recipes share: argument dataclasses, parsing with clear errors, data loading, logging, resuming."""
 
+import ast
 import functools
 import logging
 import sys
@@ -7,13 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import psutil
 import torch
 import transformers
 from datasets import DatasetDict, load_dataset
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 from ls_hf import LongShortConfig
+from ls_hf.hub import is_local_path
 
 logger = logging.getLogger("recipes")
 # File extension -> datasets builder for --train_file / --validation_file.
@@ -61,8 +65,7 @@ class ModelArguments:
 
     def check(self) -> None:
         path = Path(self.model_name_or_path).expanduser()
-        looks_local = path.exists() or self.model_name_or_path.startswith((".", "/", "~"))
-        if looks_local and not (path / "config.json").is_file():
+        if is_local_path(self.model_name_or_path) and not (path / "config.json").is_file():
             raise ValueError(
                 f"--model_name_or_path {self.model_name_or_path!r}: no model folder there (no config.json); pass a "
                 f"folder written by ls-convert-roberta or a recipe, or a Hub id."
@@ -226,17 +229,73 @@ def max_tokens(config, tokenizer, requested: int | None) -> int:
     return min(requested or limit, limit)
 
 
-def checkpoint_to_resume(training_args) -> str | None:
-    """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour)."""
-    if training_args.resume_from_checkpoint is not None:
-        return training_args.resume_from_checkpoint
+def checkpoint_to_resume(training_args, model) -> str | None:
+    """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour),
+    said on stderr; a ``UsageError`` before any work if its weights do not fit ``model``'s shapes."""
+    checkpoint = training_args.resume_from_checkpoint
     output_dir = Path(training_args.output_dir)
-    if training_args.do_train and output_dir.is_dir():
-        last = get_last_checkpoint(output_dir)
-        if last is not None:
-            logger.info("Resuming training from %s (use a new --output_dir to start over).", last)
-        return last
-    return None
+    if checkpoint is None and training_args.do_train and output_dir.is_dir():
+        checkpoint = get_last_checkpoint(output_dir)
+        if checkpoint is not None:
+            print(f"Resuming training from {checkpoint} (use a new --output_dir to start over).", file=sys.stderr)
+    weights = Path(checkpoint or "") / "model.safetensors"
+    if checkpoint is not None and weights.is_file():
+        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        with safe_open(weights, framework="pt") as saved:
+            wrong = [(name, tuple(saved.get_slice(name).get_shape())) for name in saved.keys() if name in shapes]  # noqa: SIM118
+        wrong = [(name, shape) for name, shape in wrong if shape != shapes[name]]
+        if wrong:
+            name, shape = wrong[0]
+            raise UsageError(f"the checkpoint {checkpoint} holds a model of another shape ({name}: {shape}, this "
+                             f"run's: {shapes[name]}); use a new --output_dir, or the same model arguments as that "
+                             f"run.")
+    return checkpoint
+
+
+class TiedKeysFilter(logging.Filter):
+    """Drop the Trainer's "missing keys" warning on resume when the only keys missing are tied weights, which
+    checkpoints do not store (the LM head's decoder is the word embedding)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.tied = set(getattr(model, "_tied_weights_keys", None) or ())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        prefix = "There were missing keys in the checkpoint model loaded: "
+        if not message.startswith(prefix):
+            return True
+        return not set(ast.literal_eval(message[len(prefix) :].rstrip("."))) <= self.tied
+
+
+def check_memory(model, batch_size: int, seq_length: int, training_args) -> None:
+    """A ``UsageError`` before training when a step cannot fit: a rough estimate of its memory, the weights, gradients
+    and AdamW moments (16 bytes a parameter) plus the activations kept for the backward pass (per layer and token
+    about 34 d + 5 H S values, S keys per query: Korthikanti et al. 2022, Sec. 4.1; 4 bytes each, 2 in bf16/fp16),
+    against the memory available (psutil; on a GPU its free memory)."""
+    config = model.config
+    w, H, d = config.window_size, config.num_attention_heads, config.hidden_size
+    if config.is_decoder:  # 2w window keys plus r rows for every finished segment (Eq. 5), on average half of them
+        keys = 2 * w + config.projection_rank * seq_length // (2 * config.causal_segment_length)
+    else:
+        keys = w + 2 * max(w // 2, 1) + config.projection_rank
+    value_bytes = 2 if training_args.bf16 or training_args.fp16 else 4
+    per_layer = batch_size * seq_length * (34 * d + 5 * H * keys) * value_bytes
+    layers = config.num_hidden_layers
+    activations = (layers * batch_size * seq_length * d * value_bytes + per_layer if training_args.gradient_checkpointing
+                   else layers * per_layer)
+    logits = 3 * batch_size * seq_length * config.vocab_size * 4
+    need = 16 * model.num_parameters() + activations + logits
+    device = training_args.device
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if device.type in ("cpu", "cuda") and need > available:
+        raise UsageError(
+            f"a training step needs about {need / 2**30:.1f} GiB ({activations / 2**30:.1f} GiB of activations for "
+            f"{batch_size} blocks of {seq_length} tokens through {layers} layers of width {d}), but {device.type} has "
+            f"{available / 2**30:.1f} GiB available; lower --per_device_train_batch_size (raising "
+            f"--gradient_accumulation_steps keeps the batch), --max_seq_length or the model size, or pass "
+            f"--gradient_checkpointing."
+        )
 
 
 def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:
@@ -259,7 +318,18 @@ def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, te
         results.update(metrics)
 
     if training_args.do_train:
-        train = trainer.train(resume_from_checkpoint=checkpoint)
+        tied_keys = TiedKeysFilter(trainer.model)
+        transformers.trainer.logger.addFilter(tied_keys)
+        try:
+            train = trainer.train(resume_from_checkpoint=checkpoint)
+        finally:
+            transformers.trainer.logger.removeFilter(tied_keys)
+        best = trainer.state.best_model_checkpoint
+        if training_args.load_best_model_at_end and best is not None:
+            epoch = next((log["epoch"] for log in trainer.state.log_history
+                          if log.get("step") == int(Path(best).name.split("-")[-1]) and "epoch" in log), None)
+            print(f"Kept the best model: {best} (epoch {epoch}, {training_args.metric_for_best_model} = "
+                  f"{trainer.state.best_metric:.4g}); saved to {training_args.output_dir}.", file=sys.stderr)
         trainer.save_model()
         trainer.log_metrics("train", train.metrics)
         trainer.save_metrics("train", train.metrics)

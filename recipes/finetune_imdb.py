@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=compute_accuracy,
     )
-    checkpoint = checkpoint_to_resume(training_args)
+    checkpoint = checkpoint_to_resume(training_args, model)
     computed_by = {"accuracy_computed_by": source}
     return finish(trainer, training_args, data_args, checkpoint, lambda metrics: computed_by, data.get("test"))
 

@@ -27,6 +27,7 @@ from recipes.common import (
     DataArguments,
     ModelArguments,
     UsageError,
+    check_memory,
     checkpoint_to_resume,
     cli,
     finish,
@@ -61,6 +62,7 @@ class MlmTrainingArguments(TrainingArguments):
     )
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     adam_epsilon: float = field(default=1e-6, metadata={"help": "AdamW epsilon."})
+    save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept (the oldest are deleted)."})
 
     def __post_init__(self):
         if self.lr_scheduler_kwargs is None and self.lr_scheduler_type == "polynomial":
@@ -113,6 +115,9 @@ def main(argv=None) -> dict:
     data = load_data(data_args, [data_args.text_column_name], need_eval=training_args.do_eval)
     tokenizer, model = model_args.load(AutoModelForMaskedLM)
     block = max_tokens(model.config, tokenizer, data_args.max_seq_length)
+    checkpoint = checkpoint_to_resume(training_args, model)
+    if training_args.do_train:
+        check_memory(model, training_args.per_device_train_batch_size, block, training_args)
     data = language_model_data(data, tokenizer, data_args, training_args, block)
 
     trainer = Trainer(
@@ -123,7 +128,7 @@ def main(argv=None) -> dict:
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=data_args.mlm_probability),
     )
-    return finish(trainer, training_args, data_args, checkpoint_to_resume(training_args), language_model_metrics)
+    return finish(trainer, training_args, data_args, checkpoint, language_model_metrics)
 
 
 if __name__ == "__main__":

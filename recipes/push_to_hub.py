@@ -20,7 +20,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoTokenizer
 
 import ls_hf
-from ls_hf.convert_roberta import write_folder
+from ls_hf.hub import save_for_hub
 from ls_hf.modeling_long_short import AUTO_CLASSES
 from recipes.common import long_short_config
 
@@ -117,7 +117,7 @@ def build_repo_folder(model_dir, repo_id: str, folder, card_path=None, overwrite
         raise ValueError(f"--dry-run {str(folder)!r} already exists; pick a new folder or pass --overwrite.")
     model, tokenizer = load_model(model_dir)
     card = model_card(Path(card_path).read_text(), repo_id, model, *measured_metrics(model_dir))
-    return write_folder(folder, model, tokenizer, {"README.md": card}, overwrite=overwrite)
+    return save_for_hub(model, folder, tokenizer, files={"README.md": card}, overwrite=overwrite)
 
 
 def main(argv=None) -> None:
@@ -136,14 +136,27 @@ def main(argv=None) -> None:
             folder = build_repo_folder(args.model_dir, args.repo_id, args.dry_run, args.model_card, args.overwrite)
             print(f"wrote the Hub repo folder for {args.repo_id} to {folder} (nothing uploaded)")
             return
+        api = HfApi(token=args.token)
+        hub_call(api.whoami)  # logged in and online, before any work
         with tempfile.TemporaryDirectory() as tmp:
             folder = build_repo_folder(args.model_dir, args.repo_id, Path(tmp) / "repo", args.model_card)
-            api = HfApi(token=args.token)
-            url = api.create_repo(args.repo_id, private=args.private, exist_ok=True)
-            api.upload_folder(folder_path=folder, repo_id=args.repo_id, commit_message=args.commit_message)
+            url = hub_call(api.create_repo, args.repo_id, private=args.private, exist_ok=True)
+            hub_call(api.upload_folder, folder_path=folder, repo_id=args.repo_id, commit_message=args.commit_message)
             print(f"uploaded {args.model_dir} to {url}")
     except ValueError as err:
         parser.error(str(err))
+
+
+def hub_call(method, *args, **kwargs):
+    """``method(*args, **kwargs)`` of ``HfApi``; a missing login, a refused token or no network is a ``ValueError``
+    saying what to do (the Hub client raises different types for each, by version)."""
+    try:
+        return method(*args, **kwargs)
+    except Exception as err:  # LocalTokenNotFoundError, HfHubHTTPError, offline and network errors
+        raise ValueError(
+            f"the Hub refused or could not be reached ({type(err).__name__}: {str(err).splitlines()[0]}); log in with "
+            f"`hf auth login` (or pass --token) and check the network, or write the folder only with --dry-run DIR."
+        ) from err
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
+import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -108,3 +110,12 @@ def test_named_card_and_errors(trained, tmp_path, capsys):
             push_to_hub.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_upload_without_login_or_network_is_a_clear_error_before_any_work(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        push_to_hub.main([str(trained), "someone/roberta-ls-tiny-demo", "--token", "hf_not_a_token"])
+    assert exit_info.value.code == 2 and "hf auth login" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no repo folder was built
