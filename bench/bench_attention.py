@@ -18,7 +18,7 @@ the OOM killer.
     python -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536
 
 Writes ``bench/results/attention_<device>.json`` and ``.png`` and prints markdown tables with the ratios against
-the bars of issue 2 (PASS/MISS). Times are never asserted anywhere.
+the performance targets (PASS/MISS). Times are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from bench.common import (
     interleaved_times,
     peak_rss_above,
     reset_peak_rss,
+    results_path,
     run_meta,
     write_json,
 )
@@ -49,11 +50,10 @@ HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW
 PEERS = ("long-short", "sdpa", "eager", "longformer")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
-BARS = (
+TARGETS = (
     ("n=4096: LS vs dense SDPA, speedup", "long-short", "sdpa", 4096, "time", 2.0),
     ("n=4096: LS vs Longformer, speedup", "long-short", "longformer", 4096, "time", 3.0),
     ("n=16384: LS vs dense SDPA, speedup", "long-short", "sdpa", 16384, "time", 6.0),
@@ -264,17 +264,17 @@ def tables(rows, peers, ns, memory_label) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_bars(rows) -> list[dict]:
-    """The bars of issue 2 (meant for the 2-core CPU, float32); PASS/MISS, or n/a when a run is missing."""
+def check_targets(rows) -> list[dict]:
+    """The performance targets (meant for the 2-core CPU, float32); PASS/MISS, or n/a when a run is missing."""
     results = []
-    for name, peer, baseline, n, metric, target in BARS:
+    for name, peer, baseline, n, metric, target in TARGETS:
         ours, theirs = _get(rows, peer, n), _get(rows, baseline, n)
         key = "time_s" if metric == "time" else "peak_mem_bytes"
         value = verdict = None
         if ours and theirs and ours["status"] == theirs["status"] == "ok":
             value = theirs[key] / ours[key] if metric == "time" else ours[key] / theirs[key]
             verdict = "PASS" if (value >= target if metric == "time" else value <= target) else "MISS"
-        results.append({"bar": name, "value": value, "target": target, "verdict": verdict or "n/a"})
+        results.append({"check": name, "value": value, "target": target, "verdict": verdict or "n/a"})
     return results
 
 
@@ -287,7 +287,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/attention_<device>...)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_n = min(args.max_n, 2048)
@@ -315,25 +315,25 @@ def main(argv=None) -> None:
         time=f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
         "turn in one process",
     )
-    bars = check_bars(rows)
+    targets = check_targets(rows)
     lines = [
         f"{meta['date']}, {meta['cpu']}, nproc {meta['nproc']}, torch {meta['torch']}, {args.device} {args.dtype}",
         f"(torch threads {meta['threads']}); command: `{meta['command']}`",
         f"time: {meta['time']}; memory: {meta['memory']}.",
         "",
         tables(rows, args.peers, ns, memory_label),
-        "**bars (issue 2, meant for the 2-core CPU in float32)**",
+        "**performance targets (meant for the 2-core CPU in float32)**",
         "",
     ]
-    for bar in bars:
-        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
-        lines.append(f"- {bar['verdict']} {bar['bar']}: {value} (bar {bar['target']})")
+    for target in targets:
+        value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
+        lines.append(f"- {target['verdict']} {target['check']}: {value} (target {target['target']})")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
 
-    suffix = ("" if args.dtype == "fp32" else f"_{args.dtype}") + ("_quick" if args.quick else "")
-    out = args.out or RESULTS / f"attention_{args.device}{suffix}.json"
-    write_json(out, {"meta": meta, "results": rows, "bars": bars})
+    suffix = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    out = args.out or results_path(f"attention_{args.device}{suffix}", args.quick)
+    write_json(out, {"meta": meta, "results": rows, "targets": targets})
     out.with_suffix(".md").write_text(text)
     title = f"one attention layer, fwd+bwd, d={HIDDEN}, H={HEADS}, w={WINDOW}, r={RANK}, {args.device} {args.dtype}"
     plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")

@@ -1,6 +1,6 @@
 """Whole models: a masked-LM training step against RoBERTa (SDPA) and Longformer, and cached generation.
 
-Training (issue 3): base width (hidden 768, 12 heads, intermediate 3072), batch 1, few layers on CPU:
+Training: base width (hidden 768, 12 heads, intermediate 3072), batch 1, few layers on CPU:
 
 * ``long-short``: ``LongShortForMaskedLM`` with w = 256, r = 64;
 * ``roberta-sdpa``: ``RobertaForMaskedLM`` with SDPA attention and n + 2 positions;
@@ -24,9 +24,9 @@ inside ``generate`` (a stopping criterion records the clock), so the prefill is 
     python -m bench.bench_models --lengths 16384 --layers 1 --repeats 1 --skip-generation
     python -m bench.bench_models --quick                           # n = 1024, short contexts: a smoke run
 
-Writes ``bench/results/models_cpu.json`` (``models_cpu_quick.json`` with ``--quick``; ``--out`` another path): the
-machine and command, each row's step times in run order with their median, tokens/s and ratios, and the bars.
-Prints markdown tables with ratios and the issue's bars (PASS/MISS); times are never asserted anywhere.
+Writes ``bench/results/models_cpu.json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another path): the
+machine and command, each row's step times in run order with their median, tokens/s and ratios, and the performance targets.
+Prints markdown tables with ratios and the performance targets (PASS/MISS); times are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -46,20 +46,28 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from bench.common import forked, free_bytes, interleaved_times, peak_rss_above, reset_peak_rss, run_meta, write_json
+from bench.common import (
+    forked,
+    free_bytes,
+    interleaved_times,
+    peak_rss_above,
+    reset_peak_rss,
+    results_path,
+    run_meta,
+    write_json,
+)
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BASE = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
 WINDOW, RANK, LONGFORMER_WINDOW = 256, 64, 512
 PEERS = ("long-short", "roberta-sdpa", "longformer")
 # (description, n, baseline peer, target): long-short throughput / baseline throughput >= target
-TRAIN_BARS = (
+TRAIN_TARGETS = (
     ("n=4096: LS vs Longformer throughput", 4096, "longformer", 1.5),
     ("n=4096: LS vs RoBERTa-SDPA throughput", 4096, "roberta-sdpa", 1.3),
     ("n=16384: LS vs RoBERTa-SDPA throughput", 16384, "roberta-sdpa", 2.5),
 )
-DECODE_BAR = 1.5  # cached per-token time at the longest context / at the shortest
+DECODE_TARGET = 1.5  # cached per-token time at the longest context / at the shortest
 
 
 def build_mlm(peer: str, n: int, layers: int, vocab: int):
@@ -224,21 +232,21 @@ def generation_table(rows, contexts) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_bars(train_rows, gen_rows, contexts) -> list[dict]:
-    """The training throughput bars (value >= target) and, with two contexts or more, the cached decoding bar
+def check_targets(train_rows, gen_rows, contexts) -> list[dict]:
+    """The training throughput targets (value >= target) and, with two contexts or more, the cached decoding target
     (per-token time at the longest context over the shortest, value <= target); PASS/MISS, n/a when not measured."""
     results = []
-    for name, n, baseline, target in TRAIN_BARS:
+    for name, n, baseline, target in TRAIN_TARGETS:
         theirs = _find(train_rows, peer=baseline, n=n)
         value = theirs.get("ls_speedup") if theirs else None
         verdict = "n/a" if value is None else "PASS" if value >= target else "MISS"
-        results.append({"bar": f"{name} (>= {target}x)", "value": value, "target": target, "verdict": verdict})
+        results.append({"check": f"{name} (>= {target}x)", "value": value, "target": target, "verdict": verdict})
     if len(contexts) > 1:
         short, long = (_find(gen_rows, context=c, use_cache=True) for c in (contexts[0], contexts[-1]))
         value = long["per_token_s"] / short["per_token_s"] if short and long else None
-        verdict = "n/a" if value is None else "PASS" if value <= DECODE_BAR else "MISS"
-        name = f"cached decoding, per-token time at {contexts[-1]} / at {contexts[0]} (<= {DECODE_BAR}x)"
-        results.append({"bar": name, "value": value, "target": DECODE_BAR, "verdict": verdict})
+        verdict = "n/a" if value is None else "PASS" if value <= DECODE_TARGET else "MISS"
+        name = f"cached decoding, per-token time at {contexts[-1]} / at {contexts[0]} (<= {DECODE_TARGET}x)"
+        results.append({"check": name, "value": value, "target": DECODE_TARGET, "verdict": verdict})
     return results
 
 
@@ -299,13 +307,13 @@ def main(argv=None) -> None:
         print(f"**Greedy decoding, LongShortForCausalLM d=768, {args.layers} layers, w={WINDOW}, l=16, r=1; median time between "
               f"decoding steps over {args.cached_tokens} cached / {args.uncached_tokens} uncached steps**\n")
         print(generation_table(gen_rows, args.contexts))
-    bars = check_bars(train_rows, gen_rows, args.contexts)
-    for bar in bars:
-        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}x"
-        print(f"{bar['verdict']:<5} {bar['bar']}: {value}")
+    targets = check_targets(train_rows, gen_rows, args.contexts)
+    for target in targets:
+        value = "n/a" if target["value"] is None else f"{target['value']:.2f}x"
+        print(f"{target['verdict']:<5} {target['check']}: {value}")
 
-    out = args.out or RESULTS / f"models_cpu{'_quick' if args.quick else ''}.json"
-    write_json(out, {"meta": meta, "training": train_rows, "generation": gen_rows, "bars": bars})
+    out = args.out or results_path("models_cpu", args.quick)
+    write_json(out, {"meta": meta, "training": train_rows, "generation": gen_rows, "targets": targets})
     print(f"\nwrote {out}")
 
 

@@ -25,7 +25,7 @@ that with large blocks, which costs the full-attention model most; RESULTS.md, "
         # glibc keeping freed memory, as jemalloc or tcmalloc would: no page faults
 
 Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
-``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the bars of issue 5 (PASS/MISS).
+``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the performance targets (PASS/MISS).
 """
 
 from __future__ import annotations
@@ -43,13 +43,21 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CvtConfig, CvtForImageClassification
 
 import ls_timm  # registers cvt_ls_13
-from bench.common import forked, free_bytes, interleaved_times, peak_rss_above, reset_peak_rss, run_meta, write_json
+from bench.common import (
+    forked,
+    free_bytes,
+    interleaved_times,
+    peak_rss_above,
+    reset_peak_rss,
+    results_path,
+    run_meta,
+    write_json,
+)
 from bench.plot import plot_scaling
 
 MODELS = ("cvt_ls_13", "hf_cvt_13")
-RESULTS = Path(__file__).resolve().parent / "results"
 # (resolution, minimum cvt_ls_13 / hf_cvt_13 throughput): no slower at 224, 1.5x at 448 where attention dominates.
-SPEED_BARS = ((224, 1.0), (448, 1.5))
+SPEED_TARGETS = ((224, 1.0), (448, 1.5))
 # mode -> table columns (label, key, scale, format); a training step is timed once, cold, so only its memory counts.
 COLUMNS = {
     "inference": (("img/s", "images_per_s", 1, ".2f"), ("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),
@@ -177,17 +185,17 @@ def table(rows, mode, resolutions) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_bars(rows, resolutions) -> list[dict]:
-    """Throughput bars at 224 and 448; less peak inference memory than CvT-13 at every measured size."""
-    bars = [(f"{res}: cvt_ls_13 / hf_cvt_13 images/s", res, "images_per_s", target) for res, target in SPEED_BARS]
-    bars += [(f"{res}: cvt_ls_13 / hf_cvt_13 peak memory", res, "peak_mem_bytes", 1.0) for res in resolutions]
+def check_targets(rows, resolutions) -> list[dict]:
+    """Throughput targets at 224 and 448; less peak inference memory than CvT-13 at every measured size."""
+    checks = [(f"{res}: cvt_ls_13 / hf_cvt_13 images/s", res, "images_per_s", target) for res, target in SPEED_TARGETS]
+    checks += [(f"{res}: cvt_ls_13 / hf_cvt_13 peak memory", res, "peak_mem_bytes", 1.0) for res in resolutions]
     results = []
-    for name, res, key, target in bars:
+    for name, res, key, target in checks:
         ls, hf = (_get(rows, "inference", m, res) for m in MODELS)
         value = ls[key] / hf[key] if _ok(ls, key) and _ok(hf, key) else None
         passed = value is not None and (value >= target if key == "images_per_s" else value < target)
         verdict = "n/a" if value is None else "PASS" if passed else "MISS"
-        results.append({"bar": name, "value": value, "target": target, "verdict": verdict})
+        results.append({"check": name, "value": value, "target": target, "verdict": verdict})
     return results
 
 
@@ -224,20 +232,20 @@ def main(argv=None) -> None:
              f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
              "float32; training: one forward + backward at batch 1",
     )
-    bars = check_bars(rows, args.resolutions)
+    targets = check_targets(rows, args.resolutions)
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
           f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}  "
           f"allocator {meta['allocator_env'] or 'defaults'}\nmemory: {meta['memory']}\n")
     for mode, sizes in (("inference", args.resolutions), ("train", args.train_resolutions)):
         if sizes:
             print(table(rows, mode, sizes))
-    for bar in bars:
-        value = "n/a" if bar["value"] is None else f"{bar['value']:.2f}"
-        print(f"{bar['verdict']:<5} {bar['bar']}: {value} (bar {'>=' if 'images' in bar['bar'] else '<'} "
-              f"{bar['target']})")
+    for target in targets:
+        value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
+        print(f"{target['verdict']:<5} {target['check']}: {value} (target {'>=' if 'images' in target['check'] else '<'} "
+              f"{target['target']})")
 
-    out = args.out or RESULTS / f"vision_cpu{'_quick' if args.quick else ''}.json"
-    write_json(out, {"meta": meta, "results": rows, "bars": bars})
+    out = args.out or results_path("vision_cpu", args.quick)
+    write_json(out, {"meta": meta, "results": rows, "targets": targets})
     written = [out]
     for mode, path, what in (("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
                              ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1")):

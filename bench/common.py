@@ -13,6 +13,14 @@ from pathlib import Path
 
 import torch
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_path(name: str, quick: bool) -> Path:
+    """``bench/results/NAME.json``; a ``--quick`` smoke run writes under ``bench/results/quick/`` (not tracked by git),
+    so it never replaces measured results."""
+    return (RESULTS / "quick" if quick else RESULTS) / f"{name}.json"
+
 
 def machine() -> dict:
     """CPU model, core count, torch version and threads (and the GPU, if any) for the results' header."""
@@ -48,7 +56,7 @@ def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
 
 
 def write_json(path: Path, results: dict) -> None:
-    """Write ``results`` (header, rows, bars) to ``path``, creating its folder."""
+    """Write ``results`` (header, rows, performance targets) to ``path``, creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
 

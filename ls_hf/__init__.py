@@ -5,39 +5,16 @@
 
 import transformers
 
+from . import modeling_long_short
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
-from .modeling_long_short import (
-    AUTO_CLASSES,
-    ROBERTA_KEY_MAPPING,
-    LongShortCache,
-    LongShortForCausalLM,
-    LongShortForMaskedLM,
-    LongShortForMultipleChoice,
-    LongShortForQuestionAnswering,
-    LongShortForSequenceClassification,
-    LongShortForTokenClassification,
-    LongShortModel,
-    LongShortPreTrainedModel,
-)
+from .modeling_long_short import *  # every head of modeling_long_short.HEADS, the cache, the base class
+from .modeling_long_short import AUTO_CLASSES
 
 transformers.AutoConfig.register(LongShortConfig.model_type, LongShortConfig, exist_ok=True)
 for _auto_name, _model_class in AUTO_CLASSES.items():
     getattr(transformers, _auto_name).register(LongShortConfig, _model_class, exist_ok=True)
 transformers.AutoTokenizer.register(LongShortConfig, transformers.RobertaTokenizer, exist_ok=True)
 
-__all__ = [
-    "ROBERTA_KEY_MAPPING",
-    "CausalState",
-    "LongShortCache",
-    "LongShortConfig",
-    "LongShortForCausalLM",
-    "LongShortForMaskedLM",
-    "LongShortForMultipleChoice",
-    "LongShortForQuestionAnswering",
-    "LongShortForSequenceClassification",
-    "LongShortForTokenClassification",
-    "LongShortModel",
-    "LongShortPreTrainedModel",
-    "LongShortSelfAttention",
-]
+__all__ = ["CausalState", "LongShortConfig", "LongShortSelfAttention"]
+__all__ += modeling_long_short.__all__

@@ -91,7 +91,7 @@ class LongShortConfig(PreTrainedConfig):
             "window_size": self.layer_value("window_size", layer_idx),
             "projection_rank": self.layer_value("projection_rank", layer_idx),
             "causal": self.is_decoder,
-            "segment_length": self.causal_segment_length,
+            "segment_length": self.causal_segment_length if self.is_decoder else None,
             "use_dual_ln": self.use_dual_ln,
             "qk_head_dim": self.qk_head_dim,
             "attention_dropout": self.attention_probs_dropout_prob,

@@ -82,6 +82,11 @@ def validate_long_short_args(
         raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; "
                          f"got {attention_dropout!r}.")
     if not causal:
+        if segment_length is not None:
+            raise ValueError(
+                f"{name('segment_length')} (l={segment_length}) only applies to causal attention (Eq. 5); pass "
+                f"causal=True or leave it out."
+            )
         if window_size == 0 and projection_rank == 0:
             raise ValueError(
                 f"{name('window_size')} and {name('projection_rank')} are both 0, so no query sees any key; "
@@ -313,7 +318,15 @@ class LongShortSelfAttention(nn.Module):
 
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
+        width = self.query.in_features
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != width:
+            raise ValueError(f"hidden_states must be (batch, tokens, {width}), got {tuple(hidden_states.shape)}; add "
+                             f"a batch dimension with x[None] for a single sequence.")
         B, n, _ = hidden_states.shape
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                           or attention_mask.shape[1] < n):
+            raise ValueError(f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
+                             f"{tuple(attention_mask.shape)}.")
         masked = attention_mask is not None
         if not masked:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)

@@ -41,19 +41,6 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
 
-__all__ = [
-    "ROBERTA_KEY_MAPPING",
-    "LongShortCache",
-    "LongShortForCausalLM",
-    "LongShortForMaskedLM",
-    "LongShortForMultipleChoice",
-    "LongShortForQuestionAnswering",
-    "LongShortForSequenceClassification",
-    "LongShortForTokenClassification",
-    "LongShortModel",
-    "LongShortPreTrainedModel",
-]
-
 # RoBERTa checkpoint key -> LongShort key (regex -> replacement, for `from_pretrained(key_mapping=...)`). Every other
 # RoBERTa key keeps its name; the LongShort-only parameters (dynamic_projection, dual_ln_*) are new.
 ROBERTA_KEY_MAPPING = {
@@ -507,6 +494,18 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
             model_kwargs["past_key_values"] = LongShortCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        """Transformers' checks, then: the prompt and the new tokens must fit the position table, checked before the
+        first step rather than failing after some tokens."""
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        limit = self.config.max_input_length
+        if generation_config.max_length > limit:
+            raise ValueError(
+                f"The prompt ({input_ids_length} tokens) plus the new tokens would reach {generation_config.max_length} "
+                f"tokens, beyond the {limit} this model's position table holds: keep prompt + max_new_tokens <= {limit} "
+                f"(e.g. max_new_tokens={max(limit - input_ids_length, 0)}) or shorten the prompt."
+            )
+
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         """The positions ``forward`` would give the prompt (``roberta_position_ids``); ``generate`` extends them."""
         ids = inputs_tensor if inputs_tensor.dim() == 2 else None
@@ -647,16 +646,20 @@ class LongShortForMultipleChoice(LongShortPreTrainedModel):
         )
 
 
-# Auto class name -> model class: registered with Transformers on `import ls_hf`, and written into `auto_map`.
-AUTO_CLASSES = {
-    "AutoModel": LongShortModel,
-    "AutoModelForMaskedLM": LongShortForMaskedLM,
-    "AutoModelForCausalLM": LongShortForCausalLM,
-    "AutoModelForSequenceClassification": LongShortForSequenceClassification,
-    "AutoModelForTokenClassification": LongShortForTokenClassification,
-    "AutoModelForQuestionAnswering": LongShortForQuestionAnswering,
-    "AutoModelForMultipleChoice": LongShortForMultipleChoice,
+# The one list of heads: each with its Auto class (registered with Transformers on `import ls_hf`, written into
+# `auto_map`) and its Hub pipeline tag (model cards). The package exports every head named here.
+HEADS = {
+    LongShortModel: ("AutoModel", "feature-extraction"),
+    LongShortForMaskedLM: ("AutoModelForMaskedLM", "fill-mask"),
+    LongShortForCausalLM: ("AutoModelForCausalLM", "text-generation"),
+    LongShortForSequenceClassification: ("AutoModelForSequenceClassification", "text-classification"),
+    LongShortForTokenClassification: ("AutoModelForTokenClassification", "token-classification"),
+    LongShortForQuestionAnswering: ("AutoModelForQuestionAnswering", "question-answering"),
+    LongShortForMultipleChoice: ("AutoModelForMultipleChoice", "multiple-choice"),
 }
+AUTO_CLASSES = {auto_name: model_class for model_class, (auto_name, _) in HEADS.items()}
+__all__ = ["AUTO_CLASSES", "HEADS", "ROBERTA_KEY_MAPPING", "LongShortCache", "LongShortPreTrainedModel"]
+__all__ += [model_class.__name__ for model_class in HEADS]
 
 
 def hub_auto_map() -> dict:

@@ -94,15 +94,20 @@ class CvtLs(HierarchicalTransformer):
         rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
-            attn = partial(LongShortAttention2d, embed_dims[i], num_heads[i], window_size[i], projection_rank[i],
+            attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
+                           window_size=window_size[i], projection_rank=projection_rank[i],
                            num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
                            conv_proj=True, conv_dynamic_proj=True, attn_drop=attn_drop_rate,
                            proj_drop=proj_drop_rate, **dd)
-            stages.append(Stage(in_chs, embed_dims[i], patch_sizes[i], patch_strides[i], patch_paddings[i],
-                                num_global_tokens[i], attn, rates[i], mlp_ratio, proj_drop_rate, norm_layer,
-                                act_layer, dd))
+            stages.append(Stage(
+                in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_strides[i],
+                padding=patch_paddings[i], num_prefix_tokens=num_global_tokens[i], attn_layer=attn,
+                drop_paths=rates[i], mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, norm_layer=norm_layer,
+                act_layer=act_layer, dd=dd,
+            ))
             in_chs = embed_dims[i]
-        super().__init__(stages, patch_strides, num_classes, global_pool, drop_rate, norm_layer, dd)
+        super().__init__(stages=stages, strides=patch_strides, num_classes=num_classes, global_pool=global_pool,
+                         drop_rate=drop_rate, norm_layer=norm_layer, dd=dd)
 
 
 def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:

@@ -62,7 +62,7 @@ class ConvEmbed(nn.Module):
     def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, norm_layer: Callable,
                  dd: dict):
         super().__init__()
-        self.proj = nn.Conv2d(in_chs, dim, kernel_size, stride, padding, **dd)
+        self.proj = nn.Conv2d(in_chs, dim, kernel_size=kernel_size, stride=stride, padding=padding, **dd)
         self.norm = norm_layer(dim, **dd)
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
@@ -83,10 +83,13 @@ class Stage(nn.Module):
                  proj_drop: float, norm_layer: Callable, act_layer: Callable, dd: dict):
         super().__init__()
         self.num_prefix_tokens = num_prefix_tokens
-        self.embed = ConvEmbed(in_chs, dim, kernel_size, stride, padding, norm_layer, dd)
+        self.embed = ConvEmbed(in_chs=in_chs, dim=dim, kernel_size=kernel_size, stride=stride, padding=padding,
+                               norm_layer=norm_layer, dd=dd)
         self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd)) if num_prefix_tokens else None
         self.blocks = nn.ModuleList([
-            Block(dim, attn_layer(), mlp_ratio, dp, proj_drop, norm_layer, act_layer, dd) for dp in drop_paths])
+            Block(dim=dim, attn=attn_layer(), mlp_ratio=mlp_ratio, drop_path=dp, proj_drop=proj_drop,
+                  norm_layer=norm_layer, act_layer=act_layer, dd=dd)
+            for dp in drop_paths])
         self.grad_checkpointing = False
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:

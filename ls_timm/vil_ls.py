@@ -152,17 +152,22 @@ class VilLs(HierarchicalTransformer):
         stages, in_chs = [], in_chans
         for i in range(num_stages):
             if long_short[i]:
-                attn = partial(LongShortAttention2d, embed_dims[i], num_heads[i], window_size, projection_rank,
+                attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
+                               window_size=window_size, projection_rank=projection_rank,
                                num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
                                window_bias=True, attn_drop=attn_drop_rate, proj_drop=proj_drop_rate, **dd)
             else:
-                attn = partial(RelPosAttention, embed_dims[i], num_heads[i], sides[i],
-                               num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,
+                attn = partial(RelPosAttention, dim=embed_dims[i], num_heads=num_heads[i], feat_size=sides[i],
+                               num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,
                                proj_drop=proj_drop_rate, **dd)
-            stages.append(Stage(in_chs, embed_dims[i], patch_sizes[i], patch_sizes[i], 0, num_global_tokens[i], attn,
-                                rates[i], mlp_ratio, proj_drop_rate, norm_layer, act_layer, dd))
+            stages.append(Stage(
+                in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_sizes[i], padding=0,
+                num_prefix_tokens=num_global_tokens[i], attn_layer=attn, drop_paths=rates[i], mlp_ratio=mlp_ratio,
+                proj_drop=proj_drop_rate, norm_layer=norm_layer, act_layer=act_layer, dd=dd,
+            ))
             in_chs = embed_dims[i]
-        super().__init__(stages, patch_sizes, num_classes, global_pool, drop_rate, norm_layer, dd)
+        super().__init__(stages=stages, strides=patch_sizes, num_classes=num_classes, global_pool=global_pool,
+                         drop_rate=drop_rate, norm_layer=norm_layer, dd=dd)
 
     @torch.jit.ignore
     def load_pretrained(self, checkpoint_path: str) -> None:
@@ -207,8 +212,18 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
 
 
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs) -> VilLs:
-    return build_model_with_cfg(VilLs, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=feature_cfg(kwargs, 4), **kwargs)
+    try:
+        return build_model_with_cfg(VilLs, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                    feature_cfg=feature_cfg(kwargs, 4), **kwargs)
+    except OSError as err:  # urllib's URLError and the other download failures
+        if not pretrained:
+            raise
+        raise OSError(
+            f"{variant}: the pretrained weights could not be downloaded ({err}). Load a downloaded copy instead: "
+            f"timm.create_model({variant!r}, pretrained=True, pretrained_cfg_overlay=dict(file='model_best.pth')), "
+            f"or the ImageNet recipe's --pretrained-file model_best.pth."
+        ) from None
+
 
 
 def _cfg(url: str = "", **kwargs) -> dict:

@@ -21,20 +21,11 @@ from transformers import AutoTokenizer
 
 import ls_hf
 from ls_hf.hub import save_for_hub
-from ls_hf.modeling_long_short import AUTO_CLASSES
+from ls_hf.modeling_long_short import HEADS
 from recipes.common import long_short_config
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 RESULTS_MARKER = "<!-- measured results -->"
-PIPELINE_TAGS = {
-    "LongShortModel": "feature-extraction",
-    "LongShortForMaskedLM": "fill-mask",
-    "LongShortForCausalLM": "text-generation",
-    "LongShortForSequenceClassification": "text-classification",
-    "LongShortForTokenClassification": "token-classification",
-    "LongShortForQuestionAnswering": "question-answering",
-    "LongShortForMultipleChoice": "multiple-choice",
-}
 # Trainer metric -> (model-index metric type, display name).
 METRICS = {
     "eval_accuracy": ("accuracy", "Accuracy"),
@@ -69,7 +60,7 @@ def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str |
     """Fill ``template``: ``{{repo_id}}``, ``{{auto_class}}``, ``{{architecture}}``, the metadata defaults, and the
     ``metrics`` measured on ``dataset`` (model-index metadata and the table at ``<!-- measured results -->``)."""
     architecture = type(model).__name__
-    auto_class = next(name for name, cls in AUTO_CLASSES.items() if cls is type(model))
+    auto_class, pipeline_tag = HEADS[type(model)]
     c = model.config
     summary = (
         f"{architecture}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {c.max_input_length} tokens, "
@@ -79,7 +70,7 @@ def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str |
         template = template.replace("{{" + key + "}}", value)
     card = ModelCard(template)
     card.data.library_name = card.data.library_name or "transformers"
-    card.data.pipeline_tag = card.data.pipeline_tag or PIPELINE_TAGS[architecture]
+    card.data.pipeline_tag = card.data.pipeline_tag or pipeline_tag
     if not metrics:
         card.text = card.text.replace(RESULTS_MARKER, "Not measured yet: no `all_results.json` in the model folder.")
         return str(card)

@@ -479,3 +479,21 @@ def test_misuse_of_forward_raises():
         causal(x, cls_hidden=cls)
     with pytest.raises(ValueError, match="state"):
         bidirectional(x, state=CausalState())
+
+
+@pytest.mark.parametrize("shape,mask_shape,match", [
+    ((2, 9, 10), None, r"hidden_states must be \(batch, tokens, 16\), got \(2, 9, 10\)"),
+    ((9, 16), None, r"hidden_states must be \(batch, tokens, 16\), got \(9, 16\).*x\[None\]"),
+    ((2, 9, 16), (2, 8), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(2, 8\)"),
+    ((2, 9, 16), (9,), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(9,\)"),
+])
+def test_wrong_inputs_are_refused_clearly(shape, mask_shape, match):
+    attn = LongShortSelfAttention(16, 2, window_size=4, projection_rank=2)
+    mask = None if mask_shape is None else torch.ones(mask_shape)
+    with pytest.raises(ValueError, match=match):
+        attn(torch.randn(shape), mask)
+
+
+def test_segment_length_needs_causal():
+    with pytest.raises(ValueError, match="segment_length.*only applies to causal attention.*causal=True"):
+        LongShortSelfAttention(16, 2, window_size=4, projection_rank=2, segment_length=2)

@@ -196,3 +196,10 @@ def test_logits_to_keep(model):
     with torch.no_grad():
         assert model(ids, logits_to_keep=1).logits.shape == (1, 1, VOCAB)
         torch.testing.assert_close(model(ids, logits_to_keep=3).logits, model(ids).logits[:, -3:])
+
+
+def test_generation_beyond_the_position_limit_is_refused_before_the_first_step(model):
+    limit = model.config.max_input_length
+    with pytest.raises(ValueError, match=rf"prompt \(20 tokens\).*{limit + 1} tokens.*max_new_tokens={limit - 20}"):
+        model.generate(tokens(1, 20), max_new_tokens=limit - 19, do_sample=False)
+    assert model.generate(tokens(1, 20), max_new_tokens=limit - 20, do_sample=False).shape == (1, limit)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ls_timm.long_short_attention_2d import ConvBn, LongShortAttention2d, StdConv2d, window_layout
+from ls_timm.conv_layers import ConvBn, StdConv2d
+from ls_timm.long_short_attention_2d import LongShortAttention2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"  # produced by the official code (fixtures/README.md)
