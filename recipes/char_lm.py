@@ -1,8 +1,16 @@
 """Character-level language modelling with ``LongShortForCausalLM`` trained from scratch (paper Sec. 4.2, enwik8).
 
-    python -m recipes.char_lm --dataset_name enwik8 --dataset_config_name enwik8-raw --output_dir ls-enwik8 \\
-        --do_train --do_eval --do_predict --bf16 --max_steps 430000
-    python -m recipes.char_lm --train_file corpus.txt --output_dir ls-chars --do_train --do_eval   # any text file
+    python -m recipes.char_lm --train_file enwik8.zip --output_dir ls-enwik8 --do_train --do_eval --do_predict \\
+        --bf16 --max_steps 430000                       # the paper's model: a GPU
+    python -m recipes.char_lm --train_file corpus.txt --output_dir ls-chars --do_train --do_eval \\
+        --num_hidden_layers 4 --hidden_size 256 --num_attention_heads 4 --window_size 128 --max_seq_length 512 \\
+        --max_positions 512 --per_device_train_batch_size 4 --warmup_steps 200 --max_steps 2000   # fits a CPU
+
+``--train_file`` takes any file as bytes, or a zip archive holding one file: the raw enwik8 and text8 files
+(``enwik8.zip`` and ``text8.zip`` from http://mattmahoney.net/dc/, unpacked or not) are read as they are, and cut 90/5/5
+as the paper does. ``--dataset_name`` reads a Hub dataset's text column instead (``datasets`` no longer runs the
+loading scripts that some Hub copies of enwik8 hold). Before training, a rough memory estimate of a step refuses a
+configuration that cannot fit in the memory available.
 
 The text is modelled byte by byte (ByT5's byte tokenizer: one token per byte, nothing to download) and split as
 enwik8 is: the first 90 % of the bytes for training, the next 5 % for validation and the last 5 % for testing, unless
@@ -23,6 +31,7 @@ The saved tokenizer is ByT5's, which appends ``</s>`` unless told not to; traini
 """
 
 import math
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,14 +115,15 @@ class CharLmTrainingArguments(TrainingArguments):
 def read_splits(args: CharLmArguments) -> dict[str, bytes]:
     """The bytes of each split: given files, else enwik8's contiguous 90/5/5 cut of the training text."""
     if args.train_file is not None:
-        text = Path(args.train_file).read_bytes()
+        text = read_text_file(args.train_file, "--train_file")
     else:
         raw = load_dataset(args.dataset_name, args.dataset_config_name, split="train")
         if args.text_column_name not in raw.column_names:
             raise UsageError(f"--dataset_name {args.dataset_name!r} has no column {args.text_column_name!r} "
                              f"(columns: {raw.column_names}); name it with --text_column_name.")
         text = "\n".join(raw[args.text_column_name]).encode()
-    given = {split: Path(path).read_bytes() for split in SPLITS[1:] if (path := getattr(args, f"{split}_file"))}
+    given = {split: read_text_file(path, f"--{split}_file")
+             for split in SPLITS[1:] if (path := getattr(args, f"{split}_file"))}
     held_out = [split for split in SPLITS[1:] if split not in given]
     part = len(text) // 20  # 5 %
     cut = len(text) - len(held_out) * part
@@ -121,6 +131,18 @@ def read_splits(args: CharLmArguments) -> dict[str, bytes]:
     for i, split in enumerate(held_out):
         splits[split] = text[cut + i * part : cut + (i + 1) * part]
     return splits
+
+
+def read_text_file(path: str, argument: str) -> bytes:
+    """The bytes of ``path``, or of the one file in it if it is a zip archive (enwik8.zip, text8.zip)."""
+    if not zipfile.is_zipfile(path):
+        return Path(path).read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        members = [info for info in archive.infolist() if not info.is_dir()]
+        if len(members) != 1:
+            raise UsageError(f"{argument} {path!r} is a zip archive of {len(members)} files; it must hold exactly one "
+                             f"(as enwik8.zip and text8.zip do), or pass the unpacked file.")
+        return archive.read(members[0])
 
 
 def blocks(data: bytes, length: int, offset: int, name: str) -> Dataset:

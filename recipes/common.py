@@ -12,6 +12,7 @@ import psutil
 import torch
 import transformers
 from datasets import DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
@@ -133,6 +134,8 @@ class DataArguments:
                 raise ValueError(f"--{split}_file {path!r}: unsupported extension; use one of {', '.join(BUILDERS)}.")
             if not Path(path).is_file():
                 raise ValueError(f"--{split}_file {path!r}: no such file.")
+            if Path(path).stat().st_size == 0:
+                raise ValueError(f"--{split}_file {path!r} is empty; pass a file holding examples.")
         if len({BUILDERS[Path(path).suffix] for path in files.values()}) > 1:
             raise ValueError(
                 f"{', '.join(f'--{split}_file' for split in files)} must have the same format (extension)."
@@ -191,7 +194,11 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
     """
     if data_args.train_file is not None:
         files = data_args.files()
-        raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
+        try:
+            raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
+        except (ValueError, DatasetGenerationError) as err:  # e.g. a CSV with a header and no rows
+            raise UsageError(f"no examples could be read from {', '.join(files.values())} ({err}); a CSV needs a "
+                             f"header row and at least one example row.") from err
         sources = {split: split for split in files}
     else:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name)
@@ -203,7 +210,13 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
     if need_test and "test" not in data:
         fix = "--test_file" if data_args.train_file else f"a --test_split of {list(raw)}"
         raise UsageError(f"--do_predict needs test data: pass {fix}.")
+    for split, dataset in data.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data holds no examples ({data_args.data_name(split)}).")
     if need_eval and "validation" not in data:
+        if len(data["train"]) < 2:
+            raise UsageError(f"the training data holds {len(data['train'])} example; holding some out for evaluation "
+                             f"needs at least 2: add examples or pass --validation_file.")
         percent = data_args.validation_split_percentage
         held_out = data["train"].train_test_split(test_size=percent / 100, seed=0)
         data["train"], data["validation"] = held_out["train"], held_out["test"]

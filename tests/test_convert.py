@@ -1,7 +1,9 @@
 """ls-convert-roberta: exact equivalence with the source RoBERTa, Longformer-style positions, new-parameter init,
 clear errors and nothing half-written."""
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -144,3 +146,19 @@ def test_console_script_reports_errors(tmp_path):
     result = subprocess.run(argv, check=False, capture_output=True, text=True)
     assert result.returncode == 2
     assert "SRC" in result.stderr and "no such folder" in result.stderr
+
+
+def test_output_is_readable_by_others_help_shows_defaults_and_a_smaller_table_says_so(roberta, tmp_path, capsys):
+    """OUT gets the mode a plain mkdir gives (the umask's), not the private mode of a temporary folder; --help shows
+    the numeric defaults; a position table that shrinks is reported as truncated."""
+    umask = os.umask(0o022)
+    try:
+        out = convert_roberta(roberta, tmp_path / "ls", max_position_embeddings=64, window_size=16)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert "truncated embeddings.position_embeddings.weight" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 4096)" in shown and "(default: 256)" in shown and "(default: 64)" in shown

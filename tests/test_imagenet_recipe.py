@@ -65,7 +65,9 @@ def test_trains_resumes_and_exports(data_dir, tmp_path, capsys):
     # A rerun with a longer schedule continues after epoch 1 instead of starting over.
     capsys.readouterr()
     third = train.main([*args, "--epochs", "3"])
-    assert "after epoch 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "after epoch 1" in printed and f"the best weights go to {out}" in printed
+    assert f"weights in {out / 'best'}" in printed
     rows = summary(out)
     assert [row["epoch"] for row in rows] == ["0", "1", "2"]
     assert train.main([*args, "--epochs", "3"]) == third  # nothing left to train: the last metrics, no new row
@@ -161,3 +163,12 @@ def test_paper_randaugment_strongest_posterize_runs():
     """rand-m9-mstd0.5-inc1 reaches magnitude 10, where timm's PosterizeIncreasing keeps 0 bits (pillow<13 needed)."""
     op = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
     assert op(Image.new("RGB", (8, 8), (200, 100, 50))).getpixel((0, 0)) == (0, 0, 0)
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    shown = capsys.readouterr().out.split("\n\n", 2)[-1]  # the options, after the usage and the description
+    for option in ("--epochs", "--weight-decay", "--opt-eps", "--min-lr", "--model-ema-decay", "--seed"):
+        text = shown.split(option, 1)[1].split("\n  --", 1)[0]
+        assert "(default: " in " ".join(text.split()), option

@@ -4,6 +4,7 @@ the artefacts appear, an interrupted run resumes, and bad arguments exit with a 
 import json
 import math
 import shutil
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -201,6 +202,18 @@ def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
          "fewer than one block"),
         (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
                    "--max_seq_length", "1024"], "exceeds the 256 positions"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
+                         "empty.csv"], "--train_file 'empty.csv' is empty"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
+                         "header.csv"], "a CSV needs a header row and at least one example row"),
+        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
+                        "empty.txt"], "--train_file 'empty.txt' is empty"),
+        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--do_eval",
+                        "--train_file", "one_line.txt"], "holding some out for evaluation needs at least 2"),
+        (char_lm, ["--train_file", "two.zip", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
+         "is a zip archive of 2 files"),
+        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
+                   "--per_device_train_batch_size", "10000000"], "a training step needs about"),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
@@ -209,6 +222,13 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
                                                  monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "one_label.csv").write_text("text,label\n" + "".join(f"review {i},1\n" for i in range(8)))
+    (tmp_path / "header.csv").write_text("text,label\n")
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "one_line.txt").write_text("a single short document\n")
+    with zipfile.ZipFile(tmp_path / "two.zip", "w") as archive:
+        archive.writestr("a.txt", "a" * 1000)
+        archive.writestr("b.txt", "b" * 1000)
     argv = [{"MODEL": str(model_dir), "ROBERTA": str(roberta_dir)}.get(arg, arg) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         script.main(argv)
@@ -324,3 +344,39 @@ def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
                            "256", "--output_dir", str(tmp_path / "phase2"), "--max_steps", "2",
                            "--save_strategy", "no", "--disable_tqdm", "True"])
     assert phase2["eval_bpc"] < 8
+
+
+def test_char_lm_reads_a_zipped_text_like_the_raw_file(tmp_path):
+    """enwik8.zip / text8.zip as downloaded: a zip archive of one file reads as that file's bytes."""
+    raw = tmp_path / "enwik8"
+    raw.write_bytes(bytes(range(256)) * 4)
+    with zipfile.ZipFile(tmp_path / "enwik8.zip", "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.write(raw, "enwik8")
+    assert char_lm.read_splits(char_lm.CharLmArguments(train_file=str(tmp_path / "enwik8.zip"))) == \
+        char_lm.read_splits(char_lm.CharLmArguments(train_file=str(raw)))
+
+
+def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, capsys, caplog):
+    """Rerunning into an output folder resumes visibly (without the tied-weights missing-keys warning); a model of
+    another shape there is a clear error before any work, not a wall of size mismatches."""
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(sample_texts()))
+    out = tmp_path / "chars"
+    args = ["--train_file", str(text), "--output_dir", str(out), "--do_train", *TINY_CHAR_LM, "--save_steps", "2",
+            "--disable_tqdm", "True"]
+    char_lm.main([*args, "--max_steps", "2"])
+    capsys.readouterr()
+    char_lm.main([*args, "--max_steps", "3"])
+    err = capsys.readouterr().err
+    assert f"Resuming training from {out / 'checkpoint-2'}" in err
+    assert "missing keys" not in caplog.text  # lm_head.decoder is tied to the word embeddings, not saved
+    with pytest.raises(SystemExit) as exit_info:
+        char_lm.main([*args, "--max_steps", "4", "--hidden_size", "32"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "holds a model of another shape" in err and "use a new --output_dir" in err
+
+
+def test_checkpoints_are_bounded_by_default():
+    for script, arguments in ((pretrain_mlm, pretrain_mlm.MlmTrainingArguments),
+                              (char_lm, char_lm.CharLmTrainingArguments)):
+        assert arguments(output_dir="o").save_total_limit == 3, script.__name__

@@ -50,16 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--img-size", type=int, help="Training and evaluation image side (CvT-LS picks r and w from it); default: the "
         "model's own, e.g. 384 for vil_ls_medium_384.")
     add("--eval-only", action="store_true", help="Only evaluate the (pretrained) model on the validation images.")
-    add("--epochs", type=int, default=300)
+    add("--epochs", type=int, default=300, help="Training epochs (official: 300).")
     add("--batch-size", type=int, default=128, help="Images per process and step (official: 8 GPUs x 128).")
     add("--lr", type=float, default=8e-4, help="Peak learning rate (official: 8e-4 for ViL-LS, 5e-4 for CvT-LS).")
-    add("--weight-decay", type=float, default=0.1)
+    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay.")
     add("--opt", default="adamw", help="timm optimizer name.")
-    add("--opt-eps", type=float, default=1e-8)
+    add("--opt-eps", type=float, default=1e-8, help="Optimizer epsilon.")
     add("--clip-grad", type=float, help="Gradient norm clipping (off in the official recipe).")
     add("--warmup-epochs", type=int, default=5, help="Linear warm-up, then cosine decay (updated every step).")
     add("--warmup-lr", type=float, help=f"Learning rate at the start of warm-up; default: {WARMUP_FACTOR} x --lr.")
-    add("--min-lr", type=float, default=1e-6)
+    add("--min-lr", type=float, default=1e-6, help="Learning rate at the end of the cosine decay.")
     add("--drop-path", type=float, default=0.3, help="Stochastic depth (official: 0.3 Medium, 0.5 Base, 0.2 at 384).")
     add("--smoothing", type=float, default=0.1, help="Label smoothing.")
     add("--mixup", type=float, default=0.8, help="Mixup alpha (0 turns it off).")
@@ -69,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('none' turns it off).")
     add("--reprob", type=float, default=0.25, help="Random erasing probability.")
     add("--model-ema", action="store_true", help="Keep an EMA of the weights; it is evaluated and exported as best.")
-    add("--model-ema-decay", type=float, default=0.99996)
+    add("--model-ema-decay", type=float, default=0.99996, help="EMA decay per step (with --model-ema).")
     add("--mixed-precision", choices=("no", "fp16", "bf16"),
         help="Autocast precision; default: accelerate's config (the official runs used fp16 AMP).")
     add("--use-cpu", action="store_true", help="Run on the CPU even with a GPU; needed for multi-process CPU launches "
         "(accelerate launch --config_file recipes/accelerate/cpu.yaml).")
     add("--workers", type=int, default=8, help="Data loading processes per training process.")
-    add("--seed", type=int, default=42)
+    add("--seed", type=int, default=42, help="Random seed (weights, data order, augmentation).")
     return parser
 
 
@@ -231,6 +231,10 @@ def main(argv=None) -> dict[str, float]:
         accelerator.register_for_checkpointing(ema)  # the scheduler needs no state: it steps on the absolute step
 
     out = Path(args.output_dir)
+    accelerator.print(f"training {args.model} on {len(train_set)} images of {len(classes)} classes "
+                      f"({len(val_set)} for validation) for {epochs} epochs, {accelerator.num_processes} process(es) x "
+                      f"batch {args.batch_size}, {accelerator.device}; state, summary.csv and the best weights go to "
+                      f"{out}")
     progress = {"epoch": -1, "best_top1": -1.0, "metrics": {}}
     if (out / "last" / "progress.json").is_file():
         accelerator.load_state(out / "last")
@@ -258,6 +262,8 @@ def main(argv=None) -> dict[str, float]:
         if accelerator.is_main_process:
             (out / "last" / "progress.json").write_text(json.dumps(progress))
     accelerator.end_training()
+    accelerator.print(f"best top-1 {progress['best_top1']:.3f} %: weights in {out / 'best'} (timm.create_model("
+                      f"'local-dir:{out / 'best'}', pretrained=True)); last state in {out / 'last'}")
     return metrics
 
 
