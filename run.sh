@@ -9,8 +9,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
 fi
-if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib" >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib, psutil" >/dev/null 2>&1; then
+    echo "run.sh: installing torch, Transformers, timm and the test tools into $VENV/ (first run only: several" \
+         "minutes and about 6 GB, CUDA libraries included)..." >&2
     "$VENV/bin/pip" install -q -e ".[test,bench]"
+    echo "run.sh: $VENV/ is ready; 'source $VENV/bin/activate' gives ls-convert-roberta and python -m recipes.*" >&2
 fi
 case "${1:-}" in
     demo) shift; exec "$VENV/bin/python" -m recipes.demo "$@" ;;

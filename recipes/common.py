@@ -284,7 +284,8 @@ class TiedKeysFilter(logging.Filter):
 def check_memory(model, batch_size: int, seq_length: int, training_args) -> None:
     """A ``UsageError`` before training when a step cannot fit: a rough estimate of its memory, the weights, gradients
     and AdamW moments (16 bytes a parameter) plus the activations kept for the backward pass (per layer and token
-    about 34 d + 5 H S values, S keys per query: Korthikanti et al. 2022, Sec. 4.1; 4 bytes each, 2 in bf16/fp16),
+    about 34 d + 5 H S bytes at 2 bytes a value, S keys per query: Korthikanti et al. 2022, Sec. 4.1; twice that in
+    float32),
     against the memory available (psutil; on a GPU its free memory)."""
     config = model.config
     w, H, d = config.window_size, config.num_attention_heads, config.hidden_size
@@ -293,7 +294,7 @@ def check_memory(model, batch_size: int, seq_length: int, training_args) -> None
     else:
         keys = w + 2 * max(w // 2, 1) + config.projection_rank
     value_bytes = 2 if training_args.bf16 or training_args.fp16 else 4
-    per_layer = batch_size * seq_length * (34 * d + 5 * H * keys) * value_bytes
+    per_layer = batch_size * seq_length * (34 * d + 5 * H * keys) * value_bytes // 2
     layers = config.num_hidden_layers
     activations = (layers * batch_size * seq_length * d * value_bytes + per_layer if training_args.gradient_checkpointing
                    else layers * per_layer)

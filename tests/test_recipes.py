@@ -64,7 +64,7 @@ def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
     assert logged_losses(out)[:12] == losses and len(logged_losses(out)) == 14
 
 
-def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_dir, tmp_path):
+def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_dir, tmp_path, capsys):
     out = tmp_path / "imdb"
     args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
             "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict", "--logging_steps", "1",
@@ -78,6 +78,9 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     state = json.loads((out / "trainer_state.json").read_text())
     validation = [entry["eval_accuracy"] for entry in state["log_history"] if "eval_accuracy" in entry]
     assert len(validation) == 4 and state["best_metric"] == max(validation) == metrics["eval_accuracy"]
+    best_epoch = next(entry["epoch"] for entry in state["log_history"]
+                      if entry.get("eval_accuracy") == state["best_metric"])
+    assert f"Kept the best model: {state['best_model_checkpoint']} (epoch {best_epoch}" in capsys.readouterr().err
     kept, best = (load_file(Path(folder) / "model.safetensors") for folder in (out, state["best_model_checkpoint"]))
     assert kept.keys() == best.keys() and all(torch.equal(kept[name], best[name]) for name in kept)
     assert 0.0 <= metrics["test_accuracy"] <= 1.0
