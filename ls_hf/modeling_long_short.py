@@ -87,7 +87,6 @@ class LongShortEmbeddings(nn.Module):
 
     def __init__(self, config: LongShortConfig):
         super().__init__()
-        self.padding_idx = config.pad_token_id
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(
             config.max_position_embeddings, config.hidden_size, padding_idx=config.pad_token_id
