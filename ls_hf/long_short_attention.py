@@ -435,16 +435,14 @@ class LongShortSelfAttention(nn.Module):
         local = valid
         if K:  # the other tokens first, in their order, then the global ones (the window and projection skip them)
             order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
-            hidden_states, q, k, v, valid, is_global = (
-                _take(x, order) for x in (hidden_states, q, k, v, valid, is_global)
-            )
+            q, k, v, valid, is_global = (_take(x, order) for x in (q, k, v, valid, is_global))
             scores = _take(scores, order) if scores is not None else None
             local = valid & ~is_global
         extra = []  # global tokens' keys first, then the projected rows
         if cls_hidden is not None:
             extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
         if K:
-            extra.append(self._global_keys(hidden_states[:, n - K :], is_global[:, n - K :]))
+            extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
         projected = self._project(scores, k, v, local, segment=n) if self.projection_rank else None
         if projected is not None:
             extra.append(projected)
@@ -458,7 +456,7 @@ class LongShortSelfAttention(nn.Module):
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
         if K:
             context, attn = self._global_output(
-                hidden_states=hidden_states, q=q, k=k, v=v, valid=valid, is_global=is_global, count=K,
+                hidden_states=hidden_states, order=order, q=q, k=k, v=v, valid=valid, is_global=is_global, count=K,
                 projected=projected, context=context, attn=attn,
             )
             inverse = torch.argsort(order, dim=1)
@@ -466,13 +464,14 @@ class LongShortSelfAttention(nn.Module):
             attn = torch.take_along_dim(attn, inverse[:, None, :, None], dim=2) if attn is not None else None
         return context, attn
 
-    def _global_output(self, *, hidden_states, q, k, v, valid, is_global, count, projected, context, attn):
-        """The last ``count`` token slots hold the global tokens (``_bidirectional``'s order): each attends to the
-        projected rows and every real token in one softmax. Returns the context with their rows replaced and the
-        probabilities laid out as ``forward`` documents (all in that order)."""
+    def _global_output(self, *, hidden_states, order, q, k, v, valid, is_global, count, projected, context, attn):
+        """In the token ``order`` of ``_bidirectional`` the last ``count`` slots hold the global tokens: each attends
+        to the projected rows and every real token in one softmax. Returns the context with their rows replaced and
+        the probabilities laid out as ``forward`` documents (all in that order)."""
         n, K = q.shape[1], count
         g_valid = is_global[:, n - K :]
         if hasattr(self, "global_query"):
+            hidden_states = _take(hidden_states, order)
             q_g = self._split(self.global_query(hidden_states[:, n - K :]))
             k = self._dual_ln(self._split(self.global_key(hidden_states)), "local", is_key=True)
             v = self._dual_ln(self._split(self.global_value(hidden_states)), "local", is_key=False)
