@@ -446,7 +446,11 @@ class LongShortSelfAttention(nn.Module):
         projected = self._project(scores, k, v, local, segment=n) if self.projection_rank else None
         if projected is not None:
             extra.append(projected)
-        extra = ExtraKeys(*(torch.cat(parts, 1) for parts in list(zip(*extra))[:3])) if extra else None
+        if extra:  # one set: global keys, then projected rows
+            extra = ExtraKeys(**{name: torch.cat([getattr(part, name) for part in extra], 1)
+                                 for name in ("keys", "values", "valid")})
+        else:
+            extra = None
         width = n if self.window_size else 0  # projection only: no window keys
         context, attn = self._attend_groups(
             q=q, q_valid=local if masked or K else None, q_start=0, k=k[:, :width], v=v[:, :width],
