@@ -58,6 +58,11 @@ def test_exact_roberta_function_without_new_parts(roberta, tmp_path):
         expected, got = source(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
     real = mask.bool()
     assert (got[real] - expected[real]).abs().max() < 1e-4
+    first = torch.zeros_like(ids)
+    first[:, 0] = 1  # the classification heads' default global token keeps the function
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, global_attention_mask=first).logits
+    assert (got[real] - expected[real]).abs().max() < 1e-4
 
     old = source.roberta.embeddings.position_embeddings.weight
     new = model.long_short.embeddings.position_embeddings.weight
