@@ -23,6 +23,12 @@ inside ``generate`` (a stopping criterion records the clock), so the prefill is 
     python -m bench.bench_models                                   # 4096 (2 layers) and generation
     python -m bench.bench_models --lengths 16384 --layers 1 --repeats 1 --skip-generation
     python -m bench.bench_models --quick                           # n = 1024, short contexts: a smoke run
+    python -m bench.bench_models --lengths 16384 --layers 12 --gradient-checkpointing --global-first-token \
+        --single-step --skip-generation                            # 12 layers: one step per peer
+
+``--gradient-checkpointing`` recomputes each layer in the backward pass (every peer); ``--global-first-token`` makes
+the first token global in LongShort and Longformer (what their classification heads do; RoBERTa is dense anyway);
+``--single-step`` times the one step that measures memory, in its own process, instead of warm-up and rounds.
 
 Writes ``bench/results/models_cpu.json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another path): the
 machine and command, each row's step times in run order with their median, tokens/s and ratios, and the performance targets.
@@ -83,59 +89,79 @@ def build_mlm(peer: str, n: int, layers: int, vocab: int):
     raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
 
 
-def estimated_bytes(peer: str, n: int, layers: int, vocab: int) -> float:
-    """Generous fp32 estimate of a training step: ~64 d floats per token and layer, logits x3, Longformer's bands."""
-    need = layers * 64 * n * BASE["hidden_size"] * 4 + 3 * n * vocab * 4
+def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False) -> float:
+    """Generous fp32 estimate of a training step: ~64 d floats per token and layer held (one layer and every layer's
+    input with checkpointing), logits x3, Longformer's bands."""
+    held = 1 if checkpointing else layers
+    need = held * 64 * n * BASE["hidden_size"] * 4 + 3 * n * vocab * 4 + checkpointing * layers * n * BASE["hidden_size"] * 8
     if peer == "longformer":
-        need += layers * 8 * BASE["num_attention_heads"] * n * (LONGFORMER_WINDOW + 1) * 4
+        need += held * 8 * BASE["num_attention_heads"] * n * (LONGFORMER_WINDOW + 1) * 4
     return need
 
 
-def training_step(peer: str, n: int, layers: int, vocab: int):
+def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False, global_first: bool = False):
     """A closure running one training step (forward + backward of the MLM loss) of a freshly built peer."""
     torch.manual_seed(0)
     model = build_mlm(peer, n, layers, vocab).train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
     ids = torch.randint(3, vocab, (1, n))
+    inputs = {"input_ids": ids, "labels": ids}
+    if global_first and peer != "roberta-sdpa":
+        inputs["global_attention_mask"] = torch.zeros_like(ids)
+        inputs["global_attention_mask"][:, 0] = 1
 
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**inputs).loss.backward()
 
     return step
 
 
-def measure_memory(peer: str, n: int, layers: int, vocab: int) -> dict:
-    """Peak RSS of one training step above the RSS of the built model."""
-    step = training_step(peer, n, layers, vocab)
+def measure_memory(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False,
+                   global_first: bool = False) -> dict:
+    """Peak RSS of one training step above the RSS of the built model, and that step's time."""
+    step = training_step(peer, n, layers, vocab, checkpointing, global_first)
     base = reset_peak_rss()
+    start = time.perf_counter()
     step()
-    return {"peak_mem_bytes": peak_rss_above(base)}
+    return {"peak_mem_bytes": peak_rss_above(base), "single_step_s": time.perf_counter() - start}
 
 
-def measure_times(peers, n: int, layers: int, vocab: int, repeats: int) -> dict:
+def measure_times(peers, n: int, layers: int, vocab: int, repeats: int, checkpointing: bool = False,
+                  global_first: bool = False) -> dict:
     """Step times of all peers built in one process and stepped in turn (``interleaved_times``). Returns
     {peer: times in run order}."""
-    return interleaved_times({peer: training_step(peer, n, layers, vocab) for peer in peers}, repeats)
+    steps = {peer: training_step(peer, n, layers, vocab, checkpointing, global_first) for peer in peers}
+    return interleaved_times(steps, repeats)
 
 
-def run_training(peers, lengths, layers, vocab, repeats, threads) -> list[dict]:
-    """Per n: peak memory of each peer in its own process, then the interleaved timing of the peers that fit."""
+def run_training(peers, lengths, layers, vocab, repeats, threads, checkpointing=False, global_first=False,
+                 single_step=False) -> list[dict]:
+    """Per n: peak memory of each peer in its own process, then the interleaved timing of the peers that fit (with
+    ``single_step``, the memory step's time instead)."""
     rows = []
+    setup = (checkpointing, global_first)
     for n in lengths:
         fitting = []
         for peer in peers:
             row = {"peer": peer, "n": n, "layers": layers}
-            need, free = estimated_bytes(peer, n, layers, vocab), free_bytes("cpu")
+            need, free = estimated_bytes(peer, n, layers, vocab, checkpointing), free_bytes("cpu")
             if need > 0.8 * free:
                 row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
             else:
-                row |= forked(measure_memory, peer, n, layers, vocab, threads=threads)
+                row |= forked(measure_memory, peer, n, layers, vocab, *setup, threads=threads)
                 if row["status"] == "ok":
                     fitting.append(peer)
             rows.append(row)
             print(f"  memory n={n:<6} {peer:<13} {row['status']:<8} "
-                  f"{row.get('peak_mem_bytes', 0) / 2**20:8.0f} MiB {row.get('reason', '')}", flush=True)
-        timed = forked(measure_times, fitting, n, layers, vocab, repeats, threads=threads) if fitting else {}
+                  f"{row.get('peak_mem_bytes', 0) / 2**20:8.0f} MiB {row.get('single_step_s', 0):8.1f} s "
+                  f"{row.get('reason', '')}", flush=True)
+        if single_step:
+            timed = {"status": "ok", **{row["peer"]: [row["single_step_s"]] for row in rows[-len(peers):]
+                                        if row["peer"] in fitting}}
+        else:
+            timed = forked(measure_times, fitting, n, layers, vocab, repeats, *setup, threads=threads) if fitting else {}
         for row in rows[-len(peers):]:
             if row["peer"] in fitting and timed["status"] == "ok":
                 times = timed[row["peer"]]
@@ -265,6 +291,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per measurement (0: torch default)")
     parser.add_argument("--quick", action="store_true", help="n = 1024, 1 layer, contexts 256 and 1024")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/models_cpu.json)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward pass")
+    parser.add_argument("--global-first-token", action="store_true", help="LS and Longformer: first token global")
+    parser.add_argument("--single-step", action="store_true", help="time the memory step only (no warm-up, rounds)")
     args = parser.parse_args(argv)
     for name in ("layers", "repeats", "vocab", "cached_tokens", "uncached_tokens", "threads"):
         if getattr(args, name) < (0 if name == "threads" else 1):
@@ -276,7 +305,8 @@ def main(argv=None) -> None:
         args.cached_tokens, args.uncached_tokens = 8, 2
 
     train_rows = [] if args.skip_training else run_training(
-        args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads
+        args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads,
+        checkpointing=args.gradient_checkpointing, global_first=args.global_first_token, single_step=args.single_step,
     )
     gen_rows = [] if args.skip_generation else run_generation(
         args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
@@ -288,19 +318,24 @@ def main(argv=None) -> None:
         dtype="fp32",
         config={**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
                 "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
+                "gradient_checkpointing": args.gradient_checkpointing, "global_first_token": args.global_first_token,
                 "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
                                "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
         memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
                "per (peer, n)",
-        time=f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
-             "of one n stepped in turn in one forked process (times_s in run order); generation: median time "
-             "between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
+        time=("training: the one MLM step (forward + backward) that measured memory, in its own forked process"
+              if args.single_step else
+              f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
+              "of one n stepped in turn in one forked process (times_s in run order)")
+        + "; generation: median time between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
     )
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
           f"torch {meta['torch']}  float32\n`{meta['command']}`\n")
     if train_rows:
-        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, median of {args.repeats} rounds after a warm-up "
-              f"round, peers interleaved in one process; "
+        timing = ("one step per peer, in its own process" if args.single_step else
+                  f"median of {args.repeats} rounds after a warm-up round, peers interleaved in one process")
+        setup = "gradient checkpointing, " * args.gradient_checkpointing + "global first token, " * args.global_first_token
+        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, {timing}; {setup}"
               f"LS w={WINDOW} r={RANK}, Longformer window {LONGFORMER_WINDOW}**\n")
         print(training_table(train_rows, args.peers, args.lengths))
     if gen_rows:

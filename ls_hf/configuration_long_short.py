@@ -33,6 +33,11 @@ class LongShortConfig(PreTrainedConfig):
             conversion reproduces exactly.
         qk_head_dim (`int`, *optional*): LMSA: a query/key head dim smaller than the value head dim
             ``hidden_size / num_attention_heads``.
+        global_projections (`bool`, defaults to False): separate query/key/value projections for the global tokens'
+            own attention (``global_attention_mask``), as Longformer's ``query_global``/``key_global``/
+            ``value_global``; a Longformer conversion sets it. Bidirectional models only.
+        sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
+            before the first one (the question) global, as Longformer does.
 
     The model is causal when ``is_decoder=True`` (RoBERTa's convention); ``LongShortForCausalLM`` requires it.
     Invalid values raise a ``ValueError`` naming the field, at construction and when a model is built.
@@ -64,6 +69,8 @@ class LongShortConfig(PreTrainedConfig):
     causal_segment_length: int = 16
     use_dual_ln: bool = True
     qk_head_dim: int | None = None
+    global_projections: bool = False
+    sep_token_id: int | None = 2
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -96,6 +103,7 @@ class LongShortConfig(PreTrainedConfig):
             "qk_head_dim": self.qk_head_dim,
             "attention_dropout": self.attention_probs_dropout_prob,
             "layer_norm_eps": self.layer_norm_eps,
+            "global_projections": self.global_projections,
         }
 
     def check_long_short(self) -> None:
@@ -116,6 +124,11 @@ class LongShortConfig(PreTrainedConfig):
             raise ValueError(
                 f"max_position_embeddings ({self.max_position_embeddings}) must exceed pad_token_id + 1 "
                 f"({self.pad_token_id + 1}): positions start after the padding index. Use tokens + pad_token_id + 1."
+            )
+        if self.global_projections and self.is_decoder:
+            raise ValueError(
+                "global_projections=True serves global tokens, which causal models (is_decoder=True) do not have; "
+                "set global_projections=False or is_decoder=False."
             )
         for layer_idx in range(self.num_hidden_layers):
             per_layer = {

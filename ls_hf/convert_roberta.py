@@ -1,17 +1,24 @@
-"""``ls-convert-roberta SRC OUT``: turn a RoBERTa-family masked LM into a LongShort masked LM.
+"""``ls-convert SRC OUT`` (also ``ls-convert-roberta``): turn an encoder checkpoint into a LongShort model.
+
+Sources (``SOURCES``): RoBERTa, XLM-RoBERTa and CamemBERT masked LMs, BERT masked LMs (SciBERT, domain BERTs), the
+ELECTRA discriminator (written as a bare ``LongShortModel``: its replaced-token head has no LongShort counterpart and
+is left out), and Longformer masked LMs (its 4,096 trained positions kept; its ``query_global``/``key_global``/
+``value_global`` become the global tokens' own projections, ``global_projections=True``).
 
 Longformer's recipe (Beltagy et al., 2020, Sec. 5), applied to Long-Short attention:
 
-* every RoBERTa weight is copied, renamed by ``ROBERTA_KEY_MAPPING`` (the attention core owns its output
+* every source weight is copied, renamed by the source's key mapping (the attention core owns its output
   projection, so ``attention.output.dense`` becomes ``attention.self.output``);
-* the position table grows from 512 to ``max_position_embeddings`` tokens: the ``pad_token_id + 1`` offset rows
-  are kept and the learned rows are tiled (copying, not random init, is what lets training start well);
+* the position table grows to ``max_position_embeddings`` tokens: the ``pad_token_id + 1`` offset rows are kept and
+  the learned rows are tiled (copying, not random init, is what lets training start well). BERT and ELECTRA count
+  positions from 0, RoBERTa from ``pad_token_id + 1``: their table is moved down by ``pad_token_id + 1`` rows, so the
+  model keeps RoBERTa's one position rule (padding aware) and computes the source's positions exactly;
 * the new parameters get RoBERTa's init (``_init_weights``): W^P of the dynamic projection N(0, initializer_range),
   so its softmax starts close to uniform pooling with the symmetry broken, and DualLN gains 1, biases 0;
-* the tokenizer is saved with ``model_max_length = max_position_embeddings``.
+* the tokenizer is saved with ``model_max_length = max_position_embeddings``; ``sep_token_id`` is the tokenizer's.
 
 With ``use_dual_ln=False``, ``projection_rank=0`` and a window covering the input the converted model computes the
-source's function (tested to 1e-4 on the masked-LM logits).
+source's function (tested to 1e-5 on the logits or hidden states, with global tokens).
 """
 
 import argparse
@@ -19,23 +26,61 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForPreTraining, AutoTokenizer
 
 from .configuration_long_short import LongShortConfig
 from .hub import is_local_path, save_for_hub
-from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForMaskedLM
+from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForMaskedLM, LongShortModel
 
-__all__ = ["ROBERTA_FAMILY", "convert_roberta", "main"]
+__all__ = ["ROBERTA_FAMILY", "SOURCES", "Source", "convert_roberta", "main"]
 
-# Model types whose masked LM has RoBERTa's exact layout (post-LN encoder, learned positions after pad_token_id).
-ROBERTA_FAMILY = ("roberta", "xlm-roberta", "camembert")
 POSITIONS = "embeddings.position_embeddings.weight"
+OUTPUT_DENSE = {r"\.attention\.output\.dense\.": ".attention.self.output."}
 
 
-def _rename(key: str) -> str:
-    for pattern, replacement in ROBERTA_KEY_MAPPING.items():
+class Source(NamedTuple):
+    """How one source model type converts."""
+
+    auto_class: type  # loads the source checkpoint
+    kind: str  # what the source must be, for errors
+    key_mapping: dict  # regex -> replacement, applied in order, onto the written model's keys
+    head: type  # the LongShort class written
+    positions_from_zero: bool = False  # BERT-style positions (0, 1, ...) rather than RoBERTa's pad_token_id + 1
+    dropped: str | None = None  # regex of source keys with no LongShort counterpart (left out, logged)
+    long_short_fields: tuple = ()  # (LongShortConfig field, value) pairs
+
+
+_ROBERTA = Source(AutoModelForMaskedLM, "a *ForMaskedLM checkpoint (e.g. roberta-base), not a bare encoder",
+                  ROBERTA_KEY_MAPPING, LongShortForMaskedLM)
+_BERT_MLM_HEAD = {
+    r"^cls\.predictions\.transform\.dense\.": "lm_head.dense.",
+    r"^cls\.predictions\.transform\.LayerNorm\.": "lm_head.layer_norm.",
+    r"^cls\.predictions\.": "lm_head.",
+}
+SOURCES = {
+    "roberta": _ROBERTA,
+    "xlm-roberta": _ROBERTA,
+    "camembert": _ROBERTA,
+    "bert": Source(AutoModelForMaskedLM, "a BertForMaskedLM checkpoint (e.g. bert-base-uncased), not a bare encoder",
+                   {r"^bert\.": "long_short.", **OUTPUT_DENSE, **_BERT_MLM_HEAD}, LongShortForMaskedLM,
+                   positions_from_zero=True),
+    "electra": Source(AutoModelForPreTraining, "an ELECTRA discriminator (ElectraForPreTraining, e.g. "
+                      "google/electra-base-discriminator)", {r"^electra\.": "", **OUTPUT_DENSE}, LongShortModel,
+                      positions_from_zero=True, dropped=r"^discriminator_predictions\."),
+    "longformer": Source(AutoModelForMaskedLM, "a LongformerForMaskedLM checkpoint (e.g. allenai/longformer-base-4096)",
+                         {r"^longformer\.": "long_short.", **OUTPUT_DENSE,
+                          r"\.attention\.self\.(query|key|value)_global\.": r".attention.self.global_\1."},
+                         LongShortForMaskedLM, long_short_fields=(("global_projections", True),)),
+}
+# Model types whose masked LM has RoBERTa's exact layout (post-LN encoder, learned positions after pad_token_id).
+ROBERTA_FAMILY = tuple(name for name, source in SOURCES.items() if source is _ROBERTA)
+
+
+def _rename(key: str, source: Source) -> str:
+    for pattern, replacement in source.key_mapping.items():
         key = re.sub(pattern, replacement, key)
     return key
 
@@ -57,10 +102,22 @@ def _load_source(src: str):
         config = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as err:
         raise ValueError(f"SRC {src!r}: could not load a config.json from it ({err}).") from err
-    if config.model_type not in ROBERTA_FAMILY:
+    if config.model_type not in SOURCES:
         raise ValueError(
-            f"SRC {src!r} is a {config.model_type!r} checkpoint (architectures {config.architectures}), not "
-            f"RoBERTa-family; ls-convert-roberta converts model types {', '.join(ROBERTA_FAMILY)}."
+            f"SRC {src!r} is a {config.model_type!r} checkpoint (architectures {config.architectures}), which "
+            f"ls-convert does not convert; it converts model types {', '.join(SOURCES)} (ELECTRA: the discriminator)."
+        )
+    family = SOURCES[config.model_type]
+    if config.model_type == "electra" and config.embedding_size != config.hidden_size:
+        raise ValueError(
+            f"SRC {src!r} is an ELECTRA with embedding_size={config.embedding_size} != hidden_size="
+            f"{config.hidden_size} (an embeddings projection, as electra-small); LongShort's embeddings have the "
+            f"model width, so only ELECTRAs with equal sizes (base, large) convert."
+        )
+    if family.head is LongShortForMaskedLM and config.hidden_act != "gelu":
+        raise ValueError(
+            f"SRC {src!r} has hidden_act={config.hidden_act!r}; the LongShort masked-LM head applies gelu, as "
+            f"RoBERTa's, so only gelu models convert."
         )
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(
@@ -73,13 +130,12 @@ def _load_source(src: str):
             f"it to the tokenizer's pad id (RoBERTa's is 1) in SRC's config.json."
         )
     try:
-        source, info = AutoModelForMaskedLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
+        source, info = family.auto_class.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
     except OSError as err:
         raise ValueError(f"SRC {src!r}: could not load masked-LM weights from it ({err}).") from err
     if info["missing_keys"]:
         raise ValueError(
-            f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass a *ForMaskedLM checkpoint "
-            f"(e.g. roberta-base), not a bare encoder."
+            f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass {family.kind}."
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
@@ -91,7 +147,7 @@ def _load_source(src: str):
             f"SRC {src!r} has no usable tokenizer: {problem}. Save the checkpoint's own tokenizer next to the weights "
             f"(tokenizer.save_pretrained(SRC)); its pad token must be the config's pad_token_id."
         )
-    return config, source, tokenizer
+    return config, source, tokenizer, family
 
 
 def _tokenizer_problem(tokenizer, config) -> str | None:
@@ -105,8 +161,11 @@ def _tokenizer_problem(tokenizer, config) -> str | None:
     return None
 
 
-def _long_short_config(config, max_position_embeddings, window_size, projection_rank, use_dual_ln) -> LongShortConfig:
-    """``LongShortConfig.from_roberta``, bidirectional (the output is a masked LM), with the new position count."""
+def _long_short_config(
+    config, max_position_embeddings, window_size, projection_rank, use_dual_ln, **fields
+) -> LongShortConfig:
+    """``LongShortConfig.from_roberta``, bidirectional (the output is a masked LM or an encoder), with the new position
+    count and ``fields``."""
     long_short = {"window_size": window_size, "projection_rank": projection_rank}
     return LongShortConfig.from_roberta(
         config,
@@ -114,6 +173,7 @@ def _long_short_config(config, max_position_embeddings, window_size, projection_
         max_position_embeddings=max_position_embeddings + config.pad_token_id + 1,
         use_dual_ln=use_dual_ln,
         is_decoder=False,
+        **fields,
     )
 
 
@@ -124,31 +184,40 @@ def _extend_positions(old: torch.Tensor, new_rows: int, offset: int) -> torch.Te
     return torch.cat([old[:offset], learned.repeat(repeats, 1)[: new_rows - offset]])
 
 
-def _copy_weights(source, model, log) -> None:
-    """Copy the source masked LM into ``model``; raise if the layouts do not match one to one."""
-    state = {_rename(key): value for key, value in source.state_dict().items()}
-    if not any(key.startswith("long_short.") for key in state):
+def _copy_weights(source, model, family: Source, log) -> None:
+    """Copy the source checkpoint into ``model``; raise if the layouts do not match one to one."""
+    kept = {key: value for key, value in source.state_dict().items()
+            if family.dropped is None or not re.search(family.dropped, key)}
+    state = {_rename(key, family): value for key, value in kept.items()}
+    positions_key = next((key for key in state if key.endswith(POSITIONS)), None)
+    if positions_key is None or positions_key not in dict(model.named_parameters()):
         found = sorted({key.split(".")[0] for key in source.state_dict()})
-        raise ValueError(f"SRC weights are not RoBERTa-family: expected keys 'roberta.*', found prefixes {found}.")
-    prefix = "long_short."
-    old_positions = state.pop(prefix + POSITIONS)
-    new_positions = model.get_parameter(prefix + POSITIONS)
-    state[prefix + POSITIONS] = _extend_positions(old_positions, len(new_positions), model.config.pad_token_id + 1)
+        raise ValueError(f"SRC weights do not have the {source.config.model_type} layout: found key prefixes {found}.")
+    offset = model.config.pad_token_id + 1
+    old_positions = state.pop(positions_key)
+    if family.positions_from_zero:  # row t of the source serves the t-th real token, which LongShort puts at t + offset
+        old_positions = torch.cat([old_positions.new_zeros(offset, old_positions.shape[1]), old_positions])
+    new_positions = model.get_parameter(positions_key)
+    state[positions_key] = _extend_positions(old_positions, len(new_positions), offset)
     missing, unexpected = model.load_state_dict(state, strict=False)
     new = [key for key in missing if "dynamic_projection" in key or "dual_ln" in key]
     if unexpected or set(missing) - set(new):
         raise ValueError(
-            f"SRC weights do not match RoBERTa's layout: unexpected {sorted(unexpected)[:5]}, missing "
-            f"{sorted(set(missing) - set(new))[:5]}."
+            f"SRC weights do not match the {source.config.model_type} layout: unexpected {sorted(unexpected)[:5]}, "
+            f"missing {sorted(set(missing) - set(new))[:5]}."
         )
-    renamed = Counter((_pattern(key), _pattern(_rename(key))) for key in source.state_dict())
+    renamed = Counter((_pattern(key), _pattern(_rename(key, family))) for key in kept)
     log(f"mapped {len(state)} tensors from SRC:")
     for (old, target), count in renamed.items():
         log(f"  {old} -> {target}" + (f"  (x{count})" if count > 1 else ""))
+    for key in sorted({_pattern(key) for key in source.state_dict()} - {_pattern(key) for key in kept}):
+        log(f"  left out {key} (no LongShort counterpart)")
+    shifted = f", moved down {offset} rows (positions from 0)" if family.positions_from_zero else ""
     if len(new_positions) >= len(old_positions):
-        log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled)")
+        log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled"
+            f"{shifted})")
     else:
-        log(f"truncated {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (the first ones kept)")
+        log(f"truncated {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (the first ones kept{shifted})")
     if new:
         std = model.config.initializer_range
         log(f"initialised {len(new)} new tensors (W^P: N(0, {std}); DualLN: weight 1, bias 0):")
@@ -167,12 +236,13 @@ def convert_roberta(
     overwrite: bool = False,
     log=print,
 ) -> Path:
-    """Convert the RoBERTa-family masked LM ``src`` (folder or Hub id) into a LongShort masked LM saved at ``out``.
+    """Convert the checkpoint ``src`` (folder or Hub id; a model type of ``SOURCES``) into a LongShort masked LM
+    (ELECTRA discriminator: a ``LongShortModel``) saved at ``out``.
 
     ``max_position_embeddings`` counts tokens (the config gets ``+ pad_token_id + 1`` rows); ``window_size`` and
     ``projection_rank`` default to ``LongShortConfig``'s. Writes safetensors weights, a config with a complete
     ``auto_map``, the remote-code files and the tokenizer into a temporary folder, then moves it to ``out``.
-    Raises ``ValueError``, before writing anything, for a missing folder, a non-RoBERTa checkpoint, missing weights,
+    Raises ``ValueError``, before writing anything, for a missing folder, an unsupported model type, missing weights,
     ``pad_token_id=None``, a missing or mismatched tokenizer, or an existing ``out`` without ``overwrite``. Returns
     ``Path(out)``.
     """
@@ -181,17 +251,22 @@ def convert_roberta(
         raise ValueError(f"max_position_embeddings must be a positive token count, got {max_position_embeddings!r}.")
     if out.exists() and not overwrite:
         raise ValueError(f"OUT {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it.")
-    config, source, tokenizer = _load_source(src)
-    model = LongShortForMaskedLM(
-        _long_short_config(config, max_position_embeddings, window_size, projection_rank, use_dual_ln)
+    config, source, tokenizer, family = _load_source(src)
+    long_short_config = _long_short_config(
+        config, max_position_embeddings, window_size, projection_rank, use_dual_ln,
+        sep_token_id=tokenizer.sep_token_id, **dict(family.long_short_fields),
     )
-    _copy_weights(source, model, log)
+    if family.head is LongShortModel:
+        model = LongShortModel(long_short_config, add_pooling_layer=False)
+    else:
+        model = family.head(long_short_config)
+    _copy_weights(source, model, family, log)
     tokenizer.model_max_length = tokenizer.init_kwargs["model_max_length"] = max_position_embeddings
 
     save_for_hub(model, out, tokenizer, overwrite=overwrite)
     c = model.config
     log(
-        f"wrote {out}: LongShortForMaskedLM, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"wrote {out}: {type(model).__name__}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"{max_position_embeddings} tokens, window_size={c.window_size}, projection_rank={c.projection_rank}, "
         f"use_dual_ln={c.use_dual_ln}; tokenizer model_max_length={tokenizer.model_max_length}"
     )
@@ -200,12 +275,13 @@ def convert_roberta(
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="ls-convert-roberta",
-        description="Convert a RoBERTa-family masked LM (roberta-base, roberta-large, ...) into a LongShort model.",
+        prog="ls-convert",
+        description="Convert a RoBERTa, XLM-RoBERTa, CamemBERT, BERT or Longformer masked LM, or an ELECTRA "
+        "discriminator, into a LongShort model (also installed as ls-convert-roberta).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     defaults = LongShortConfig()
-    parser.add_argument("src", metavar="SRC", help="local checkpoint folder or Hub id of a RoBERTa-family masked LM")
+    parser.add_argument("src", metavar="SRC", help=f"local checkpoint folder or Hub id; model types: {', '.join(SOURCES)}")
     parser.add_argument("out", metavar="OUT", help="output folder (created; see --overwrite)")
     parser.add_argument("--max-position-embeddings", type=int, default=4096, help="tokens the model reads")
     parser.add_argument("--window-size", type=int, default=defaults.window_size, help="window segment length w")

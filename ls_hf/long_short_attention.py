@@ -11,6 +11,8 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
   on its own, and a query at position t sees the rows of segments ``s < t // l`` only.
 * DualLN (Eq. 7): ``LN_L`` on the window keys/values (which also feed the projection, Sec. 3.4) and
   ``LN_G`` on the projected rows, both over the full width as in the official code.
+* global tokens (bidirectional, Longformer's ``global_attention_mask``): every token sees their keys, and they
+  attend to every token, in the same softmax; see ``LongShortSelfAttention.forward``.
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +36,12 @@ from torch import Tensor, nn
 
 __all__ = [
     "CausalState",
+    "ExtraKeys",
     "LongShortSelfAttention",
+    "project_rows",
     "segment_keep",
     "validate_long_short_args",
+    "window_extent",
     "window_keep",
 ]
 
@@ -109,10 +115,16 @@ def validate_long_short_args(
             )
 
 
+def window_extent(window: int) -> int:
+    """Keys ``e = max(w // 2, 1)`` that a bidirectional segment of ``w`` queries sees on each side beyond itself (span
+    2w for even w, as the official LRA and ImageNet code); 1-D here and per axis in ``ls_timm``."""
+    return max(window // 2, 1)
+
+
 def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tensor:
     """Whether the query at ``q_pos[..., i]`` sees the window key at ``k_pos[..., j]``; shape (..., Q, K).
 
-    Bidirectional: keys ``[s - e, s + w + e)`` with ``s = (t // w) * w`` and ``e = max(w // 2, 1)``.
+    Bidirectional: keys ``[s - e, s + w + e)`` with ``s = (t // w) * w`` and ``e = window_extent(w)``.
     Causal: keys ``[s - w, t]`` (Appendix D, Fig. 5). Keys outside the sequence are removed by the caller.
     """
     q = q_pos.unsqueeze(-1)
@@ -120,8 +132,24 @@ def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tens
     start = torch.div(q, window, rounding_mode="floor") * window
     if causal:
         return (k >= start - window) & (k <= q)
-    ext = max(window // 2, 1)
+    ext = window_extent(window)
     return (k >= start - ext) & (k < start + window + ext)
+
+
+def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
+    scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``.
+
+    scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
+    -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
+    finite rows (uniform weights), which the caller marks invalid.
+    """
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(dtype)
+    if valid is not None:
+        scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
+    prob = scores.softmax(-1)
+    return (prob @ keys.to(dtype)).to(keys.dtype), (prob @ values.to(dtype)).to(values.dtype)
 
 
 def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
@@ -157,6 +185,20 @@ class CausalState:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
+
+
+class ExtraKeys(NamedTuple):
+    """Keys a query sees besides its window: the global tokens' and the projected rows (Eq. 3 / Eq. 5), after LN_G."""
+
+    keys: Tensor  # (B, R, H, d_qk)
+    values: Tensor  # (B, R, H, d_v)
+    valid: Tensor  # (B, R) bool
+    segment: Tensor | None = None  # (R,) causal: each row's projection segment (Eq. 5); None: every query sees every row
+
+
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """The entries ``index`` (B, m) along dim 1 of a (B, L, ...) tensor: (B, m, ...)."""
+    return torch.take_along_dim(x, index.view(index.shape + (1,) * (x.dim() - 2)), dim=1)
 
 
 def _pad_seq(x: Tensor, left: int, right: int) -> Tensor:
@@ -201,6 +243,8 @@ class LongShortSelfAttention(nn.Module):
         attention_dropout: dropout on the joint attention probabilities.
         bias: biases on the query/key/value/output projections.
         layer_norm_eps: epsilon of the DualLN layers.
+        global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
+            ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
     """
 
     def __init__(
@@ -217,6 +261,7 @@ class LongShortSelfAttention(nn.Module):
         attention_dropout: float = 0.0,
         bias: bool = True,
         layer_norm_eps: float = 1e-5,
+        global_projections: bool = False,
     ):
         super().__init__()
         validate_long_short_args(
@@ -246,6 +291,13 @@ class LongShortSelfAttention(nn.Module):
         self.output = nn.Linear(hidden_size, hidden_size, bias=bias)
         # W^P of Eq. 3: r score columns per head, computed from the layer input.
         self.dynamic_projection = nn.Linear(hidden_size, num_heads * projection_rank) if projection_rank else None
+        if global_projections:
+            if causal:
+                raise ValueError("global_projections serve global tokens, which only bidirectional attention has; "
+                                 "leave it False with causal=True.")
+            self.global_query = nn.Linear(hidden_size, qk_width, bias=bias)
+            self.global_key = nn.Linear(hidden_size, qk_width, bias=bias)
+            self.global_value = nn.Linear(hidden_size, hidden_size, bias=bias)
         if use_dual_ln:
             self.dual_ln_local = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
             self.dual_ln_global = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
@@ -264,26 +316,32 @@ class LongShortSelfAttention(nn.Module):
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
-    def _project(self, scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int):
-        """Eq. 3 / Eq. 5: softmax of ``X W^P`` over each segment of ``segment`` tokens (float32, padding excluded),
-        then ``K_bar = P^T LN_L(K)``. scores (B, S*segment, H, r) -> rows (B, S*r, H, d) and their validity."""
+    def _project(self, scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int) -> ExtraKeys:
+        """Eq. 3 / Eq. 5 (``project_rows``) on each segment of ``segment`` tokens, then ``LN_G``: scores
+        (B, S*segment, H, r), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows, segment-major."""
         B, n, H, r = scores.shape
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        scores = scores.masked_fill(~valid[:, :, None, None], torch.finfo(scores.dtype).min)
-        prob = scores.view(B, n // segment, segment, H, r).softmax(dim=2).to(keys.dtype)
-        seg_k = keys.view(B, n // segment, segment, H, -1)
-        seg_v = values.view(B, n // segment, segment, H, -1)
-        rows_k = torch.einsum("bslhr,bslhd->bsrhd", prob, seg_k).flatten(1, 2)
-        rows_v = torch.einsum("bslhr,bslhd->bsrhd", prob, seg_v).flatten(1, 2)
-        rows_valid = valid.view(B, n // segment, segment).any(-1).repeat_interleave(r, dim=1)
-        return rows_k, rows_v, rows_valid
+        S = n // segment
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, need_weights: bool, layout: tuple):
+        def heads_first(x):  # (B, n, H, c) -> (B, S, H, segment, c)
+            return x.view(B, S, segment, H, -1).transpose(2, 3)
+
+        seg_valid = valid.view(B, S, segment)
+        rows = project_rows(heads_first(scores).transpose(-1, -2), heads_first(keys), heads_first(values), seg_valid)
+        rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
+        return ExtraKeys(
+            keys=self._dual_ln(rows_k, "global", is_key=True),
+            values=self._dual_ln(rows_v, "global", is_key=False),
+            valid=seg_valid.any(-1).repeat_interleave(r, dim=1),
+        )
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, need_weights: bool, layout: tuple | None = None
+    ):
         """One softmax per query over all its keys. q (B', H, Q, d), k/v (B', H, K, d), keep (B', 1, Q|1, K).
 
         With ``need_weights``, ``layout = (to_maps, from_maps)`` turns the probabilities into the caller's maps and
-        back: the output is computed from the returned maps themselves, so a gradient taken at them (attribution,
-        ``retain_grad``) is the output's."""
+        back (none: the maps are the probabilities): the output is computed from the returned maps themselves, so a
+        gradient taken at them (attribution, ``retain_grad``) is the output's."""
         dropout = self.attention_dropout if self.training else 0.0
         if not need_weights:
             return F.scaled_dot_product_attention(
@@ -292,8 +350,9 @@ class LongShortSelfAttention(nn.Module):
         dtype = torch.promote_types(q.dtype, torch.float32)
         scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         prob = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-        maps = layout[0](F.dropout(prob, dropout, self.training))
-        return (layout[1](maps).to(v.dtype) @ v.to(q.dtype)).to(q.dtype), maps
+        maps = F.dropout(prob, dropout, self.training)
+        maps = layout[0](maps) if layout else maps
+        return ((layout[1](maps) if layout else maps).to(v.dtype) @ v.to(q.dtype)).to(q.dtype), maps
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -301,6 +360,7 @@ class LongShortSelfAttention(nn.Module):
         hidden_states: Tensor,
         attention_mask: Tensor | None = None,
         *,
+        global_attention_mask: Tensor | None = None,
         cls_hidden: Tensor | None = None,
         state: CausalState | None = None,
         output_attentions: bool = False,
@@ -308,13 +368,26 @@ class LongShortSelfAttention(nn.Module):
         """Args:
             hidden_states: (B, n, d); with ``state``, the n new tokens that follow ``state.seen`` earlier ones.
             attention_mask: (B, n) with 1/True for real tokens (a longer mask's last n columns are used).
+            global_attention_mask: (B, n) with 1/True for global tokens (bidirectional; Longformer's meaning; a padded
+                token is never global). Every other token sees a global token's key/value ``LN_G(x W_K)``,
+                ``LN_G(x W_V)`` (the official LRA cls key) beside the projected rows, in its one softmax; the window
+                segments are laid out over the other tokens in their order and the projection (Eq. 3) pools them only,
+                so a global token is seen once. A global token attends in one softmax to every real token's
+                ``LN_L`` key (itself included; with ``global_projections`` its own projections) and the projected
+                rows. Work O(n (2w + r + k)) for k global tokens; no n x n tensor.
             cls_hidden: (B, 1, d) global token (bidirectional): it joins the projected keys and attends to the
-                other tokens' outputs (official LRA/vision "post-CLS"); the output then has 1 + n rows.
+                other tokens' outputs (official LRA/vision "post-CLS"); the output then has 1 + n rows. Not with
+                ``global_attention_mask``.
             state: ``CausalState`` to read and extend (causal decoding).
             output_attentions: also return the joint probabilities, (B, H, n, R + S): for each query its weights
                 over the R projected rows (cls first; causal: all finished segments' rows) and then the S window
                 keys of its segment in position order (bidirectional S = w + 2e; causal S = 2w, or the whole cached
-                window when fewer than w tokens are fed).
+                window when fewer than w tokens are fed). With global tokens, K the most global tokens of a sample in
+                the batch, (B, H, n, K + R + S + K): columns [the global tokens' keys | R projected rows | S window
+                keys | the weights that the K global tokens' queries give this token]; a sample with k < K global
+                tokens has them, in position order, in the last k of each K block. A global token's row holds its
+                weights over the global tokens and the projected rows (window columns 0); its weight on another token
+                t sits in row t's last K columns (Longformer's ``global_attentions``, transposed).
 
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
@@ -338,6 +411,21 @@ class LongShortSelfAttention(nn.Module):
             raise ValueError("state (decoding cache) is only supported by causal attention (causal=True).")
         if cls_hidden is not None and self.qk_head_dim != self.head_dim:
             raise ValueError("cls_hidden needs qk_head_dim == head_dim: the cls query attends to the token outputs.")
+        is_global = None
+        if global_attention_mask is not None:
+            if self.causal:
+                raise ValueError(
+                    "global_attention_mask needs bidirectional attention: a causal token cannot attend to every "
+                    "token. Pass global_attention_mask=None to a causal model."
+                )
+            if cls_hidden is not None:
+                raise ValueError("Pass either cls_hidden (official post-CLS token) or global_attention_mask, not both.")
+            if tuple(global_attention_mask.shape) != (B, n):
+                raise ValueError(
+                    f"global_attention_mask must have shape (batch, tokens) = {(B, n)}, with 1 for global tokens; "
+                    f"got {tuple(global_attention_mask.shape)}."
+                )
+            is_global = (global_attention_mask.to(device=hidden_states.device) > 0) & valid
 
         q = self._split(self.query(hidden_states))
         k = self._dual_ln(self._split(self.key(hidden_states)), "local", is_key=True)
@@ -347,54 +435,109 @@ class LongShortSelfAttention(nn.Module):
             state = state if state is not None else CausalState()
             context, attn = self._causal(q, k, v, scores, valid, masked, state, output_attentions)
         else:
-            context, attn = self._bidirectional(q, k, v, scores, valid, masked, cls_hidden, output_attentions)
+            context, attn = self._bidirectional(
+                hidden_states=hidden_states, q=q, k=k, v=v, scores=scores, valid=valid, masked=masked,
+                cls_hidden=cls_hidden, is_global=is_global, need_weights=output_attentions,
+            )
         return self.output(context.flatten(2)), attn
 
-    def _bidirectional(self, q, k, v, scores, valid, masked, cls_hidden, need_weights):
+    def _global_keys(self, hidden: Tensor, valid: Tensor) -> ExtraKeys:
+        """Global tokens (B, k, d) as every token sees them: ``LN_G`` of their raw key/value (official LRA cls)."""
+        return ExtraKeys(
+            keys=self._dual_ln(self._split(self.key(hidden)), "global", is_key=True),
+            values=self._dual_ln(self._split(self.value(hidden)), "global", is_key=False),
+            valid=valid,
+        )
+
+    def _bidirectional(self, *, hidden_states, q, k, v, scores, valid, masked, cls_hidden, is_global, need_weights):
         B, n = q.shape[:2]
-        rows = []  # (keys, values, valid) blocks of the projected set, cls first
-        if cls_hidden is not None:  # the raw cls key/value joins the projected rows (official code)
-            rows.append((self._split(self.key(cls_hidden)), self._split(self.value(cls_hidden)), valid.new_ones(B, 1)))
-        if self.projection_rank:
-            rows.append(self._project(scores, k, v, valid, segment=n))
-        if rows:
-            rows_k, rows_v, rows_valid = (torch.cat(block, 1) for block in zip(*rows))
-            rows = (
-                self._dual_ln(rows_k, "global", is_key=True),
-                self._dual_ln(rows_v, "global", is_key=False),
-                rows_valid,
-                None,
-            )
+        K = int(is_global.sum(1).max()) if is_global is not None else 0
+        local = valid
+        if K:  # the other tokens first, in their order, then the global ones (the window and projection skip them)
+            order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
+            q, k, v, valid, is_global = (_take(x, order) for x in (q, k, v, valid, is_global))
+            scores = _take(scores, order) if scores is not None else None
+            local = valid & ~is_global
+        extra = []  # global tokens' keys first, then the projected rows
+        if cls_hidden is not None:
+            extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
+        if K:
+            extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
+        projected = self._project(scores, k, v, local, segment=n) if self.projection_rank else None
+        if projected is not None:
+            extra.append(projected)
+        if extra:  # one set: global keys, then projected rows
+            extra = ExtraKeys(**{name: torch.cat([getattr(part, name) for part in extra], 1)
+                                 for name in ("keys", "values", "valid")})
         else:
-            rows = None
-        if not self.window_size:  # projection only: no window keys
-            k, v, valid_keys = k[:, :0], v[:, :0], valid[:, :0]
-        else:
-            valid_keys = valid
-        q_valid = valid if masked else None
-        context, attn = self._attend_groups(q, q_valid, 0, k, v, valid_keys, 0, rows, need_weights)
+            extra = None
+        width = n if self.window_size else 0  # projection only: no window keys
+        context, attn = self._attend_groups(
+            q=q, q_valid=local if masked or K else None, q_start=0, k=k[:, :width], v=v[:, :width],
+            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights,
+        )
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
+        if K:
+            context, attn = self._global_output(
+                hidden_states=hidden_states, order=order, q=q, k=k, v=v, valid=valid, is_global=is_global, count=K,
+                projected=projected, context=context, attn=attn,
+            )
+            inverse = torch.argsort(order, dim=1)
+            context = _take(context, inverse)
+            attn = torch.take_along_dim(attn, inverse[:, None, :, None], dim=2) if attn is not None else None
         return context, attn
 
-    def _attend_groups(self, q, q_valid, q_start, k, v, k_valid, k_start, rows, need_weights):
-        """Queries at positions ``[q_start, q_start + m)`` attend to [projected rows; window keys] in one softmax.
+    def _global_output(self, *, hidden_states, order, q, k, v, valid, is_global, count, projected, context, attn):
+        """In the token ``order`` of ``_bidirectional`` the last ``count`` slots hold the global tokens: each attends
+        to the projected rows and every real token in one softmax. Returns the context with their rows replaced and
+        the probabilities laid out as ``forward`` documents (all in that order)."""
+        n, K = q.shape[1], count
+        g_valid = is_global[:, n - K :]
+        if hasattr(self, "global_query"):
+            hidden_states = _take(hidden_states, order)
+            q_g = self._split(self.global_query(hidden_states[:, n - K :]))
+            k = self._dual_ln(self._split(self.global_key(hidden_states)), "local", is_key=True)
+            v = self._dual_ln(self._split(self.global_value(hidden_states)), "local", is_key=False)
+        else:
+            q_g = q[:, n - K :]
+        R = projected.keys.shape[1] if projected is not None else 0
+        if R:
+            k, v, valid = (torch.cat(pair, 1) for pair in ((projected.keys, k), (projected.values, v),
+                                                             (projected.valid, valid)))
+        keep = valid[:, None, None, :]
+        keep = keep | ~keep.any(-1, keepdim=True)  # a sample of padding only: finite, discarded
+        out, prob = self._attend(q_g.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, attn is not None)
+        rows = g_valid[:, :, None, None]
+        context = torch.cat([context[:, : n - K], torch.where(rows, out.transpose(1, 2), context[:, n - K :])], 1)
+        if attn is None:
+            return context, None
+        g_cols = g_valid[:, None, None, :].to(prob.dtype)
+        tail = prob[..., R:].transpose(-1, -2) * g_cols * (~is_global)[:, None, :, None]  # (B, H, n, K)
+        own = torch.cat([prob[..., R + n - K :] * g_cols, prob[..., :R]], -1)  # (B, H, K, K + R)
+        own = F.pad(own, (0, attn.shape[-1] - K - R))
+        own = torch.where(g_valid[:, None, :, None], own.to(attn.dtype), attn[:, :, n - K :])
+        attn = torch.cat([torch.cat([attn[:, :, : n - K], own], 2), tail.to(attn.dtype)], -1)
+        return context, attn
 
-        q (B, m, H, d_qk), q_valid (B, m) or None when all are valid; k/v (B, L, H, d) window keys of positions ``[k_start, k_start + L)`` and
-        k_valid (B, L); rows = (rows_k (B, R, H, d_qk), rows_v, rows_valid (B, R), rows_segment (R,) or None for
-        rows that every query sees) or None. Queries are grouped by window segment, each group seeing its window tile
-        (the fast path), except for fewer than ``w`` causal queries (a decoding step): they see all keys, masked.
-        Returns the context (B, m, H, d_v), zero for invalid queries, and the probabilities (B, H, m, R + S) if asked.
+    def _attend_groups(self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights):
+        """Queries at positions ``[q_start, q_start + m)`` attend to [extra keys; window keys] in one softmax.
+
+        q (B, m, H, d_qk), q_valid (B, m) or None when all are valid; k/v (B, L, H, d) window keys of positions
+        ``[k_start, k_start + L)`` and k_valid (B, L); ``extra``: the R global/projected keys, or None. Queries are
+        grouped by window segment, each group seeing its window tile (the fast path), except for fewer than ``w``
+        causal queries (a decoding step): they see all keys, masked. Returns the context (B, m, H, d_v), zero for
+        invalid queries, and the probabilities (B, H, m, R + S) if asked.
         """
         B, m, H, _ = q.shape
         w, L = self.window_size, k.shape[1]
-        R = rows[0].shape[1] if rows is not None else 0
+        R = extra.keys.shape[1] if extra is not None else 0
         device = q.device
         if w and (m >= w or not self.causal):
             first = q_start // w
             groups = -(-(q_start + m) // w) - first
             skip = q_start - first * w
-            before, after = (w, 0) if self.causal else ((max(w // 2, 1),) * 2)
+            before, after = (w, 0) if self.causal else ((window_extent(w),) * 2)
             k_pos, index = _window_index(first, groups, w, before, after, k_start, L)
             q_pos = (torch.arange(first * w, (first + groups) * w)).view(groups, w)
         else:
@@ -405,15 +548,16 @@ class LongShortSelfAttention(nn.Module):
         Q = q_pos.shape[1]
         k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
 
-        # Keys and values of every group, projected rows first, each gathered in one copy: (B, G * (R + S), H, d).
-        keys, values, key_valid = (_gather(rows[i] if R else None, x, index) for i, x in enumerate((k, v, k_valid)))
+        # Keys and values of every group, extra keys first, each gathered in one copy: (B, G * (R + S), H, d).
+        rows = (extra.keys, extra.values, extra.valid) if R else (None, None, None)
+        keys, values, key_valid = (_gather(part, x, index) for part, x in zip(rows, (k, v, k_valid)))
         S = R + index.shape[1]
         keep = key_valid.view(B, groups, 1, S)
         if L:  # window rule (per query when causal; the tile already bounds a bidirectional window)
             rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
             keep = keep & torch.cat([rule.new_ones(rule.shape[:-1] + (R,)), rule], -1)
-        if R and rows[3] is not None:  # causal rows: only finished segments before the query's own (Eq. 5)
-            seen = segment_keep(q_pos, rows[3], self.segment_length)
+        if R and extra.segment is not None:  # causal rows: only finished segments before the query's own (Eq. 5)
+            seen = segment_keep(q_pos, extra.segment, self.segment_length)
             keep = keep & torch.cat([seen, seen.new_ones(seen.shape[:-1] + (S - R,))], -1)
         # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed below.
         keep = keep | ~keep.any(-1, keepdim=True)
@@ -467,22 +611,22 @@ class LongShortSelfAttention(nn.Module):
             seg_start, done = (p0 // l) * l, (end // l) * l
             if done > seg_start:
                 span = slice(seg_start - k_start, done - k_start)
-                new_k, new_v, new_valid = self._project(
+                new_k, new_v, new_valid, _ = self._project(
                     all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l
                 )
-                new_k = self._dual_ln(new_k, "global", is_key=True)
-                new_v = self._dual_ln(new_v, "global", is_key=False)
                 if rows_k is not None:
                     new_k, new_v, new_valid = (
                         torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))
                     )
                 rows_k, rows_v, rows_valid = new_k, new_v, new_valid
             pending = all_scores[:, done - seg_start :]
-        rows = None
+        extra = None
         if rows_k is not None:
-            rows = (rows_k, rows_v, rows_valid, torch.arange(rows_k.shape[1], device=q.device) // r)
-        q_valid = valid if masked else None
-        context, attn = self._attend_groups(q, q_valid, p0, k_all, v_all, valid_all, k_start, rows, need_weights)
+            extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
+        context, attn = self._attend_groups(
+            q=q, q_valid=valid if masked else None, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start,
+            extra=extra, need_weights=need_weights,
+        )
 
         # Keep the keys of the current and the previous window segment, and the unfinished segment's scores.
         keep_from = max(0, (end // w - 1) * w)

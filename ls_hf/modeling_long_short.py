@@ -71,6 +71,32 @@ def roberta_position_ids(
     return ((real.cumsum(1) + earlier) * real + padding_idx)[:, -n:]
 
 
+def first_token_global(reference: torch.Tensor) -> torch.Tensor:
+    """Longformer's default for classification: the first token (``<s>``) global. reference (B, n, ...) -> (B, n)."""
+    mask = torch.zeros(reference.shape[:2], dtype=torch.long, device=reference.device)
+    mask[:, 0] = 1
+    return mask
+
+
+def question_global_mask(input_ids: torch.Tensor, sep_token_id: int | None) -> torch.Tensor:
+    """Longformer's default for question answering: the tokens before the first separator (``<s>`` and the question
+    of ``<s> question </s></s> context </s>``) global. input_ids (B, n) -> (B, n)."""
+    if sep_token_id is None:
+        raise ValueError(
+            "config.sep_token_id is None, so the question tokens cannot be found; set it (RoBERTa's is 2) or pass "
+            "global_attention_mask."
+        )
+    is_sep = input_ids == sep_token_id
+    if not is_sep.any(1).all():
+        rows = (~is_sep.any(1)).nonzero().flatten().tolist()
+        raise ValueError(
+            f"input_ids rows {rows} hold no separator token (sep_token_id={sep_token_id}), so the question tokens "
+            f"cannot be found; encode question and context as a pair, or pass global_attention_mask."
+        )
+    first = is_sep.int().argmax(1)
+    return (torch.arange(input_ids.shape[1], device=input_ids.device) < first[:, None]).long()
+
+
 def require_bidirectional(model_class: type, config: LongShortConfig, reason: str) -> None:
     """Raise ``ValueError`` if ``config`` is causal; ``reason`` says why ``model_class`` needs bidirectional
     attention."""
@@ -125,9 +151,11 @@ class LongShortAttention(nn.Module):
         self.self = LongShortSelfAttention(**config.attention_kwargs(layer_idx))
         self.output = LongShortSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, state=None, output_attentions=False):
+    def forward(self, hidden_states, attention_mask=None, state=None, output_attentions=False,
+                global_attention_mask=None):
         context, attentions = self.self(
-            hidden_states, attention_mask, state=state, output_attentions=output_attentions
+            hidden_states, attention_mask, global_attention_mask=global_attention_mask, state=state,
+            output_attentions=output_attentions,
         )
         return self.output(context, hidden_states), attentions
 
@@ -163,9 +191,12 @@ class LongShortLayer(GradientCheckpointingLayer):
         self.intermediate = LongShortIntermediate(config)
         self.output = LongShortOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
+                global_attention_mask=None, **kwargs):
         state = past_key_values.layers[self.layer_idx].state if past_key_values is not None else None
-        attention_output, _ = self.attention(hidden_states, attention_mask, state, output_attentions)
+        attention_output, _ = self.attention(
+            hidden_states, attention_mask, state, output_attentions, global_attention_mask=global_attention_mask
+        )
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -174,11 +205,13 @@ class LongShortEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([LongShortLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False):
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
+                global_attention_mask=None):
         for layer in self.layer:
             # hidden_states positionally, for reentrant gradient checkpointing
             hidden_states = layer(
-                hidden_states, attention_mask, past_key_values=past_key_values, output_attentions=output_attentions
+                hidden_states, attention_mask, past_key_values=past_key_values, output_attentions=output_attentions,
+                global_attention_mask=global_attention_mask,
             )
         return hidden_states
 
@@ -313,7 +346,10 @@ class LongShortModel(LongShortPreTrainedModel):
     projected rows (r per head; causal: r per finished segment of l tokens) followed by its S window keys
     (bidirectional S = w + 2 * max(w // 2, 1), i.e. 2w for even w; causal S = 2w, or all n keys when fewer than w
     tokens are fed; in a cached decoding step the cached window). Padded queries output the attention output bias.
-    LongShort has no user-set global tokens: the dynamic projection is the global part. Inputs of any length up to
+    With ``global_attention_mask`` (bidirectional models; Longformer's meaning, 1 = global) every token also sees the
+    global tokens, which attend to every token; the attentions then are (B, H, n, K + R + S + K) for K the most global
+    tokens of a sample: [global keys | projected rows | window keys | the weights the global tokens' queries give this
+    token] (``LongShortSelfAttention.forward`` spells it out). Inputs of any length up to
     ``config.max_input_length`` work (the attention pads internally); window segments are counted from the first
     column, so pad on the right.
     """
@@ -336,14 +372,15 @@ class LongShortModel(LongShortPreTrainedModel):
     @capture_outputs
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        past_key_values=None, use_cache=None, **kwargs,
+        past_key_values=None, use_cache=None, global_attention_mask=None, **kwargs,
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
         ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n columns mask the keys.
         Without ``position_ids``, positions follow ``roberta_position_ids``: counted over the real tokens that the
         mask marks (else the ids that are not ``pad_token_id``), the same in a full forward, a cached step and
-        ``generate``."""
+        ``generate``. global_attention_mask (B, n): 1 for global tokens (bidirectional models only; none by default
+        here, the heads set Longformer's defaults)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
         if past_key_values is not None and not isinstance(past_key_values, LongShortCache):
@@ -363,6 +400,18 @@ class LongShortModel(LongShortPreTrainedModel):
                 f"attention_mask must have shape (batch, new tokens) = {(batch, n)}{with_cache}, with 1 for real "
                 f"tokens; got {tuple(attention_mask.shape)}."
             )
+        if global_attention_mask is not None:
+            if self.config.is_decoder:
+                raise ValueError(
+                    "global_attention_mask needs bidirectional attention, but this model is causal (is_decoder=True): "
+                    "a causal token cannot attend to every token. Drop global_attention_mask, or load the model with "
+                    "is_decoder=False."
+                )
+            if tuple(global_attention_mask.shape) != (batch, n):
+                raise ValueError(
+                    f"global_attention_mask must have shape (batch, tokens) = {(batch, n)}, with 1 for global tokens; "
+                    f"got {tuple(global_attention_mask.shape)}."
+                )
         if length > self.config.max_input_length:
             raise ValueError(
                 f"Input length {length} exceeds the {self.config.max_input_length} tokens this model's position table "
@@ -382,7 +431,9 @@ class LongShortModel(LongShortPreTrainedModel):
         hidden_states = self.embeddings(
             position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
         )
-        hidden_states = self.encoder(hidden_states, attention_mask, past_key_values, output_attentions)
+        hidden_states = self.encoder(
+            hidden_states, attention_mask, past_key_values, output_attentions, global_attention_mask=global_attention_mask
+        )
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
@@ -419,12 +470,14 @@ class LongShortForMaskedLM(LongShortLanguageModel):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, **kwargs,
+        labels=None, global_attention_mask=None, **kwargs,
     ):
-        """labels (B, n): token ids to predict, -100 where no loss is taken."""
+        """labels (B, n): token ids to predict, -100 where no loss is taken. global_attention_mask (B, n): 1 for global
+        tokens (none by default)."""
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
+            return_dict=True, **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
@@ -526,12 +579,16 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, **kwargs,
+        labels=None, global_attention_mask=None, **kwargs,
     ):
-        """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa)."""
+        """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa). global_attention_mask
+        (B, n): 1 for global tokens; by default the first token (Longformer's)."""
+        if global_attention_mask is None:
+            global_attention_mask = first_token_global(input_ids if input_ids is not None else inputs_embeds)
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
+            return_dict=True, **kwargs,
         )
         logits = self.classifier(outputs.last_hidden_state)
         loss = None
@@ -560,12 +617,14 @@ class LongShortForTokenClassification(LongShortPreTrainedModel):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, **kwargs,
+        labels=None, global_attention_mask=None, **kwargs,
     ):
-        """labels (B, n): class ids, -100 where no loss is taken."""
+        """labels (B, n): class ids, -100 where no loss is taken. global_attention_mask (B, n): 1 for global tokens
+        (none by default)."""
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
+            return_dict=True, **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
@@ -586,12 +645,17 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        start_positions=None, end_positions=None, **kwargs,
+        start_positions=None, end_positions=None, global_attention_mask=None, **kwargs,
     ):
-        """start_positions / end_positions (B,): the answer span's token indices."""
+        """start_positions / end_positions (B,): the answer span's token indices. global_attention_mask (B, n): 1 for
+        global tokens; by default, from input_ids, the question (every token before the first ``sep_token_id``, as
+        Longformer); with inputs_embeds and no mask, none."""
+        if global_attention_mask is None and input_ids is not None and not self.config.is_decoder:
+            global_attention_mask = question_global_mask(input_ids, self.config.sep_token_id)
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
+            return_dict=True, **kwargs,
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         loss = None
@@ -618,21 +682,25 @@ class LongShortForMultipleChoice(LongShortPreTrainedModel):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, **kwargs,
+        labels=None, global_attention_mask=None, **kwargs,
     ):
-        """Inputs (B, C, n) (inputs_embeds (B, C, n, d)) for C choices; labels (B,): the right choice."""
+        """Inputs (B, C, n) (inputs_embeds (B, C, n, d)) for C choices; labels (B,): the right choice.
+        global_attention_mask (B, C, n): 1 for global tokens; by default each choice's first token."""
         first = input_ids if input_ids is not None else inputs_embeds
         num_choices = first.shape[1]
+        if global_attention_mask is None:
+            global_attention_mask = first_token_global(first.flatten(0, 1)).view(first.shape[:3])
 
         def flat(x):
             return x.flatten(0, 1) if x is not None else None
 
         outputs = self.long_short(
-            flat(input_ids),
+            input_ids=flat(input_ids),
             attention_mask=flat(attention_mask),
             token_type_ids=flat(token_type_ids),
             position_ids=flat(position_ids),
             inputs_embeds=flat(inputs_embeds),
+            global_attention_mask=flat(global_attention_mask),
             return_dict=True,
             **kwargs,
         )

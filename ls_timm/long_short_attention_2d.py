@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ls_hf.long_short_attention import project_rows, window_extent
+
 from .conv_layers import ConvBn, StdConv2d
 
 __all__ = ["LongShortAttention2d", "WindowLayout", "validate_ls_2d_args", "window_keep_2d", "window_layout"]
@@ -64,9 +66,9 @@ def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int
     """Whether the query at 2-D position ``q_yx[..., i, :]`` sees the key at ``k_yx[..., j, :]``: (..., Q, K) bool.
 
     A query in block ``(y // w, x // w)`` sees keys whose coordinates lie in ``[s - e, s + w + e)`` per axis, with
-    ``s`` the block start and ``e = max(w // 2, 1)``, and inside the ``size = (H, W)`` map.
+    ``s`` the block start and ``e = window_extent(w)``, and inside the ``size = (H, W)`` map.
     """
-    ext = max(window // 2, 1)
+    ext = window_extent(window)
     q = q_yx.unsqueeze(-2)
     k = k_yx.unsqueeze(-3)
     start = torch.div(q, window, rounding_mode="floor") * window
@@ -116,7 +118,7 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
     ``LongShortAttention2d._strip_view`` for the key slots. Built outside inference mode, so that a layout first made
     there serves training too."""
     (H, W), w = feat_size, window
-    e = max(w // 2, 1)
+    e = window_extent(w)
     with torch.inference_mode(False):
         if blocked:
             starts = _grid(-(-H // w), -(-W // w), device).view(-1, 1, 2) * w  # block starts (G, 1, 2)
@@ -273,9 +275,8 @@ class LongShortAttention2d(nn.Module):
         # the scores X W^P computed transposed, (B, heads * r, HW), so that the softmax over HW runs on contiguous rows
         weight, bias = self.dynamic_proj.weight, self.dynamic_proj.bias
         scores = torch.baddbmm(bias[:, None], weight.expand(patches.shape[0], -1, -1), patches.transpose(1, 2))
-        prob = scores.unflatten(1, (self.num_heads, -1)).softmax(-1, dtype=torch.float32)  # (B, heads, r, HW)
-        rows_k = (prob @ self._heads(k).float()).to(k.dtype).transpose(1, 2).flatten(2)
-        rows_v = (prob @ self._heads(v).float()).to(v.dtype).transpose(1, 2).flatten(2)
+        rows_k, rows_v = (rows.transpose(1, 2).flatten(2) for rows in project_rows(
+            scores.unflatten(1, (self.num_heads, -1)), self._heads(k), self._heads(v)))  # (B, heads, r, HW) scores
         ln_k = self.dual_ln_global if self.dual_ln_global_k is None else self.dual_ln_global_k
         return ln_k(rows_k), self.dual_ln_global(rows_v)
 

@@ -3,153 +3,31 @@
     python -m recipes.finetune_imdb --model_name_or_path roberta-ls-base --output_dir imdb-ls \\
         --do_train --do_eval --do_predict --bf16
 
-Data: ``load_dataset("stanfordnlp/imdb")`` by default, or local CSV/JSON files with text,label columns
-(``--train_file``, ``--validation_file``, ``--test_file``). The best epoch is chosen on validation data: IMDb has no
-validation split, so ``--validation_split_percentage`` (5) of the training reviews are held out (fixed seed);
-``--do_predict`` then scores the kept model once on the test split (``test_accuracy``, what the paper reports).
-Accuracy comes from ``evaluate``'s metric when it can be loaded, the same computation locally otherwise. The kept
-model is saved to ``--output_dir``; an interrupted run resumes from its last checkpoint. Runs under
-``accelerate launch`` as is.
+A preset of ``recipes.finetune_classification`` (same arguments): ``load_dataset("stanfordnlp/imdb")`` by default,
+or local CSV/JSON files with text,label columns (``--train_file``, ``--validation_file``, ``--test_file``). The best
+epoch is chosen on validation data: IMDb has no validation split, so ``--validation_split_percentage`` (5) of the
+training reviews are held out (fixed seed); ``--do_predict`` then scores the kept model once on the test split
+(``test_accuracy``, what the paper reports).
 """
 
 from dataclasses import dataclass, field
 
-from datasets import ClassLabel
-from transformers import (
-    AutoModelForSequenceClassification,
-    DataCollatorWithPadding,
-    Trainer,
-    TrainingArguments,
-    set_seed,
-)
+from recipes.common import cli
+from recipes.finetune_classification import ClassificationDataArguments, accuracy_metric, finetune
 
-import ls_hf  # noqa: F401  (registers LongShort with the Auto classes)
-from recipes.common import (
-    DataArguments,
-    ModelArguments,
-    UsageError,
-    checkpoint_to_resume,
-    cli,
-    finish,
-    load_data,
-    logger,
-    max_tokens,
-    parse_args,
-    setup_logging,
-)
+__all__ = ["ImdbDataArguments", "accuracy_metric", "main"]
 
 
 @dataclass
-class ImdbDataArguments(DataArguments):
+class ImdbDataArguments(ClassificationDataArguments):
     dataset_name: str | None = field(
         default="stanfordnlp/imdb", metadata={"help": "Hub dataset (ignored when --train_file is given)."}
     )
-    test_file: str | None = field(default=None, metadata={"help": "Local test data for --do_predict (same formats)."})
-    test_split: str = field(default="test", metadata={"help": "Split of --dataset_name that --do_predict scores."})
-    label_column_name: str = field(default="label", metadata={"help": "Column holding the class label."})
-
-    def files(self) -> dict[str, str]:
-        return {**super().files(), **({"test": self.test_file} if self.test_file else {})}
-
-    def hub_splits(self) -> dict[str, str]:
-        return {**super().hub_splits(), "test": self.test_split}
-
-
-@dataclass
-class ImdbTrainingArguments(TrainingArguments):
-    """TrainingArguments with defaults for keeping the best model: evaluate (on the validation data) and save every
-    epoch; --eval_strategy no keeps the last model instead."""
-
-    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate (no, steps, epoch)."})
-    save_strategy: str = field(default="epoch", metadata={"help": "When to save a checkpoint (same choices)."})
-    load_best_model_at_end: bool = field(
-        default=True,
-        metadata={"help": "Keep the checkpoint with the best validation metric (off with --eval_strategy no)."},
-    )
-    metric_for_best_model: str | None = field(default="accuracy", metadata={"help": "Metric choosing the best model."})
-    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one is kept too)."})
-    learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
-
-    def __post_init__(self):
-        if self.eval_strategy == "no":  # nothing to choose the best model by: keep the last one
-            self.load_best_model_at_end = False
-        super().__post_init__()
-
-
-def accuracy_metric():
-    """``(compute_metrics, source)`` for the Trainer. ``evaluate.load("accuracy")`` fetches its script from the Hub
-    (source ``"evaluate"``); when it cannot, the same number, the fraction of argmax predictions equal to the labels,
-    is computed here (source ``"local"``)."""
-    import evaluate
-
-    try:
-        metric = evaluate.load("accuracy")
-    # Script unreachable and not cached: FileNotFoundError (what evaluate turns its ConnectionErrors into), or a
-    # requests error interrupting a download (OSError subclasses); ImportError: scikit-learn, which the script
-    # imports and the recipes do not need, is missing. Anything else is a bug and propagates.
-    except (OSError, ImportError) as err:
-        logger.warning("evaluate's accuracy could not be loaded (%s); computing accuracy locally.", err)
-        return lambda pred: {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}, "local"
-    logger.info("Accuracy computed with evaluate.load('accuracy').")
-    return lambda pred: metric.compute(predictions=pred.predictions.argmax(-1), references=pred.label_ids), "evaluate"
 
 
 @cli
 def main(argv=None) -> dict:
-    model_args, data_args, training_args = parse_args(
-        (ModelArguments, ImdbDataArguments, ImdbTrainingArguments), argv, ("do_train", "do_eval", "do_predict")
-    )
-    setup_logging(training_args)
-    set_seed(training_args.seed)
-
-    text, label = data_args.text_column_name, data_args.label_column_name
-    data = load_data(data_args, [text, label], training_args.do_eval, training_args.do_predict)
-    feature = data["train"].features[label]
-    values = sorted(set(data["train"][label]))
-    if len(values) < 2:
-        raise UsageError(f"the training data holds the single label {values} (--max_train_samples takes the first "
-                         f"rows, which may be sorted by label); a classifier needs at least two.")
-    names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
-    label_ids = {value: i for i, value in enumerate(values)}
-
-    tokenizer, model = model_args.load(
-        AutoModelForSequenceClassification,
-        num_labels=len(values),
-        id2label=dict(enumerate(names)),
-        label2id={name: i for i, name in enumerate(names)},
-    )
-    length = max_tokens(model.config, tokenizer, data_args.max_seq_length)
-
-    def tokenize(batch):
-        unknown = set(batch[label]) - set(label_ids)
-        if unknown:
-            raise UsageError(f"labels {sorted(unknown)} do not occur in the training data (labels: {values}).")
-        encoded = tokenizer(batch[text], truncation=True, max_length=length)
-        encoded["labels"] = [label_ids[value] for value in batch[label]]
-        return encoded
-
-    with training_args.main_process_first(desc="tokenization"):
-        data = data.map(
-            tokenize,
-            batched=True,
-            remove_columns=data["train"].column_names,
-            num_proc=data_args.preprocessing_num_workers,
-            desc="Tokenizing",
-        )
-
-    compute_accuracy, source = accuracy_metric()
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=data["train"] if training_args.do_train else None,
-        eval_dataset=data.get("validation"),
-        processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=compute_accuracy,
-    )
-    checkpoint = checkpoint_to_resume(training_args, model)
-    computed_by = {"accuracy_computed_by": source}
-    return finish(trainer, training_args, data_args, checkpoint, lambda metrics: computed_by, data.get("test"))
+    return finetune(ImdbDataArguments, argv)
 
 
 if __name__ == "__main__":

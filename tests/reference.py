@@ -19,16 +19,23 @@ def _ln(module, name, x):
     return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
 
-def reference_attention(module, x, mask=None, cls=None):
-    """Long-Short attention of ``module``'s weights on x (B, n, d), one sample at a time."""
+def reference_attention(module, x, mask=None, cls=None, global_mask=None):
+    """Long-Short attention of ``module``'s weights on x (B, n, d), one sample at a time; ``global_mask`` (B, n)
+    marks global tokens."""
     B, n, _ = x.shape
     mask = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
-    outs = [_one(module, x[b], mask[b], None if cls is None else cls[b]) for b in range(B)]
+    glob = torch.zeros(B, n, dtype=torch.bool) if global_mask is None else global_mask.bool() & mask
+    outs = [_one(module, x[b], mask[b], None if cls is None else cls[b], glob[b]) for b in range(B)]
     return torch.stack(outs)
 
 
-def _one(m, x, valid, cls):
+def _one(m, x, valid, cls, glob):
+    """Global tokens: every other token sees LN_G of their raw key/value (first columns); the window counts the other
+    tokens only (a token's window position is how many non-global tokens precede it) and the projection pools them
+    only; a global token attends to the projected rows and every real token's LN_L key."""
     n = x.shape[0]
+    rank = torch.cumsum((~glob).long(), 0) - 1  # window position of each non-global token
+    local = valid & ~glob
     H, w, r = m.num_heads, m.window_size, m.projection_rank
     dq = m.qk_head_dim
     q = m.query(x).view(n, H, dq)
@@ -36,15 +43,15 @@ def _one(m, x, valid, cls):
     v = _ln(m, "dual_ln_local", m.value(x)).view(n, H, -1)
     # Projected rows and which query sees which row.
     rows_k, rows_v, rows_seen = [], [], []  # rows_seen[j](i) -> bool
-    if cls is not None:
-        rows_k.append(m.key(cls).view(1, -1))
-        rows_v.append(m.value(cls).view(1, -1))
+    for g in [cls] if cls is not None else [x[j : j + 1] for j in range(n) if glob[j]]:
+        rows_k.append(m.key(g).view(1, -1))
+        rows_v.append(m.value(g).view(1, -1))
         rows_seen.append(lambda i: True)
     if r:
         scores = m.dynamic_projection(x).view(n, H, r)
         seg_len = m.segment_length if m.causal else n
         for s in range(n // seg_len):
-            pos = [t for t in range(s * seg_len, (s + 1) * seg_len) if valid[t]]
+            pos = [t for t in range(s * seg_len, (s + 1) * seg_len) if local[t]]
             if not pos:
                 continue
             p = scores[pos].softmax(dim=0)  # (|pos|, H, r), softmax over the segment's real tokens (Eq. 3)
@@ -55,13 +62,15 @@ def _one(m, x, valid, cls):
                 rows_v.append(vb[j : j + 1])
                 rows_seen.append((lambda i, s=s: s < i // seg_len) if m.causal else (lambda i: True))
     R = len(rows_k)
+    G = len(rows_k) - (r if r and not m.causal and local.any() else 0)  # the global rows come first
     if R:
         kbar = _ln(m, "dual_ln_global", torch.cat(rows_k)).view(R, H, dq)
         vbar = _ln(m, "dual_ln_global", torch.cat(rows_v)).view(R, H, -1)
 
     def window_sees(i, j):
-        if not valid[j]:
+        if not local[j]:
             return False
+        i, j = rank[i], rank[j]
         seg = (i // w) * w
         if m.causal:
             return seg - w <= j <= i
@@ -70,8 +79,8 @@ def _one(m, x, valid, cls):
 
     context = torch.zeros(n, H, v.shape[-1], dtype=x.dtype)
     for i in range(n):
-        if not valid[i]:
-            continue  # padded queries get context 0
+        if not local[i]:
+            continue  # padded queries get context 0; global ones are below
         cols_k, cols_v = [], []
         for j in range(R):
             if rows_seen[j](i):
@@ -84,6 +93,17 @@ def _one(m, x, valid, cls):
         ks, vs = torch.stack(cols_k, 1), torch.stack(cols_v, 1)  # (H, K, d)
         prob = (torch.einsum("hd,hkd->hk", q[i], ks) / math.sqrt(dq)).softmax(-1)
         context[i] = torch.einsum("hk,hkd->hd", prob, vs)
+    for i in range(n):  # a global token: the projected rows and every real token, one softmax
+        if not glob[i]:
+            continue
+        qp, kp, vp = (getattr(m, "global_" + name, getattr(m, name)) for name in ("query", "key", "value"))
+        qg = qp(x[i]).view(H, dq)
+        kg = _ln(m, "dual_ln_local", kp(x[valid])).view(-1, H, dq)
+        vg = _ln(m, "dual_ln_local", vp(x[valid])).view(-1, H, v.shape[-1])
+        if R > G:
+            kg, vg = torch.cat([kbar[G:], kg]), torch.cat([vbar[G:], vg])
+        prob = (torch.einsum("hd,khd->hk", qg, kg) / math.sqrt(dq)).softmax(-1)
+        context[i] = torch.einsum("hk,khd->hd", prob, vg)
     if cls is not None:  # the cls token attends to its raw key/value and the tokens' contexts
         qc = m.query(cls).view(H, dq)
         kc, vc = m.key(cls).view(1, H, -1), m.value(cls).view(1, H, -1)

@@ -218,11 +218,8 @@ OFFICIAL_NAMES = {
 }
 
 
-@pytest.mark.parametrize("output_attentions", [False, True])
-@pytest.mark.parametrize("case", _fixture_cases())
-def test_official_lra_outputs(case, output_attentions):
-    """``lra/attention_transformer_ls.py`` outputs (seven cases, float64, padding, cls) reproduced after renaming, to
-    1e-6: the official code takes its softmaxes in float32 (up to 6e-7 from float64 ones, its fixture notes)."""
+def _official(case):
+    """The fixture's tensors and a float64 module holding case ``case``'s official weights."""
     from safetensors.torch import load_file
 
     meta = json.loads((FIXTURES / "lra_attention_ls.json").read_text())["cases"][case]
@@ -239,6 +236,15 @@ def test_official_lra_outputs(case, output_attentions):
             official, _, leaf = key[len(prefix) :].rpartition(".")
             state[f"{OFFICIAL_NAMES[official]}.{leaf}"] = value
     module.load_state_dict(state, strict=True)
+    return tensors, module
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+@pytest.mark.parametrize("case", _fixture_cases())
+def test_official_lra_outputs(case, output_attentions):
+    """``lra/attention_transformer_ls.py`` outputs (seven cases, float64, padding, cls) reproduced after renaming, to
+    1e-6: the official code takes its softmaxes in float32 (up to 6e-7 from float64 ones, its fixture notes)."""
+    tensors, module = _official(case)
     with torch.no_grad():
         out, _ = module(
             tensors[f"{case}.x"],
@@ -497,3 +503,157 @@ def test_wrong_inputs_are_refused_clearly(shape, mask_shape, match):
 def test_segment_length_needs_causal():
     with pytest.raises(ValueError, match="segment_length.*only applies to causal attention.*causal=True"):
         LongShortSelfAttention(16, 2, window_size=4, projection_rank=2, segment_length=2)
+
+
+# ------------------------------------------------------------------------------------------ global tokens
+def global_mask(batch: int, n: int, density: float, seed: int) -> torch.Tensor:
+    """A (B, n) 0/1 mask marking about ``density`` of the tokens global (a different count per sample)."""
+    return (torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) < density).long()
+
+
+def assert_global_layout(attn, mask, glob, R):
+    """The documented layout (B, H, n, K + R + S + K): every real non-global row's first K + R + S columns are a
+    distribution; a global token's distribution is its own K + R columns plus its column in the other rows' tail."""
+    B, _, n, C = attn.shape
+    valid = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
+    glob = glob.bool() & valid
+    K = int(glob.sum(1).max())
+    assert (attn >= 0).all()
+    for b in range(B):
+        slots = glob[b].nonzero().flatten().tolist()
+        slot = {t: K - len(slots) + i for i, t in enumerate(slots)}  # the last k of the K columns, position order
+        for t in range(n):
+            if not valid[b, t]:
+                continue
+            if t in slot:
+                total = attn[b, :, t, : K + R].sum(-1) + attn[b, :, :, C - K + slot[t]].sum(-1)
+                assert attn[b, :, t, K + R : C - K].eq(0).all()
+            else:
+                total = attn[b, :, t, : C - K].sum(-1)
+            torch.testing.assert_close(total, torch.ones_like(total), atol=1e-9, rtol=0)
+
+
+@PROPERTY
+@given(
+    dims=heads_and_dims(),
+    window=st.integers(0, 6),
+    rank=st.integers(0, 3),
+    n=st.integers(1, 20),
+    batch=st.integers(1, 3),
+    mask_kind=masks,
+    pad=st.integers(1, 8),
+    density=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
+    global_projections=st.booleans(),
+    output_attentions=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_global_tokens_match_oracle(
+    dims, window, rank, n, batch, mask_kind, pad, density, global_projections, output_attentions, seed
+):
+    """Global tokens (any count per sample, anywhere, with padding) against the dense oracle, float64."""
+    if window == rank == 0:
+        rank = 1
+    module = make(window=window, rank=rank, seed=seed, global_projections=global_projections, **dims)
+    x, _ = inputs(module, batch, n, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed)
+    glob = global_mask(batch, n, density, seed)
+    with torch.no_grad():
+        out, attn = module(x, mask, global_attention_mask=glob, output_attentions=output_attentions)
+        expected = reference_attention(module, x, mask, global_mask=glob)
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    if output_attentions:
+        assert_global_layout(attn, mask, glob, R=rank)
+
+
+def test_no_global_token_is_the_plain_attention():
+    module = make(window=3, rank=2)
+    x, _ = inputs(module, 2, 11)
+    mask = make_mask("right", 2, 11, 4)
+    with torch.no_grad():
+        plain, _ = module(x, mask)
+        none_global, _ = module(x, mask, global_attention_mask=torch.zeros(2, 11))
+        padded_global, _ = module(x, mask, global_attention_mask=1 - mask)  # padding is never global
+    torch.testing.assert_close(none_global, plain, atol=0, rtol=0)
+    torch.testing.assert_close(padded_global, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["b", "e", "f"])  # the cases with a cls embedding
+def test_global_first_token_reproduces_official_cls_keys(case):
+    """The official LRA cls case as one global token at position 0: every other token's output is the official one
+    (the cls key/value ``LN_G(x W)`` beside the projected rows, the window and projection over the other tokens), to
+    1e-6. The cls token's own output differs by design: the official cls attends to the other tokens' *outputs*
+    (``cls_hidden`` keeps that form), a global token to their keys, as a dense attention does (so that a converted
+    RoBERTa keeps its function)."""
+    tensors, module = _official(case)
+    x, mask, cls = (tensors[f"{case}.{name}"] for name in ("x", "mask", "cls"))
+    glob = torch.zeros(x.shape[0], 1 + x.shape[1])
+    glob[:, 0] = 1
+    with torch.no_grad():
+        out, _ = module(torch.cat([cls, x], 1), torch.cat([torch.ones_like(mask[:, :1]), mask], 1),
+                        global_attention_mask=glob)
+    official = tensors[f"{case}.out"]
+    torch.testing.assert_close(out[:, 1:], official[:, 1:], atol=1e-6, rtol=0)
+    assert (out[:, 0] - official[:, 0]).abs().max() > 1e-3
+
+
+@PROPERTY
+@given(window=st.integers(0, 5), rank=st.integers(0, 3), n=st.integers(1, 14), extra=st.integers(1, 9),
+       density=st.sampled_from([0.1, 0.3, 1.0]), seed=st.integers(0, 2**16))
+def test_global_tokens_padding_invariance(window, rank, n, extra, density, seed):
+    """Appending padding (marked global or not) or changing what padded positions hold leaves the real outputs."""
+    if window == rank == 0:
+        window = 1
+    module = make(window=window, rank=rank, seed=seed)
+    x, _ = inputs(module, 1, n + extra, seed)
+    glob = global_mask(1, n + extra, density, seed)
+    mask = torch.cat([torch.ones(1, n), torch.zeros(1, extra)], 1)
+    with torch.no_grad():
+        short, _ = module(x[:, :n], global_attention_mask=glob[:, :n])
+        padded, _ = module(x, mask, global_attention_mask=glob)
+        changed, _ = module(torch.where(mask.bool()[..., None], x, 100 * torch.randn_like(x)), mask,
+                            global_attention_mask=glob)
+    torch.testing.assert_close(padded[:, :n], short, atol=TOL, rtol=0)
+    torch.testing.assert_close(changed, padded, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+@pytest.mark.parametrize("global_projections", [False, True])
+def test_global_tokens_gradients(global_projections, output_attentions):
+    """gradcheck on the input, and every parameter's gradient equal to the oracle's, with two global tokens in one
+    sample and one in the other."""
+    module = make(window=2, rank=2, global_projections=global_projections)
+    x, _ = inputs(module, 2, 9)
+    mask = make_mask("left", 2, 9, 3)
+    glob = torch.zeros(2, 9)
+    glob[0, [0, 5]] = 1
+    glob[1, 4] = 1
+    assert torch.autograd.gradcheck(
+        lambda x: module(x, mask, global_attention_mask=glob, output_attentions=output_attentions)[0],
+        (x.clone().requires_grad_(),), fast_mode=True,
+    )
+    weights = torch.randn(2, 9, module.output.out_features, dtype=torch.float64)
+    grads = []
+    for forward in (
+        lambda: module(x, mask, global_attention_mask=glob, output_attentions=output_attentions)[0],
+        lambda: reference_attention(module, x, mask, global_mask=glob),
+    ):
+        module.zero_grad()
+        (forward() * weights).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for key in grads[0]:
+        torch.testing.assert_close(grads[0][key], grads[1][key], atol=TOL, rtol=0, msg=key)
+
+
+def test_global_tokens_misuse_raises():
+    causal = make(window=2, rank=1, segment_length=1, causal=True)
+    bidirectional = make(window=2, rank=1)
+    x, cls = inputs(causal, 1, 4)
+    with pytest.raises(ValueError, match="global_attention_mask needs bidirectional"):
+        causal(x, global_attention_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"global_attention_mask must have shape \(batch, tokens\) = \(1, 4\)"):
+        bidirectional(x, global_attention_mask=torch.ones(1, 5))
+    with pytest.raises(ValueError, match="either cls_hidden"):
+        bidirectional(x, global_attention_mask=torch.ones(1, 4), cls_hidden=cls)
+    with pytest.raises(ValueError, match="global_projections"):
+        LongShortSelfAttention(8, 2, 2, 1, causal=True, segment_length=1, global_projections=True)

@@ -9,11 +9,28 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer, BertConfig, BertForMaskedLM, RobertaForMaskedLM, RobertaModel
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    BertTokenizer,
+    DistilBertConfig,
+    DistilBertForMaskedLM,
+    ElectraConfig,
+    ElectraForMaskedLM,
+    ElectraForPreTraining,
+    LongformerConfig,
+    LongformerForMaskedLM,
+    RobertaForMaskedLM,
+    RobertaModel,
+)
 
-from ls_hf import LongShortForMaskedLM
+from ls_hf import LongShortForMaskedLM, LongShortModel
 from ls_hf.convert_roberta import convert_roberta, main
-from recipes.tiny import tiny_roberta
+from recipes.tiny import sample_texts, tiny_roberta, train_tokenizer
+
+LENGTHS = [5, 77, 300, 512]  # a batch of these lengths, right-padded to 512
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +60,106 @@ def test_exact_roberta_function_without_new_parts(roberta, tmp_path):
         expected, got = source(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
     real = mask.bool()
     assert (got[real] - expected[real]).abs().max() < 1e-4
+    first = torch.zeros_like(ids)
+    first[:, 0] = 1  # the classification heads' default global token keeps the function
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, global_attention_mask=first).logits
+    assert (got[real] - expected[real]).abs().max() < 1e-4
 
     old = source.roberta.embeddings.position_embeddings.weight
     new = model.long_short.embeddings.position_embeddings.weight
     assert new.shape[0] == 1026
     assert torch.equal(new[:514], old) and torch.equal(new[514:], old[2:])
     assert AutoTokenizer.from_pretrained(out).model_max_length == 1024
+
+
+def bert_tokenizer(folder) -> BertTokenizer:
+    """A WordPiece tokenizer with BERT's special tokens ([PAD] = 0) over the words of the shipped sample."""
+    words = sorted({w for text in sample_texts() for w in text.lower().split() if w.isalpha()})[:300]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    return BertTokenizer(vocab=str(folder / "vocab.txt"))
+
+
+def tiny_source(kind, folder):
+    """A randomly initialised 2-layer source model of ``kind`` (hidden 32, weights at std 0.2 so that a misused input
+    shows) and its tokenizer, saved in ``folder``."""
+    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+              "initializer_range": 0.2}
+    if kind == "longformer":
+        tokenizer = train_tokenizer(sample_texts(), model_max_length=4096)
+        config = LongformerConfig(vocab_size=len(tokenizer), max_position_embeddings=4098, attention_window=1024,
+                                  type_vocab_size=1, pad_token_id=1, sep_token_id=2, **common)
+        model = LongformerForMaskedLM(config)
+    else:
+        tokenizer = bert_tokenizer(folder)
+        if kind == "bert":
+            model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **common))
+        else:
+            model = ElectraForPreTraining(ElectraConfig(vocab_size=len(tokenizer), embedding_size=32,
+                                                        max_position_embeddings=512, **common))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model.eval(), tokenizer
+
+
+def batch(tokenizer, vocab_size, pairs):
+    """Random ids at LENGTHS, right-padded to 512, starting with the cls token; pairs: token types 1 after the middle
+    (BERT sentence pairs)."""
+    torch.manual_seed(0)
+    ids = torch.full((len(LENGTHS), 512), tokenizer.pad_token_id)
+    types = torch.zeros_like(ids)
+    for row, n in enumerate(LENGTHS):
+        ids[row, :n] = torch.randint(5, vocab_size, (n,))
+        ids[row, 0] = tokenizer.cls_token_id
+        if pairs:
+            types[row, n // 2 : n] = 1
+    return ids, ids.ne(tokenizer.pad_token_id).long(), types
+
+
+@pytest.mark.parametrize("kind", ["bert", "electra", "longformer"])
+def test_other_sources_convert_losslessly(kind, tmp_path):
+    """BERT (token types, LayerNorm eps 1e-12, positions from 0), the ELECTRA discriminator (as an encoder) and
+    Longformer (4,096 positions kept, its global projections the global tokens'): with DualLN off, r = 0 and a window
+    covering the input the converted model computes the source's function to 1e-5 at up to 512 tokens, with global
+    tokens (the first token, and for Longformer a few more); no missing or unexpected keys."""
+    source, tokenizer = tiny_source(kind, tmp_path / "src")
+    out = convert_roberta(tmp_path / "src", tmp_path / "ls", max_position_embeddings=4096 if kind == "longformer"
+                          else 1024, window_size=1024, projection_rank=0, use_dual_ln=False, log=lambda _: None)
+    if kind == "electra":  # an encoder without RoBERTa's pooler, which ELECTRA lacks
+        model, info = LongShortModel.from_pretrained(out, add_pooling_layer=False, output_loading_info=True)
+    else:
+        model, info = LongShortForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values())
+    model.eval()
+    ids, mask, types = batch(tokenizer, source.config.vocab_size, pairs=kind == "bert")
+    glob = torch.zeros_like(ids)
+    glob[:, 0] = 1
+    if kind == "longformer":
+        glob[:, 3] = glob[2, 100:110] = 1
+    with torch.no_grad():
+        if kind == "electra":
+            want = source.electra(ids, attention_mask=mask).last_hidden_state
+            have = model(ids, attention_mask=mask, global_attention_mask=glob).last_hidden_state
+        elif kind == "longformer":
+            want = source(ids, attention_mask=mask, global_attention_mask=glob).logits
+            have = model(ids, attention_mask=mask, global_attention_mask=glob).logits
+        else:
+            want = source(ids, attention_mask=mask, token_type_ids=types).logits
+            have = model(ids, attention_mask=mask, token_type_ids=types, global_attention_mask=glob).logits
+    real = mask.bool()
+    scale = want[real].abs().max()
+    assert (have[real] - want[real]).abs().max() <= 1e-5 * max(1.0, scale), (have[real] - want[real]).abs().max()
+    config = model.config
+    assert config.sep_token_id == tokenizer.sep_token_id
+    assert config.global_projections == (kind == "longformer")
+    if kind == "longformer":
+        assert config.max_position_embeddings == 4098
+        torch.testing.assert_close(model.long_short.embeddings.position_embeddings.weight,
+                                   source.longformer.embeddings.position_embeddings.weight, atol=0, rtol=0)
+    else:
+        assert (config.type_vocab_size, config.layer_norm_eps) == (2, 1e-12)
 
 
 def test_default_conversion_initialises_new_parameters(roberta, tmp_path, capsys):
@@ -72,11 +183,22 @@ def test_default_conversion_initialises_new_parameters(roberta, tmp_path, capsys
 
 
 def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
-    bert = tmp_path / "bert"
-    BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=16)).save_pretrained(bert)
-    with pytest.raises(ValueError, match="'bert' checkpoint.*not RoBERTa-family"):
-        convert_roberta(bert, tmp_path / "out")
+    tiny = {"vocab_size": 50, "num_attention_heads": 2}
+    DistilBertForMaskedLM(DistilBertConfig(dim=8, n_layers=1, hidden_dim=16, n_heads=2, vocab_size=50)).save_pretrained(
+        tmp_path / "distilbert")
+    ElectraForPreTraining(ElectraConfig(embedding_size=4, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
+                                        **tiny)).save_pretrained(tmp_path / "electra_small")
+    ElectraForMaskedLM(ElectraConfig(embedding_size=8, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
+                                     **tiny)).save_pretrained(tmp_path / "electra_generator")
+    bert_tokenizer(tmp_path / "electra_generator").save_pretrained(tmp_path / "electra_generator")
+    with pytest.raises(ValueError, match="'distilbert' checkpoint.*converts model types roberta, .*bert, electra"):
+        convert_roberta(tmp_path / "distilbert", tmp_path / "out")
+    with pytest.raises(ValueError, match="embedding_size=4 != hidden_size=8"):
+        convert_roberta(tmp_path / "electra_small", tmp_path / "out")
+    with pytest.raises(ValueError, match="pass an ELECTRA discriminator"):
+        convert_roberta(tmp_path / "electra_generator", tmp_path / "out")
+    for name in ("distilbert", "electra_small", "electra_generator"):
+        shutil.rmtree(tmp_path / name)
     bare = tmp_path / "bare"
     RobertaModel.from_pretrained(roberta).save_pretrained(bare)
     AutoTokenizer.from_pretrained(roberta).save_pretrained(bare)

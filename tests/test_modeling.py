@@ -93,7 +93,14 @@ def head_inputs(model_class, batch=2, length=19):
         LongShortForTokenClassification: {"labels": ids % 3},
         LongShortForQuestionAnswering: {"start_positions": torch.tensor([1, 3]), "end_positions": torch.tensor([4, 5])},
     }.get(model_class, {})
+    if model_class is LongShortForQuestionAnswering:
+        ids[:, 4] = 2  # a separator: the 4 tokens before it are the question, global by default
     return {"input_ids": ids, **labels}
+
+
+# global tokens each head makes by default (Longformer's): the first token, or the question
+DEFAULT_GLOBAL = {LongShortForSequenceClassification: 1, LongShortForMultipleChoice: 1,
+                  LongShortForQuestionAnswering: 4}
 
 
 @pytest.mark.parametrize("model_class, auto_class, output_class, overrides", HEADS, ids=lambda v: getattr(v, "__name__", ""))
@@ -107,11 +114,12 @@ def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, outpu
     B = 2 * (3 if model_class is LongShortForMultipleChoice else 1)
     assert len(outputs.hidden_states) == config.num_hidden_layers + 1
     assert all(h.shape == (B, 19, 32) for h in outputs.hidden_states)
-    # each query: its weights over R projected rows, then S window keys
+    # each query: its weights over K global keys, R projected rows, S window keys, then (K) the global queries' weights
     R = 2 * (19 // 2) if config.is_decoder else 3  # causal: r rows per finished segment of l = 2
     S = 2 * 4
-    assert [a.shape for a in outputs.attentions] == [(B, 4, 19, R + S)] * 2
-    torch.testing.assert_close(outputs.attentions[0].sum(-1), torch.ones(B, 4, 19))
+    K = DEFAULT_GLOBAL.get(model_class, 0)
+    assert [a.shape for a in outputs.attentions] == [(B, 4, 19, K + R + S + K)] * 2
+    torch.testing.assert_close(outputs.attentions[0][:, :, K:, : K + R + S].sum(-1), torch.ones(B, 4, 19 - K))
     if model_class is not LongShortModel:
         assert outputs.loss is not None and outputs.loss.ndim == 0 and torch.isfinite(outputs.loss)
         outputs.loss.backward()
@@ -159,6 +167,7 @@ def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
     ids = tokens(6, 30)
     mask = torch.ones_like(ids)
     ids[1::2, 21:], mask[1::2, 21:] = config.pad_token_id, 0
+    ids[:, 5] = config.sep_token_id  # question answering's default global tokens: the 5 before it
     real = mask.bool()
     torch.manual_seed(0)
     for roberta_class, ours_class, output_names in (
@@ -184,6 +193,65 @@ def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
             if want.shape[:2] == ids.shape:  # per-token outputs: only real tokens (padded ones differ)
                 want, have = want[real], have[real]
             torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4, msg=f"{ours_class.__name__}.{name}")
+
+
+def test_heads_set_longformer_global_defaults_and_a_given_mask_wins():
+    """Sequence classification and multiple choice: the first token global; question answering: the tokens before the
+    first separator. A given global_attention_mask (zeros: no global token) replaces the default."""
+    torch.manual_seed(0)
+    config = tiny_config(num_labels=2)
+    ids = tokens(2, 19)
+    ids[0, 6], ids[1, 3] = config.sep_token_id, config.sep_token_id
+    none = torch.zeros_like(ids)
+    first = none.clone()
+    first[:, 0] = 1
+    question = (torch.arange(19) < torch.tensor([[6], [3]])).long()
+    for model_class, default in ((LongShortForSequenceClassification, first), (LongShortForQuestionAnswering, question)):
+        model = model_class(config).eval()
+        with torch.no_grad():
+            got = model(ids).to_tuple()
+            given = model(ids, global_attention_mask=default).to_tuple()
+            plain = model(ids, global_attention_mask=none).to_tuple()
+        torch.testing.assert_close(got, given, atol=0, rtol=0)
+        assert not torch.allclose(got[0], plain[0])
+    model = LongShortForMultipleChoice(config).eval()
+    choices = ids[:, None].expand(-1, 3, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(choices).logits, model(
+            choices, global_attention_mask=first[:, None].expand(-1, 3, -1)).logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] hold no separator token"):
+        LongShortForQuestionAnswering(config)(tokens(2, 19))
+
+
+def test_global_tokens_refused_by_causal_models_and_checked_for_shape():
+    causal = LongShortForCausalLM(tiny_config(is_decoder=True))
+    ids = tokens(2, 9)
+    with pytest.raises(ValueError, match="global_attention_mask needs bidirectional attention"):
+        causal(ids, global_attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match=r"global_attention_mask must have shape \(batch, tokens\) = \(2, 9\)"):
+        LongShortModel(tiny_config())(ids, global_attention_mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="global_projections"):
+        tiny_config(is_decoder=True, global_projections=True)
+
+
+def test_global_tokens_with_gradient_checkpointing_and_global_projections():
+    """Training through the default global first token, with separate global projections: checkpointed gradients equal
+    the plain ones, and the global projections get gradients."""
+    model = LongShortForSequenceClassification(tiny_config(global_projections=True)).train()
+    ids, labels = tokens(), torch.tensor([0, 2])
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=labels).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    assert any("global_key" in name for name in plain)
+    model.activation_checkpointing_enable()
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
 
 
 @pytest.mark.parametrize("model_class, overrides", [(LongShortForMaskedLM, {}), (LongShortForCausalLM, {"is_decoder": True}),

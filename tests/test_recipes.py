@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
-from recipes import char_lm, common, demo, finetune_imdb, pretrain_mlm, push_to_hub
+from recipes import char_lm, common, demo, finetune_classification, finetune_imdb, pretrain_mlm, push_to_hub
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short, tiny_roberta
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
@@ -92,6 +92,43 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     finetune_imdb.main([*args, "--num_train_epochs", "5", "--seed", "1"])  # resumes from the epoch-4 checkpoint
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 50
     assert logged_losses(out)[:40] == losses and len(logged_losses(out)) == 50
+
+
+def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_count(model_dir, tmp_path,
+                                                                                 capsys):
+    """JSON Lines with renamed columns, a text pair and string labels: trains, selects the best epoch on the validation
+    file, scores the test file once, and reports how many documents --max_seq_length cut."""
+    rows = {split: list(load_dataset("csv", data_files=str(path))["train"])
+            for split, path in (("train", IMDB_TRAIN), ("test", IMDB_TEST))}
+    files = {}
+    for split, examples in (("train", rows["train"][:96]), ("dev", rows["train"][96:128]), ("test", rows["test"])):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps({
+            "review": row["text"], "headline": " ".join(row["text"].split()[:4]),
+            "sentiment": ["negative", "positive"][row["label"]]}) + "\n" for row in examples))
+    out = tmp_path / "classifier"
+    metrics = finetune_classification.main([
+        "--model_name_or_path", str(model_dir), "--train_file", str(files["train"]), "--validation_file",
+        str(files["dev"]), "--test_file", str(files["test"]), "--text_column_name", "review",
+        "--text_pair_column_name", "headline", "--label_column_name", "sentiment", "--max_seq_length", "48",
+        "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict", "--num_train_epochs", "2", *FAST])
+    lengths = [len(text.split()) for text in (json.loads(line)["review"] for line in files["train"].open())]
+    assert metrics["max_seq_length"] == 48 and 0 < metrics["truncated_train"] <= 96
+    assert metrics["truncated_train"] >= sum(n > 48 for n in lengths)  # a word is one token or more
+    assert {"truncated_validation", "truncated_test", "test_accuracy", "eval_accuracy"} <= metrics.keys()
+    assert metrics["eval_dataset"] == "dev.jsonl" and metrics["test_dataset"] == "test.jsonl"
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["best_metric"] == metrics["eval_accuracy"]
+    model = LongShortForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+
+    with pytest.raises(SystemExit) as exit_info:
+        finetune_classification.main([
+            "--model_name_or_path", str(model_dir), "--train_file", str(files["train"]), "--text_column_name",
+            "review", "--text_pair_column_name", "title", "--label_column_name", "sentiment", "--output_dir",
+            str(tmp_path / "o"), "--do_train"])
+    assert exit_info.value.code == 2 and not (tmp_path / "o").exists()
+    assert "no column 'title'" in capsys.readouterr().err
 
 
 def test_imdb_dataset_name_holds_out_validation_reviews_and_keeps_test_apart(tmp_path):
@@ -240,7 +277,7 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("script", [finetune_imdb, pretrain_mlm, char_lm, push_to_hub])
+@pytest.mark.parametrize("script", [finetune_classification, finetune_imdb, pretrain_mlm, char_lm, push_to_hub])
 def test_help(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--help"])

@@ -344,3 +344,31 @@ def test_vil_ls_reproduces_official_fixture(name):
             x, feat_size = stage(x)
             torch.testing.assert_close(x, tensors[f"fixture.layer{i + 1}_out"], atol=1e-4, rtol=0)
             x = x[:, stage.num_prefix_tokens:].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)
+
+
+@pytest.mark.parametrize("strips", [True, False])
+@pytest.mark.parametrize("w, r, n", [(1, 0, 7), (2, 2, 9), (3, 1, 12), (4, 3, 13)])
+def test_one_row_map_is_the_1d_attention(w, r, n, strips):
+    """The 2-D attention on a 1 x n map is the 1-D attention (``ls_hf``) with the same weights, in float64: one
+    window rule (``window_extent``) and one projection (``project_rows``) serve both."""
+    from ls_hf.long_short_attention import LongShortSelfAttention
+
+    torch.manual_seed(w + r)
+    two_d = LongShortAttention2d(12, 3, w, r).double().eval()
+    one_d = LongShortSelfAttention(12, 3, w, r).double().eval()
+    with torch.no_grad():
+        for p in two_d.parameters():
+            p.normal_()
+        weights, biases = two_d.qkv.weight.split(two_d.splits), two_d.qkv.bias.split(two_d.splits)
+        state = {f"{name}.{leaf}": tensor for leaf, tensors in (("weight", weights), ("bias", biases))
+                 for name, tensor in zip(("query", "key", "value"), tensors)}
+        state |= {"output.weight": two_d.proj.weight, "output.bias": two_d.proj.bias,
+                 **{f"dual_ln_{which}.{leaf}": getattr(getattr(two_d, f"dual_ln_{which}"), leaf)
+                    for which in ("local", "global") for leaf in ("weight", "bias")}}
+        if r:
+            state |= {"dynamic_projection.weight": two_d.dynamic_proj.weight,
+                      "dynamic_projection.bias": two_d.dynamic_proj.bias}
+        one_d.load_state_dict(state)
+        two_d.strip_max_tokens = 10**6 if strips else 0
+        x = torch.randn(2, n, 12, dtype=torch.float64)
+        torch.testing.assert_close(two_d(x, (1, n)), one_d(x)[0], atol=1e-12, rtol=0)
