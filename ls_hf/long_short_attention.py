@@ -218,6 +218,11 @@ def _window_index(first_group: int, groups: int, window: int, before: int, after
     return pos, torch.where(inside, pos - k_start, length)
 
 
+def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
+    """The probabilities ``maps`` (B', H, Q, K) applied to the values v (B', H, K, d), in ``dtype``."""
+    return (maps.to(v.dtype) @ v.to(dtype)).to(dtype)
+
+
 def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
     """For each of G groups, the R ``rows`` then the entries of ``x`` (B, L, ...) at ``index`` (G, S), where index L
     stands for a zero entry: (B, G * (R + S), ...)."""
@@ -342,17 +347,21 @@ class LongShortSelfAttention(nn.Module):
         With ``need_weights``, ``layout = (to_maps, from_maps)`` turns the probabilities into the caller's maps and
         back (none: the maps are the probabilities): the output is computed from the returned maps themselves, so a
         gradient taken at them (attribution, ``retain_grad``) is the output's."""
-        dropout = self.attention_dropout if self.training else 0.0
         if not need_weights:
+            dropout = self.attention_dropout if self.training else 0.0
             return F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, dropout_p=dropout
             ), None
+        maps = self._probabilities(q, k, keep)
+        maps = layout[0](maps) if layout else maps
+        return _weighted(layout[1](maps) if layout else maps, v, q.dtype), maps
+
+    def _probabilities(self, q: Tensor, k: Tensor, keep: Tensor) -> Tensor:
+        """The joint softmax (Eq. 6) over the kept keys, in float32 at least, after dropout: (B', H, Q, K)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         prob = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-        maps = F.dropout(prob, dropout, self.training)
-        maps = layout[0](maps) if layout else maps
-        return ((layout[1](maps) if layout else maps).to(v.dtype) @ v.to(q.dtype)).to(q.dtype), maps
+        return F.dropout(prob, self.attention_dropout if self.training else 0.0, self.training)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -387,7 +396,8 @@ class LongShortSelfAttention(nn.Module):
                 keys | the weights that the K global tokens' queries give this token]; a sample with k < K global
                 tokens has them, in position order, in the last k of each K block. A global token's row holds its
                 weights over the global tokens and the projected rows (window columns 0); its weight on another token
-                t sits in row t's last K columns (Longformer's ``global_attentions``, transposed).
+                t sits in row t's last K columns (Longformer's ``global_attentions``, transposed). Every output row,
+                a global token's included, is computed from these maps, so gradients reach them (``retain_grad``).
 
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
@@ -471,29 +481,35 @@ class LongShortSelfAttention(nn.Module):
                                  for name in ("keys", "values", "valid")})
         else:
             extra = None
+        layout = None
+        if K:
+            g_q, g_k, g_v, g_keep = self._global_inputs(
+                hidden_states=hidden_states, order=order, q=q, k=k, v=v, valid=valid, count=K, projected=projected
+            )
+            if need_weights:
+                *layout, global_from_maps = self._global_layout(self._probabilities(g_q, g_k, g_keep), is_global, order)
         width = n if self.window_size else 0  # projection only: no window keys
         context, attn = self._attend_groups(
             q=q, q_valid=local if masked or K else None, q_start=0, k=k[:, :width], v=v[:, :width],
-            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights,
+            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights, layout=layout,
         )
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
-        if K:
-            context, attn = self._global_output(
-                hidden_states=hidden_states, order=order, q=q, k=k, v=v, valid=valid, is_global=is_global, count=K,
-                projected=projected, context=context, attn=attn,
-            )
-            inverse = torch.argsort(order, dim=1)
-            context = _take(context, inverse)
-            attn = torch.take_along_dim(attn, inverse[:, None, :, None], dim=2) if attn is not None else None
+        if K:  # the global tokens' rows (the last K slots in ``order``), then the tokens back in position order
+            if need_weights:
+                out = _weighted(global_from_maps(attn), g_v, g_q.dtype)
+            else:
+                out, _ = self._attend(g_q, g_k, g_v, g_keep, need_weights=False)
+            rows = is_global[:, n - K :, None, None]
+            context = torch.cat([context[:, : n - K], torch.where(rows, out.transpose(1, 2), context[:, n - K :])], 1)
+            context = _take(context, torch.argsort(order, dim=1))
         return context, attn
 
-    def _global_output(self, *, hidden_states, order, q, k, v, valid, is_global, count, projected, context, attn):
+    def _global_inputs(self, *, hidden_states, order, q, k, v, valid, count, projected):
         """In the token ``order`` of ``_bidirectional`` the last ``count`` slots hold the global tokens: each attends
-        to the projected rows and every real token in one softmax. Returns the context with their rows replaced and
-        the probabilities laid out as ``forward`` documents (all in that order)."""
+        to the projected rows and every real token in one softmax. Returns their queries, those keys and values
+        (heads first, projected rows first) and the keep mask, for ``_attend``."""
         n, K = q.shape[1], count
-        g_valid = is_global[:, n - K :]
         if hasattr(self, "global_query"):
             hidden_states = _take(hidden_states, order)
             q_g = self._split(self.global_query(hidden_states[:, n - K :]))
@@ -507,27 +523,48 @@ class LongShortSelfAttention(nn.Module):
                                                              (projected.valid, valid)))
         keep = valid[:, None, None, :]
         keep = keep | ~keep.any(-1, keepdim=True)  # a sample of padding only: finite, discarded
-        out, prob = self._attend(q_g.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, attn is not None)
-        rows = g_valid[:, :, None, None]
-        context = torch.cat([context[:, : n - K], torch.where(rows, out.transpose(1, 2), context[:, n - K :])], 1)
-        if attn is None:
-            return context, None
-        g_cols = g_valid[:, None, None, :].to(prob.dtype)
-        tail = prob[..., R:].transpose(-1, -2) * g_cols * (~is_global)[:, None, :, None]  # (B, H, n, K)
-        own = torch.cat([prob[..., R + n - K :] * g_cols, prob[..., :R]], -1)  # (B, H, K, K + R)
-        own = F.pad(own, (0, attn.shape[-1] - K - R))
-        own = torch.where(g_valid[:, None, :, None], own.to(attn.dtype), attn[:, :, n - K :])
-        attn = torch.cat([torch.cat([attn[:, :, : n - K], own], 2), tail.to(attn.dtype)], -1)
-        return context, attn
+        return q_g.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep
 
-    def _attend_groups(self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights):
+    @staticmethod
+    def _global_layout(prob: Tensor, is_global: Tensor, order: Tensor):
+        """``(to_maps, from_maps, global_from_maps)`` for ``output_attentions`` with global tokens. ``to_maps`` puts
+        the other tokens' probabilities (B, H, n, K + r + S) and the global tokens' ``prob`` (B, H, K, r + n), both
+        in ``order``, into the maps that ``forward`` documents, in position order; ``from_maps`` and
+        ``global_from_maps`` read each back from those maps, so that both kinds of output are computed from them."""
+        K, n = prob.shape[2], order.shape[1]
+        r = prob.shape[-1] - n
+        g_valid = is_global[:, n - K :]
+        g_cols = g_valid[:, None, None, :].to(prob.dtype)
+
+        def to_maps(attn):
+            tail = prob[..., r:].transpose(-1, -2) * g_cols * (~is_global)[:, None, :, None]  # (B, H, n, K)
+            own = torch.cat([prob[..., r + n - K :] * g_cols, prob[..., :r]], -1)  # (B, H, K, K + r)
+            own = torch.where(g_valid[:, None, :, None], F.pad(own, (0, attn.shape[-1] - K - r)), attn[:, :, n - K :])
+            maps = torch.cat([torch.cat([attn[:, :, : n - K], own], 2), tail], -1)
+            return torch.take_along_dim(maps, torch.argsort(order, dim=1)[:, None, :, None], dim=2)
+
+        def in_order(maps, slots=order):
+            return torch.take_along_dim(maps, slots[:, None, :, None], dim=2)
+
+        def global_from_maps(maps):  # -> (B, H, K, r + n): the global tokens' own rows and the other rows' tails
+            own = in_order(maps, order[:, n - K :])
+            tail = in_order(maps[..., -K:]).transpose(-1, -2)
+            tokens = torch.where(is_global[:, None, None, :], F.pad(own[..., :K], (n - K, 0)), tail)
+            return torch.cat([own[..., K : K + r], tokens], -1)
+
+        return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
+
+    def _attend_groups(
+        self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights, layout=None
+    ):
         """Queries at positions ``[q_start, q_start + m)`` attend to [extra keys; window keys] in one softmax.
 
         q (B, m, H, d_qk), q_valid (B, m) or None when all are valid; k/v (B, L, H, d) window keys of positions
         ``[k_start, k_start + L)`` and k_valid (B, L); ``extra``: the R global/projected keys, or None. Queries are
         grouped by window segment, each group seeing its window tile (the fast path), except for fewer than ``w``
         causal queries (a decoding step): they see all keys, masked. Returns the context (B, m, H, d_v), zero for
-        invalid queries, and the probabilities (B, H, m, R + S) if asked.
+        invalid queries, and the probabilities (B, H, m, R + S) if asked, or the caller's maps made from them by
+        ``layout`` (as in ``_attend``).
         """
         B, m, H, _ = q.shape
         w, L = self.window_size, k.shape[1]
@@ -563,9 +600,11 @@ class LongShortSelfAttention(nn.Module):
         keep = keep | ~keep.any(-1, keepdim=True)
 
         def to_maps(prob):  # (B * G, H, Q, S) -> (B, H, m, S)
-            return prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
+            maps = prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
+            return layout[0](maps) if layout else maps
 
         def from_maps(maps):  # (B, H, m, S) -> (B * G, H, Q, S), zero rows for the padding queries
+            maps = layout[1](maps) if layout else maps
             tiles = _pad_seq(maps.transpose(1, 2), skip, groups * Q - skip - m).view(B, groups, Q, H, S)
             return tiles.transpose(2, 3).flatten(0, 1)
 

@@ -657,3 +657,78 @@ def test_global_tokens_misuse_raises():
         bidirectional(x, global_attention_mask=torch.ones(1, 4), cls_hidden=cls)
     with pytest.raises(ValueError, match="global_projections"):
         LongShortSelfAttention(8, 2, 2, 1, causal=True, segment_length=1, global_projections=True)
+
+
+@pytest.mark.parametrize("global_projections", [False, True])
+def test_global_tokens_maps_are_what_the_output_is_computed_from(global_projections):
+    """With global tokens, the returned maps are the tensor the output is computed from: recomputing the output by
+    hand from them, in the documented layout (B, H, n, K + R + S + K), gives the module's output, and the gradient
+    that ``retain_grad`` leaves on the maps equals that recomputation's gradient (float64, every nonzero weight).
+    Sample 0 has two global tokens, sample 1 one (an empty slot in each K block) and left padding."""
+    module = make(window=2, rank=2, global_projections=global_projections)
+    B, n, H, w, r = 2, 9, module.num_heads, module.window_size, module.projection_rank
+    x, _ = inputs(module, B, n)
+    mask = make_mask("left", B, n, 3)
+    glob = torch.zeros(B, n)
+    glob[0, [0, 5]] = glob[1, 4] = 1
+    out, maps = module(x, mask, global_attention_mask=glob, output_attentions=True)
+    maps.retain_grad()
+    weights = torch.randn(B, n, module.output.out_features, dtype=torch.float64)
+    (out * weights).sum().backward()
+
+    K, e = 2, max(w // 2, 1)
+    S = w + 2 * e
+    with torch.no_grad():  # the value behind each column, spelled out from the weights (as tests/reference.py)
+        values = torch.zeros(B, n, K + r + S + K, H, module.head_dim, dtype=torch.float64)
+        v_local = module.dual_ln_local(module.value(x)).view(B, n, H, -1)
+        global_value = getattr(module, "global_value", module.value)
+        v_seen_by_global = module.dual_ln_local(global_value(x)).view(B, n, H, -1)
+        v_global = module.dual_ln_global(module.value(x)).view(B, n, H, -1)
+        scores = module.dynamic_projection(x).view(B, n, H, r)
+        for b in range(B):
+            real, is_glob = mask[b].bool(), glob[b].bool()
+            slots = is_glob.nonzero().flatten().tolist()
+            slot = {t: K - len(slots) + i for i, t in enumerate(slots)}  # the last k of the K columns
+            others = (~is_glob).nonzero().flatten().tolist()  # the window counts the other tokens, padding included
+            pooled = [t for t in others if real[t]]
+            proj = torch.einsum("lhr,lhd->rhd", scores[b, pooled].softmax(0), v_local[b, pooled])
+            rows = module.dual_ln_global(proj.reshape(r, -1)).view(r, H, -1)
+            for t in range(n):
+                if t in slot:  # a global token: the global tokens' and the projected rows' columns
+                    for g in slots:
+                        values[b, t, slot[g]] = v_seen_by_global[b, g]
+                    values[b, t, K : K + r] = rows
+                    continue
+                for g in slots:
+                    values[b, t, slot[g]] = v_global[b, g]
+                values[b, t, K : K + r] = rows
+                start = others.index(t) // w * w - e
+                for c, i in enumerate(range(start, start + S)):
+                    if 0 <= i < len(others):
+                        values[b, t, K + r + c] = v_local[b, others[i]]
+                for g in slots:  # the tail: the weight of global token g's query on this token
+                    values[b, t, K + r + S + slot[g]] = v_seen_by_global[b, t]
+
+    def by_hand(maps):
+        context = torch.zeros(B, n, H, module.head_dim, dtype=torch.float64)
+        for b in range(B):
+            slots = glob[b].nonzero().flatten().tolist()
+            for t in range(n):
+                if not mask[b, t]:
+                    continue  # padding: context 0
+                if t in slots:
+                    j = K - len(slots) + slots.index(t)
+                    own = torch.einsum("hc,chd->hd", maps[b, :, t, : K + r], values[b, t, : K + r])
+                    tail = torch.einsum("hs,shd->hd", maps[b, :, :, -K + j], values[b, :, -K + j])
+                    context[b, t] = own + tail
+                else:
+                    context[b, t] = torch.einsum("hc,chd->hd", maps[b, :, t, : -K], values[b, t, : -K])
+        return module.output(context.flatten(2))
+
+    leaf = maps.detach().requires_grad_()
+    recomputed = by_hand(leaf)
+    torch.testing.assert_close(recomputed, out, atol=1e-12, rtol=0)
+    (expected,) = torch.autograd.grad((recomputed * weights).sum(), leaf)
+    weighted = maps > 0
+    assert weighted.sum() > 0 and maps.grad[weighted].abs().max() > 1e-3
+    torch.testing.assert_close(maps.grad[weighted], expected[weighted], atol=1e-12, rtol=0)
