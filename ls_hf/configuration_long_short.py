@@ -104,6 +104,7 @@ class LongShortConfig(PreTrainedConfig):
             "attention_dropout": self.attention_probs_dropout_prob,
             "layer_norm_eps": self.layer_norm_eps,
             "global_projections": self.global_projections,
+            "attn_implementation": self._attn_implementation or "sdpa",
         }
 
     def check_long_short(self) -> None:

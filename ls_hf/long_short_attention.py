@@ -20,6 +20,8 @@ CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and me
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
+``attn_implementation="flex_attention"`` instead hands FlexAttention the keys [extra keys; tokens] and that same
+visibility as a block mask, gathering nothing (``_attend_flex``; compile the module for its fused kernel).
 This file imports nothing from Transformers or timm.
 """
 
@@ -34,6 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.11 anyway)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:
+    create_block_mask = flex_attention = None
+
+# The implementations of the joint softmax: Transformers' names ("eager" and "sdpa" run the same SDPA code).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
+FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
     "CausalState",
     "ExtraKeys",
@@ -127,8 +137,11 @@ def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tens
     Bidirectional: keys ``[s - e, s + w + e)`` with ``s = (t // w) * w`` and ``e = window_extent(w)``.
     Causal: keys ``[s - w, t]`` (Appendix D, Fig. 5). Keys outside the sequence are removed by the caller.
     """
-    q = q_pos.unsqueeze(-1)
-    k = k_pos.unsqueeze(-2)
+    return _window_rule(q_pos.unsqueeze(-1), k_pos.unsqueeze(-2), window, causal)
+
+
+def _window_rule(q: Tensor, k: Tensor, window: int, causal: bool) -> Tensor:
+    """``window_keep`` on broadcast query and key positions (elementwise, as FlexAttention's mask_mod needs it)."""
     start = torch.div(q, window, rounding_mode="floor") * window
     if causal:
         return (k >= start - window) & (k <= q)
@@ -154,7 +167,12 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
 
 def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
     """Causal Eq. 5: the query at position t sees the projected rows of segments ``s < t // l``; (..., Q, R)."""
-    return row_segment.unsqueeze(-2) < torch.div(q_pos.unsqueeze(-1), segment_length, rounding_mode="floor")
+    return _segment_rule(q_pos.unsqueeze(-1), row_segment.unsqueeze(-2), segment_length)
+
+
+def _segment_rule(q: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
+    """``segment_keep`` on broadcast query positions and row segments (elementwise)."""
+    return row_segment < torch.div(q, segment_length, rounding_mode="floor")
 
 
 @dataclass
@@ -250,6 +268,9 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
+        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
+            ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
+            dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path.
     """
 
     def __init__(
@@ -267,8 +288,17 @@ class LongShortSelfAttention(nn.Module):
         bias: bool = True,
         layer_norm_eps: float = 1e-5,
         global_projections: bool = False,
+        attn_implementation: str = "sdpa",
     ):
         super().__init__()
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}.")
+        if attn_implementation == "flex_attention" and flex_attention is None:
+            raise ImportError(
+                f'attn_implementation="flex_attention" needs torch.nn.attention.flex_attention (torch >= '
+                f'{FLEX_ATTENTION_MIN_TORCH}), which torch {torch.__version__} lacks; upgrade torch or use "sdpa".'
+            )
+        self.attn_implementation = attn_implementation
         validate_long_short_args(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -410,6 +440,8 @@ class LongShortSelfAttention(nn.Module):
                                            or attention_mask.shape[1] < n):
             raise ValueError(f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
                              f"{tuple(attention_mask.shape)}.")
+        if self.attn_implementation == "flex_attention" and not output_attentions:
+            self._check_flex(hidden_states)
         masked = attention_mask is not None
         if not masked:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)
@@ -568,6 +600,11 @@ class LongShortSelfAttention(nn.Module):
         """
         B, m, H, _ = q.shape
         w, L = self.window_size, k.shape[1]
+        # FlexAttention, except for weights (explicit softmax below) and decoding steps: fewer than w causal queries
+        # see one cached window, a single small tile, where building a block mask costs more than it saves.
+        if self.attn_implementation == "flex_attention" and not need_weights and (m >= w or not self.causal):
+            return self._attend_flex(q=q, q_valid=q_valid, q_start=q_start, k=k, v=v, k_valid=k_valid,
+                                     k_start=k_start, extra=extra), None
         R = extra.keys.shape[1] if extra is not None else 0
         device = q.device
         if w and (m >= w or not self.causal):
@@ -621,6 +658,54 @@ class LongShortSelfAttention(nn.Module):
         if q_valid is not None:
             context = context * q_valid[:, :, None, None].to(context.dtype)
         return context, prob
+
+    def _check_flex(self, hidden_states: Tensor) -> None:
+        """Refuse, before any work, what FlexAttention cannot do: attention dropout, and backward on CPU."""
+        if self.training and self.attention_dropout > 0:
+            raise ValueError(
+                f'attn_implementation="flex_attention" has no attention dropout, but attention_dropout is '
+                f"{self.attention_dropout} in training mode; set it (attention_probs_dropout_prob) to 0 or use "
+                f'attn_implementation="sdpa".'
+            )
+        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.query.weight.requires_grad)
+        if needs_grad and hidden_states.device.type == "cpu":
+            raise NotImplementedError(
+                f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
+                f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
+                f"torch.no_grad() / torch.inference_mode()."
+            )
+
+    def _attend_flex(self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None):
+        """``_attend_groups`` (same arguments, no weights) on FlexAttention: the keys are [extra keys; window keys]
+        and the block mask is ``window_keep`` / ``segment_keep`` on their positions and validity, so nothing is
+        gathered. Under ``torch.compile`` this is a fused kernel that skips the blocks no query sees."""
+        B, m = q.shape[:2]
+        w, L, causal = self.window_size, k.shape[1], self.causal
+        R = extra.keys.shape[1] if extra is not None else 0
+        keys, values, key_valid = (
+            torch.cat([getattr(extra, name), x], 1) if R else x
+            for name, x in (("keys", k), ("values", v), ("valid", k_valid))
+        )
+        segment = extra.segment if R else None
+
+        def keep(b, h, q_idx, kv_idx):
+            t = q_idx + q_start
+            seen = key_valid[b, kv_idx]
+            if L:  # window keys: position k_start + (kv_idx - R)
+                seen = seen & ((kv_idx < R) | _window_rule(t, kv_idx - R + k_start, w, causal))
+            if segment is not None:  # causal rows: finished segments before the query's own (Eq. 5)
+                row = kv_idx.clamp(max=R - 1)
+                seen = seen & ((kv_idx >= R) | _segment_rule(t, segment[row], self.segment_length))
+            return seen
+
+        mask = create_block_mask(keep, B, None, m, R + L, device=q.device)
+        out = flex_attention(
+            q.transpose(1, 2), keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2), block_mask=mask
+        )
+        context = out.transpose(1, 2)
+        if q_valid is not None:  # a query with no visible key gets 0 from FlexAttention; padded queries are zeroed
+            context = context * q_valid[:, :, None, None].to(context.dtype)
+        return context
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""

@@ -319,10 +319,13 @@ class LongShortPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
-    # The attention always runs on F.scaled_dot_product_attention (an explicit softmax only when attention weights are
-    # asked for), whatever config._attn_implementation says: accept "sdpa", then Transformers' default, and "eager".
-    # output_attentions=True works in a call under either; Transformers allows config.output_attentions only with eager.
+    # "sdpa" (Transformers' default) and "eager" both run the attention on F.scaled_dot_product_attention (an explicit
+    # softmax only when attention weights are asked for); "flex_attention" runs it on FlexAttention with a block mask
+    # (forward only on CPU; weights and cached decoding steps take the SDPA path). The choice is read when the layers
+    # are built. output_attentions=True works in a call under any; Transformers allows config.output_attentions only
+    # with eager.
     _supports_sdpa = True
+    _supports_flex_attn = True
 
     @torch.no_grad()
     def _init_weights(self, module):

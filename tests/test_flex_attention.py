@@ -1,0 +1,195 @@
+"""attn_implementation="flex_attention": the FlexAttention path against the SDPA path (itself checked against the dense
+oracle in test_attention.py), eager in float64 over a grid, one small compiled case, the models, and its errors.
+
+Checked, never timed. Eager FlexAttention warns that it materialises the scores; that is expected at these sizes.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import AutoModel, AutoModelForCausalLM
+
+import ls_hf.long_short_attention as lsa
+from ls_hf import LongShortForCausalLM, LongShortModel
+from ls_hf.long_short_attention import LongShortSelfAttention
+from tests.test_attention import PROPERTY, causal_configs, decode, global_mask, heads_and_dims, inputs, make, make_mask
+from tests.test_modeling import tiny_config, tokens
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+EXACT = 1e-10  # float64: the two paths differ only in summation order
+
+
+def pair(**kwargs):
+    """The same float64 module (same seed, same weights) on the SDPA path and on FlexAttention."""
+    return make(**kwargs), make(**kwargs, attn_implementation="flex_attention")
+
+
+def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
+    with torch.no_grad():
+        expected, _ = sdpa(*args, **kwargs)
+        out, _ = flex(*args, **kwargs)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    return out
+
+
+@PROPERTY
+@given(
+    dims=heads_and_dims(),
+    window=st.integers(0, 6),
+    rank=st.integers(0, 3),
+    n=st.integers(1, 24),
+    batch=st.integers(1, 2),
+    mask_kind=st.sampled_from(["none", "right", "random"]),
+    pad=st.integers(1, 8),
+    extra=st.sampled_from(["none", "cls", "global", "global_projections"]),
+    seed=st.integers(0, 2**16),
+)
+def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind, pad, extra, seed):
+    """Window, projection, padding, the cls token and global tokens (with and without their own projections)."""
+    if window == rank == 0:
+        rank = 1
+    if extra == "cls" and dims.get("qk_head_dim"):  # the cls query attends to the token outputs
+        extra = "none"
+    sdpa, flex = pair(window=window, rank=rank, seed=seed, global_projections=extra == "global_projections", **dims)
+    x, cls = inputs(sdpa, batch, n, seed)
+    kwargs = {"cls_hidden": cls} if extra == "cls" else {}
+    if extra.startswith("global"):
+        kwargs["global_attention_mask"] = global_mask(batch, n, 0.2, seed)
+    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed), **kwargs)
+
+
+@PROPERTY
+@given(
+    config=causal_configs(),
+    n=st.integers(1, 30),
+    batch=st.integers(1, 2),
+    mask_kind=st.sampled_from(["none", "left", "random"]),
+    pad=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_causal_prefill_flex_matches_sdpa(config, n, batch, mask_kind, pad, seed):
+    """Causal prefill: the window of Appendix D and the finished segments' rows of Eq. 5, with padding."""
+    sdpa, flex = pair(seed=seed, **config)
+    x, _ = inputs(sdpa, batch, n, seed)
+    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed))
+
+
+@pytest.mark.parametrize("sizes", [[9, 1, 1, 5, 12], [3, 8, 2, 10]])
+def test_causal_chunks_and_decoding_steps_match_sdpa(sizes):
+    """A cache fed chunks of at least w tokens (FlexAttention, keys from the cached window on) and shorter steps (the
+    SDPA path by design) gives the SDPA path's outputs, and both the full forward's."""
+    sdpa, flex = pair(hidden=12, heads=3, window=4, rank=2, causal=True, segment_length=2)
+    x, _ = inputs(sdpa, 2, sum(sizes))
+    mask = make_mask("left", 2, sum(sizes), 3)
+    bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+    with torch.no_grad():
+        expected = decode(sdpa, x, mask, bounds)
+        out = decode(flex, x, mask, bounds)
+        full, _ = flex(x, mask)
+    torch.testing.assert_close(out, expected, atol=EXACT, rtol=0)
+    torch.testing.assert_close(full, expected, atol=EXACT, rtol=0)
+
+
+def test_output_attentions_takes_the_explicit_path():
+    """Weights asked for: the explicit softmax of the SDPA path, the same maps and outputs."""
+    sdpa, flex = pair(window=3, rank=2)
+    x, _ = inputs(sdpa, 2, 11)
+    mask = make_mask("right", 2, 11, 4)
+    with torch.no_grad():
+        expected = sdpa(x, mask, output_attentions=True)
+        got = flex(x, mask, output_attentions=True)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_model_flex_matches_sdpa(causal):
+    """LongShortModel (with global tokens and padding) and LongShortForCausalLM, built with each implementation."""
+    config = tiny_config(is_decoder=causal)
+    auto_class = AutoModelForCausalLM if causal else AutoModel
+    sdpa = auto_class.from_config(config, attn_implementation="sdpa").double().eval()
+    flex = auto_class.from_config(config, attn_implementation="flex_attention").double().eval()
+    assert type(flex) is (LongShortForCausalLM if causal else LongShortModel)
+    flex.load_state_dict(sdpa.state_dict())
+    assert flex.config._attn_implementation == "flex_attention"
+    assert {m.attn_implementation for m in flex.modules() if isinstance(m, LongShortSelfAttention)} == {
+        "flex_attention"
+    }
+    ids = tokens(length=19)
+    mask = torch.ones_like(ids)
+    mask[1, 13:] = 0
+    kwargs = {} if causal else {"global_attention_mask": global_mask(2, 19, 0.15, seed=3)}
+    with torch.no_grad():
+        expected = sdpa(ids, attention_mask=mask, **kwargs)
+        got = flex(ids, attention_mask=mask, **kwargs)
+    key = "logits" if causal else "last_hidden_state"
+    torch.testing.assert_close(got[key], expected[key], atol=EXACT, rtol=0)
+    if causal:  # generation: a prefill, then decoding steps (the SDPA path) on the cache
+        with torch.no_grad():
+            prompt = ids[:1, :9]
+            assert flex.generate(prompt, max_new_tokens=5, do_sample=False).equal(
+                sdpa.generate(prompt, max_new_tokens=5, do_sample=False)
+            )
+
+
+@pytest.mark.compiled
+def test_compiled_flex_matches_sdpa():
+    """torch.compile'd FlexAttention (the fused kernel), float32, bidirectional with padding and a global token;
+    tolerance scaled to the outputs' magnitude."""
+    torch.manual_seed(0)
+    sdpa = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4).eval()
+    flex = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4, attn_implementation="flex_attention")
+    flex.load_state_dict(sdpa.state_dict())
+    x = torch.randn(2, 150, 32)
+    mask = torch.ones(2, 150)
+    mask[1, 101:] = 0
+    glob = torch.zeros(2, 150, dtype=torch.long)
+    glob[:, 0] = 1
+    with torch.no_grad():
+        expected, _ = sdpa(x, mask, global_attention_mask=glob)
+        out, _ = torch.compile(flex.eval())(x, mask, global_attention_mask=glob)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+
+
+def test_backward_matches_sdpa_where_supported():
+    """Gradients equal the SDPA path's where FlexAttention has a backward (not on CPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("FlexAttention has no backward on CPU (torch 2.14/2.15); runs on CUDA")
+    sdpa, flex = (module.cuda() for module in pair(window=3, rank=2))
+    x, _ = inputs(sdpa, 2, 21)
+    x = x.cuda().requires_grad_()
+    grads = []
+    for module in (sdpa, flex):
+        module(x, None)[0].square().sum().backward()
+        grads.append((x.grad.clone(), module.query.weight.grad.clone()))
+        x.grad = None
+    for got, expected in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
+
+
+def test_cpu_training_is_refused_clearly():
+    flex = make(window=3, rank=2, attn_implementation="flex_attention")
+    x, _ = inputs(flex, 1, 7)
+    with pytest.raises(NotImplementedError, match="forward only on CPU.*sdpa"):
+        flex(x)
+    flex.train()
+    flex.attention_dropout = 0.1
+    with torch.no_grad(), pytest.raises(ValueError, match="no attention dropout.*attention_probs_dropout_prob"):
+        flex(x)
+
+
+def test_unknown_implementation_and_missing_flex_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="attn_implementation must be one of"):
+        LongShortSelfAttention(8, 2, 3, 2, attn_implementation="flash_attention_2")
+    monkeypatch.setattr(lsa, "flex_attention", None)
+    with pytest.raises(ImportError, match=r"torch >= 2\.6.*sdpa"):
+        LongShortSelfAttention(8, 2, 3, 2, attn_implementation="flex_attention")
+    with pytest.raises(ImportError, match=r"torch >= 2\.6"):
+        LongShortModel(tiny_config(attn_implementation="flex_attention"))
+
+
+def test_default_stays_sdpa():
+    assert LongShortSelfAttention(8, 2, 3, 2).attn_implementation == "sdpa"
+    assert {m.attn_implementation for m in LongShortModel(tiny_config()).modules()
+            if isinstance(m, LongShortSelfAttention)} == {"sdpa"}
