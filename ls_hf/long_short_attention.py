@@ -686,22 +686,24 @@ class LongShortSelfAttention(nn.Module):
             torch.cat([getattr(extra, name), x], 1) if R else x
             for name, x in (("keys", k), ("values", v), ("valid", k_valid))
         )
-        segment = extra.segment if R else None
+        # Causal rows come segment-major, r per segment (``_causal``): row j's segment is j // r, computed rather than
+        # read from ``extra.segment``, as compiled FlexAttention on CPU cannot read a captured integer tensor (2.14).
+        by_segment = R and extra.segment is not None
 
         def keep(b, h, q_idx, kv_idx):
             t = q_idx + q_start
             seen = key_valid[b, kv_idx]
             if L:  # window keys: position k_start + (kv_idx - R)
                 seen = seen & ((kv_idx < R) | _window_rule(t, kv_idx - R + k_start, w, causal))
-            if segment is not None:  # causal rows: finished segments before the query's own (Eq. 5)
-                row = kv_idx.clamp(max=R - 1)
-                seen = seen & ((kv_idx >= R) | _segment_rule(t, segment[row], self.segment_length))
+            if by_segment:  # causal rows: finished segments before the query's own (Eq. 5)
+                row_segment = kv_idx // self.projection_rank
+                seen = seen & ((kv_idx >= R) | _segment_rule(t, row_segment, self.segment_length))
             return seen
 
         mask = create_block_mask(keep, B, None, m, R + L, device=q.device)
-        out = flex_attention(
-            q.transpose(1, 2), keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2), block_mask=mask
-        )
+        # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
+        q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
+        out = flex_attention(q, keys, values, block_mask=mask)
         context = out.transpose(1, 2)
         if q_valid is not None:  # a query with no visible key gets 0 from FlexAttention; padded queries are zeroed
             context = context * q_valid[:, :, None, None].to(context.dtype)

@@ -133,21 +133,21 @@ def test_model_flex_matches_sdpa(causal):
 
 
 @pytest.mark.compiled
-def test_compiled_flex_matches_sdpa():
-    """torch.compile'd FlexAttention (the fused kernel), float32, bidirectional with padding and a global token;
-    tolerance scaled to the outputs' magnitude."""
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_compiled_flex_matches_sdpa(causal):
+    """torch.compile'd FlexAttention (the fused kernel), float32, with padding (right; causal: left); tolerance scaled
+    to the outputs' magnitude."""
     torch.manual_seed(0)
-    sdpa = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4).eval()
-    flex = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4, attn_implementation="flex_attention")
+    kwargs = {"causal": causal, "segment_length": 8 if causal else None}
+    sdpa = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4, **kwargs).eval()
+    flex = LongShortSelfAttention(32, 2, 16, 4, **kwargs, attn_implementation="flex_attention")
     flex.load_state_dict(sdpa.state_dict())
     x = torch.randn(2, 150, 32)
     mask = torch.ones(2, 150)
-    mask[1, 101:] = 0
-    glob = torch.zeros(2, 150, dtype=torch.long)
-    glob[:, 0] = 1
+    mask[1, slice(0, 30) if causal else slice(101, None)] = 0
     with torch.no_grad():
-        expected, _ = sdpa(x, mask, global_attention_mask=glob)
-        out, _ = torch.compile(flex.eval())(x, mask, global_attention_mask=glob)
+        expected, _ = sdpa(x, mask)
+        out, _ = torch.compile(flex.eval(), fullgraph=True)(x, mask)
     scale = expected.abs().max().item()
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
 
