@@ -270,7 +270,8 @@ class LongShortSelfAttention(nn.Module):
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
-            dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path.
+            dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
+            the global tokens' own rows and the cls token's output (dense over the n tokens, no window to mask).
     """
 
     def __init__(
