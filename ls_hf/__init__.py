@@ -20,11 +20,21 @@ from .modeling_long_short import (
     LongShortModel,
     LongShortPreTrainedModel,
 )
+from .modeling_long_short_xl import (
+    LongShortXLCache,
+    LongShortXLConfig,
+    LongShortXLForCausalLM,
+    LongShortXLModel,
+    LongShortXLOutput,
+)
 
 transformers.AutoConfig.register(LongShortConfig.model_type, LongShortConfig, exist_ok=True)
 for _auto_name, _model_class in AUTO_CLASSES.items():
     getattr(transformers, _auto_name).register(LongShortConfig, _model_class, exist_ok=True)
 transformers.AutoTokenizer.register(LongShortConfig, transformers.RobertaTokenizer, exist_ok=True)
+transformers.AutoConfig.register(LongShortXLConfig.model_type, LongShortXLConfig, exist_ok=True)
+transformers.AutoModel.register(LongShortXLConfig, LongShortXLModel, exist_ok=True)
+transformers.AutoModelForCausalLM.register(LongShortXLConfig, LongShortXLForCausalLM, exist_ok=True)
 
 __all__ = [
     "ROBERTA_KEY_MAPPING",
@@ -40,4 +50,9 @@ __all__ = [
     "LongShortModel",
     "LongShortPreTrainedModel",
     "LongShortSelfAttention",
+    "LongShortXLCache",
+    "LongShortXLConfig",
+    "LongShortXLForCausalLM",
+    "LongShortXLModel",
+    "LongShortXLOutput",
 ]

@@ -11,6 +11,8 @@ __all__ = ["REMOTE_CODE_FILES", "save_for_hub"]
 
 # The files a folder needs to load with trust_remote_code=True where ls_hf is not installed.
 REMOTE_CODE_FILES = ("configuration_long_short.py", "modeling_long_short.py", "long_short_attention.py")
+# and, for LongShortXLForCausalLM, its own file (it imports the three above)
+REMOTE_CODE_FILES_XL = (*REMOTE_CODE_FILES, "modeling_long_short_xl.py")
 
 
 def save_for_hub(model, folder, tokenizer=None, **save_kwargs) -> Path:
