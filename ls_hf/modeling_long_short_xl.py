@@ -233,7 +233,7 @@ class LongShortXLAttention(nn.Module):
         """The state after the normalised memory (B, L, d), L a multiple of l: its window tail and projected rows.
         With ``projection_input="raw"`` the memory is compressed before ``W_K``/``W_V`` (official cache path)."""
         state = XLState()
-        k, v, k_win, v_win = self._window_keys(memory)
+        _, _, k_win, v_win = self._window_keys(memory)
         scores = self._split(self.dynamic_projection(memory)) if self.projection_rank else None
         if self.projection_input == "raw":
             slices = self._split(memory)

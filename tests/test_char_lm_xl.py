@@ -73,3 +73,180 @@ def test_official_model_outputs_with_memory(case):
             memory, start = out.memory, start + length
     for i, layer_memory in enumerate(memory):
         torch.testing.assert_close(layer_memory, tensors[f"memory_out.{i}"], rtol=0, atol=1e-5)
+
+
+def tiny_xl(**overrides) -> LongShortXLForCausalLM:
+    torch.manual_seed(0)
+    fields = {"vocab_size": 20, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
+              "num_hidden_layers": 2, "window_size": 4, "projection_rank": 2, "causal_segment_length": 2,
+              "memory_length": 8, "hidden_dropout_prob": 0.0}
+    model = LongShortXLForCausalLM(LongShortXLConfig(**{**fields, **overrides})).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+RULES = [{"window_rule": rule, "projection_input": source, "use_dual_ln": dual}
+         for rule in ("token", "segment") for source in ("raw", "normalized") for dual in (True, False)]
+
+
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: "-".join(str(v) for v in r.values()))
+@pytest.mark.parametrize("lengths", [(0, 11), (8, 5), (6, 3)], ids=["no-memory", "memory", "short"])
+def test_attention_matches_the_reference(rules, lengths):
+    """The grouped attention against the one-query-at-a-time definition, with and without memory."""
+    from .reference import reference_xl_attention
+
+    attention = tiny_xl(**rules).long_short.layers[0].attention
+    L, n = lengths
+    torch.manual_seed(1)
+    h, memory = torch.randn(2, n, 16, dtype=torch.float64), torch.randn(2, L, 16, dtype=torch.float64)
+    state = attention.read_memory(memory) if L else None
+    with torch.no_grad():
+        from ls_hf.modeling_long_short_xl import XLState, sinusoids
+
+        span = 4 if rules["window_rule"] == "token" else 8
+        out = attention(h, state or XLState(), sinusoids(torch.arange(span), 16).double())
+        expected = reference_xl_attention(attention, h, memory if L else None)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("rules", [RULES[0], RULES[6]], ids=["official", "paper"])
+def test_cached_decoding_equals_the_full_forward_with_memory(rules):
+    model = tiny_xl(**rules)
+    ids = torch.randint(0, 20, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        memory = model(ids[:, :8], use_cache=False).memory
+        full = model(ids[:, 8:], memory=memory, use_cache=False).logits
+        out = model(ids[:, 8:11], memory=memory, use_cache=True)
+        steps = [out.logits]
+        for t in range(11, 21):
+            steps.append(model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits)
+    assert isinstance(out.past_key_values, LongShortXLCache)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+def test_generate_cached_equals_uncached_and_greedy_loop():
+    model = tiny_xl(window_size=4, projection_rank=1, causal_segment_length=3, memory_length=6)
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    prompt = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(2))
+    ones = torch.ones_like(prompt)  # unpadded streams (the prompt may hold the pad id)
+    cached = model.generate(prompt, attention_mask=ones, max_new_tokens=15, do_sample=False, use_cache=True)
+    uncached = model.generate(prompt, attention_mask=ones, max_new_tokens=15, do_sample=False, use_cache=False)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(15):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(cached, uncached) and torch.equal(cached, ids)
+    with torch.no_grad():
+        memory = model(torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(5))).memory
+    with_memory = model.generate(prompt, attention_mask=ones, memory=memory, max_new_tokens=9, do_sample=False)
+    assert torch.equal(with_memory, model.generate(prompt, attention_mask=ones, memory=memory, max_new_tokens=9,
+                                                   do_sample=False, use_cache=False))
+    with torch.no_grad():  # the memory is read
+        assert not torch.allclose(model(prompt, memory=memory).logits, model(prompt).logits)
+    beams = model.generate(prompt, attention_mask=ones, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(beams, model.generate(prompt, attention_mask=ones, max_new_tokens=6, num_beams=3,
+                                             do_sample=False, use_cache=False))
+
+
+def test_no_future_leakage_and_memory_is_detached():
+    model = tiny_xl()
+    model.train()
+    ids = torch.randint(0, 20, (1, 12), generator=torch.Generator().manual_seed(3))
+    memory = model(ids[:, :8], use_cache=False).memory
+    assert all(not m.requires_grad for m in memory)
+    model.eval()
+    with torch.no_grad():
+        base = model(ids, memory=memory, use_cache=False).logits
+        changed = ids.clone()
+        changed[0, 7] = (changed[0, 7] + 1) % 20
+        other = model(changed, memory=memory, use_cache=False).logits
+    assert torch.equal(base[:, :7], other[:, :7]) and not torch.equal(base[:, 7:], other[:, 7:])
+
+
+def test_streaming_blocks_with_memory_equal_one_long_forward_when_the_memory_holds_everything():
+    """With memory_length >= the stream, block-by-block scoring sees what one forward of the whole stream sees."""
+    model = tiny_xl(memory_length=24)
+    ids = torch.randint(0, 20, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        memory, parts = None, []
+        for start in range(0, 24, 8):
+            out = model(ids[:, start : start + 8], memory=memory, use_cache=False)
+            memory = out.memory
+            parts.append(out.logits)
+    # the official memory is compressed before W_K (raw rule), the block after it: equal only with the paper's rule
+    paper = tiny_xl(memory_length=24, projection_input="normalized")
+    with torch.no_grad():
+        whole_paper, memory, parts_paper = paper(ids, use_cache=False).logits, None, []
+        for start in range(0, 24, 8):
+            out = paper(ids[:, start : start + 8], memory=memory, use_cache=False)
+            memory = out.memory
+            parts_paper.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts_paper, 1), whole_paper, rtol=0, atol=1e-10)
+    assert not torch.allclose(torch.cat(parts, 1), whole)
+
+
+CLEAN_PROCESS = """
+import sys
+sys.modules["ls_hf"] = None  # installed in this venv: make it unimportable
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def test_hub_folder_loads_without_the_package(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from ls_hf.hub import REMOTE_CODE_FILES_XL, save_for_hub
+
+    model = tiny_xl().float()
+    save_for_hub(model, tmp_path / "xl")
+    assert all((tmp_path / "xl" / name).is_file() for name in REMOTE_CODE_FILES_XL)
+    ids = torch.randint(0, 20, (2, 9))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", CLEAN_PROCESS, str(tmp_path / "xl"), str(tmp_path / "ids.pt"),
+                    str(tmp_path / "out.pt")], check=True, env=env, cwd=tmp_path, timeout=300)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits)
+
+
+def test_auto_classes_save_load_and_tied_output(tmp_path):
+    config = AutoConfig.for_model("long_short_xl", vocab_size=20, hidden_size=16, num_attention_heads=2,
+                                  intermediate_size=32, num_hidden_layers=1, window_size=4, projection_rank=1,
+                                  causal_segment_length=2, memory_length=4)
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is LongShortXLForCausalLM
+    assert model.lm_head.weight is model.long_short.embeddings.weight
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is LongShortXLForCausalLM and (tmp_path / "modeling_long_short_xl.py").is_file()
+    ids = torch.randint(0, 20, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [({"window_rule": "tokens"}, "window_rule"), ({"projection_input": "ln"}, "projection_input"),
+     ({"memory_length": 5}, "memory_length"), ({"is_decoder": False}, "is_decoder")],
+)
+def test_bad_config_is_a_clear_error(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        LongShortXLConfig(causal_segment_length=4, **overrides)
+
+
+def test_padding_and_odd_memory_are_refused():
+    model = tiny_xl()
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="memory_length"):
+        model(torch.ones(1, 4, dtype=torch.long), memory_length=3)
