@@ -480,25 +480,27 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, memory=None, memory_length=None, past_key_values=None,
-        use_cache=None, labels=None, logits_to_keep=0, **kwargs,
+        use_cache=None, labels=None, shift_labels=None, logits_to_keep=0, **kwargs,
     ):
         """input_ids (B, n); memory: ``memory`` of the previous block's output; memory_length: tokens of memory to
-        return (default ``config.memory_length``); labels (B, n): the input ids, shifted inside the loss (or pass
-        ``shift_labels``, the next tokens, to score every input position)."""
+        return (default ``config.memory_length``); labels (B, n): the input ids, shifted inside the loss; or
+        shift_labels (B, n): the next tokens, which scores every input position (a stream's blocks)."""
         if input_ids is None:
             raise ValueError("input_ids is required (the model embeds token ids and scales them by sqrt(d)).")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("LongShortXLForCausalLM models unpadded streams; attention_mask must be all ones (drop "
                              "padding, or score rows of different lengths separately).")
-        use_cache = bool(self.config.use_cache if use_cache is None else use_cache) and labels is None
+        scoring = labels is not None or shift_labels is not None
+        use_cache = bool(self.config.use_cache if use_cache is None else use_cache) and not scoring
         if use_cache and past_key_values is None:
             past_key_values = LongShortXLCache(self.config)
         hidden, next_memory = self.long_short(input_ids, memory, past_key_values, memory_length)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep])
         loss = None
-        if labels is not None or kwargs.get("shift_labels") is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if scoring:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      shift_labels=shift_labels, **kwargs)
         return LongShortXLOutput(
             loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None, memory=next_memory
         )

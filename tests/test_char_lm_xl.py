@@ -1,6 +1,7 @@
 """LongShortXLForCausalLM: the official character-level model (autoregressive/model_lib) with its memory."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,98 @@ def test_padding_and_odd_memory_are_refused():
         model(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]]))
     with pytest.raises(ValueError, match="memory_length"):
         model(torch.ones(1, 4, dtype=torch.long), memory_length=3)
+
+
+# ---------------------------------------------------------------------------------------------- recipes.char_lm
+
+
+def test_stream_blocks_continue_the_streams_batch_to_batch():
+    from recipes.char_lm import stream_blocks
+
+    data = bytes(range(50))
+    rows = stream_blocks(data, length=4, streams=3, offset=3, name="train")
+    ids, labels = torch.tensor(rows["input_ids"]) - 3, torch.tensor(rows["shift_labels"]) - 3
+    per_stream = 16  # (50 - 1) // 3 bytes, whole blocks: 4 per stream
+    assert ids.shape == (4 * 3, 4)
+    for k in range(4):
+        for s in range(3):
+            start = s * per_stream + 4 * k
+            assert ids[k * 3 + s].tolist() == list(range(start, start + 4))
+            assert labels[k * 3 + s].tolist() == list(range(start + 1, start + 5))
+
+
+def test_stream_loss_with_a_memory_holding_everything_equals_one_forward():
+    """Under the paper's projection rule a stream scored block by block with a memory holding all earlier bytes
+    equals one forward over the text; without memory every block is scored on its own."""
+    from recipes.char_lm import stream_loss
+
+    model = tiny_xl(projection_input="normalized", memory_length=64, vocab_size=259)
+    data = bytes(torch.randint(0, 200, (41,), generator=torch.Generator().manual_seed(6)).tolist())
+    ids = torch.tensor(list(data)) + 3
+    with torch.no_grad():
+        logp = model(ids[None, :-1], use_cache=False).logits.log_softmax(-1)[0]
+        whole = -logp.gather(-1, ids[1:, None]).mean().item()
+        blocks = [model(ids[None, s : min(s + 8, 40)], use_cache=False).logits.log_softmax(-1)[0]
+                  .gather(-1, ids[s + 1 : min(s + 9, 41), None]) for s in range(0, 40, 8)]
+    assert stream_loss(model, data, offset=3, block_length=8, memory_length=64) == pytest.approx(whole, abs=1e-9)
+    assert stream_loss(model, data, offset=3, block_length=8, memory_length=0) == pytest.approx(
+        -torch.cat(blocks).mean().item(), abs=1e-9)
+
+
+def test_char_lm_trains_the_official_model_with_memory_and_scores_streaming(tmp_path):
+    """A tiny official model trains on streams with memory, reports streaming and block-by-block BPC, saves a folder
+    that loads and generates through the Auto classes, and a second phase continues from it."""
+
+
+    from recipes import char_lm
+
+    text = tmp_path / "text.txt"
+    words = ["the", "movie", "was", "great", "bad", "plot", "and", "but", "very", "not"]
+    generator = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (3000,), generator=generator).tolist()))
+    out = tmp_path / "xl"
+    args = ["--train_file", str(text), "--output_dir", str(out), "--model_type", "long_short_xl",
+            "--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--window_size", "32",
+            "--causal_segment_length", "16", "--dropout", "0", "--max_seq_length", "64",
+            "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--warmup_steps", "5",
+            "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "True", "--seed", "0",
+            "--eval_memory_length", "256", "--eval_block_length", "32", "--do_train", "--do_eval", "--do_predict"]
+    metrics = char_lm.main([*args, "--max_steps", "50"])
+    state = json.loads((out / "trainer_state.json").read_text())
+    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert len(losses) == 50 and sum(losses[-10:]) < 0.6 * sum(losses[:10])
+    for split in ("eval", "test"):
+        assert metrics[f"{split}_bpc"] == pytest.approx(metrics[f"{split}_loss"] / math.log(2))
+        assert metrics[f"{split}_bpc"] < 4 and metrics[f"{split}_block_bpc"] < 4
+        assert metrics[f"{split}_memory_length"] == 256
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "long_short_xl" and config.memory_length == 64
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model) is LongShortXLForCausalLM
+    generated = model.generate(torch.tensor([[3 + ord(c) for c in "the "]]), attention_mask=torch.ones(1, 4),
+                               max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, 12)
+
+    phase2 = char_lm.main([*args[: args.index("--output_dir")], "--output_dir", str(tmp_path / "phase2"),
+                           *args[args.index("--output_dir") + 2 :], "--model_name_or_path", str(out),
+                           "--max_seq_length", "128", "--memory_length", "128", "--max_steps", "2"])
+    assert phase2["eval_bpc"] < 4
+    assert AutoConfig.from_pretrained(tmp_path / "phase2").memory_length == 128
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [(["--eval_memory_length", "100"], "--eval_memory_length"), (["--memory_length", "30"], "memory_length"),
+     (["--window_rule", "tokens"], "window_rule")],
+)
+def test_char_lm_official_model_clear_errors(tmp_path, extra, match, capsys):
+    from recipes import char_lm
+
+    text = tmp_path / "text.txt"
+    text.write_text("abc " * 400)
+    with pytest.raises(SystemExit) as err:
+        char_lm.main(["--train_file", str(text), "--output_dir", str(tmp_path / "o"), "--model_type", "long_short_xl",
+                      "--num_hidden_layers", "1", "--hidden_size", "32", "--num_attention_heads", "2",
+                      "--window_size", "32", "--causal_segment_length", "16", "--max_seq_length", "32",
+                      "--max_steps", "1", "--do_train", *extra])
+    assert err.value.code == 2 and match in capsys.readouterr().err
