@@ -346,3 +346,20 @@ def test_char_lm_official_model_clear_errors(tmp_path, extra, match, capsys):
                       "--window_size", "32", "--causal_segment_length", "16", "--max_seq_length", "32",
                       "--max_steps", "1", "--do_train", *extra])
     assert err.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_official_initialisation():
+    """N(0, 0.02) linears, embedding and u, v; zero biases (the output bias included); LayerNorm weights N(1, 0.02)."""
+    torch.manual_seed(0)
+    model = LongShortXLForCausalLM(LongShortXLConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=256))
+    attention = model.long_short.layers[0].attention
+    for weight in (model.long_short.embeddings.weight, attention.query.weight, attention.row_position.weight,
+                   model.long_short.layers[1].feed_forward.fc1.weight):
+        assert abs(weight.std().item() - 0.02) < 0.002 and abs(weight.mean().item()) < 0.002
+    for bias in (attention.content_bias, attention.position_bias):
+        assert 0.01 < bias.std().item() < 0.03
+    norm = model.long_short.layers[0].norm1
+    assert abs(norm.weight.mean().item() - 1) < 0.01 and 0.01 < norm.weight.std().item() < 0.03
+    for bias in (model.lm_head.bias, attention.row_position.bias, norm.bias, attention.dual_ln_local.bias):
+        assert not bias.any()
