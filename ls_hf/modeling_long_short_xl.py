@@ -232,18 +232,19 @@ class LongShortXLAttention(nn.Module):
     def read_memory(self, memory: Tensor) -> XLState:
         """The state after the normalised memory (B, L, d), L a multiple of l: its window tail and projected rows.
         With ``projection_input="raw"`` the memory is compressed before ``W_K``/``W_V`` (official cache path)."""
-        state = XLState()
-        _, _, k_win, v_win = self._window_keys(memory)
+        state, L, w = XLState(), memory.shape[1], self.window_size
         scores = self._split(self.dynamic_projection(memory)) if self.projection_rank else None
-        if self.projection_input == "raw":
+        if self.projection_input == "raw":  # W_K, W_V and LN_L only for the window tail; the rows pool the inputs
+            _, _, k_win, v_win = self._window_keys(memory[:, max(0, (L // w - 1) * w) :])
             slices = self._split(memory)
             self._advance(
-                state, memory.shape[1], scores, slices, slices,
+                state, L, scores, slices, slices,
                 lambda x: self._ln(self._split(self.key(x.flatten(2))), "global"),
                 lambda x: self._ln(self._split(self.value(x.flatten(2))), "global"),
             )
         else:
-            self._advance(state, memory.shape[1], scores, k_win, v_win, lambda x: self._ln(x, "global"),
+            _, _, k_win, v_win = self._window_keys(memory)
+            self._advance(state, L, scores, k_win, v_win, lambda x: self._ln(x, "global"),
                           lambda x: self._ln(x, "global"))
         self._keep_keys(state, k_win, v_win)
         return state
