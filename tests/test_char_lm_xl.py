@@ -363,3 +363,22 @@ def test_official_initialisation():
     assert abs(norm.weight.mean().item() - 1) < 0.01 and 0.01 < norm.weight.std().item() < 0.03
     for bias in (model.lm_head.bias, attention.row_position.bias, norm.bias, attention.dual_ln_local.bias):
         assert not bias.any()
+
+
+def test_stream_trainer_feeds_the_streams_in_order_and_carries_the_memory(tmp_path):
+    from transformers import ByT5Tokenizer
+
+    from recipes.char_lm import CharLmArguments, CharLmTrainingArguments, stream_trainer
+
+    model = tiny_xl(vocab_size=259, memory_length=8).float().train()
+    args = CharLmArguments(train_file="unused", max_seq_length=8, eval_memory_length=16)
+    training_args = CharLmTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, report_to="none",
+                                            use_cpu=True)
+    trainer = stream_trainer(model, args, training_args, ByT5Tokenizer(), {"train": bytes(range(100))}, offset=3)
+    batches = iter(trainer.get_train_dataloader())
+    first, second = next(batches), next(batches)
+    assert torch.equal(second["input_ids"][:, 0] - first["input_ids"][:, -1], torch.ones(3, dtype=torch.long))
+    assert torch.equal(first["shift_labels"][:, -1], second["input_ids"][:, 0])
+    trainer.compute_loss(model, first)
+    assert [tuple(m.shape) for m in trainer.memory] == [(3, 8, 16)] * 2
+    assert torch.equal(trainer.memory[0], model.long_short.embeddings(first["input_ids"]) * 4)  # dropout 0: sqrt(16)
