@@ -212,15 +212,14 @@ class LongShortXLAttention(nn.Module):
                                                          (state.pending_v, inputs_v)))
         done = scores.shape[1] // l * l
         if done:
-            B, H = scores.shape[0], self.num_heads
             prob = scores[:, :done].to(torch.promote_types(scores.dtype, torch.float32))
             prob = prob.unflatten(1, (-1, l)).softmax(2).to(k.dtype)  # (B, S, l, H, r)
-            pooled_k = torch.einsum("bslhr,bslhd->bsrhd", prob, k[:, :done].unflatten(1, (-1, l))).reshape(B, -1, H,
-                                                                                                              k.shape[-1])
-            pooled_v = torch.einsum("bslhr,bslhd->bsrhd", prob, v[:, :done].unflatten(1, (-1, l))).reshape(B, -1, H,
-                                                                                                              v.shape[-1])
-            state.rows_k = _cat(state.rows_k, finish_k(pooled_k))
-            state.rows_v = _cat(state.rows_v, finish_v(pooled_v))
+
+            def pool(x):  # (B, S * l, H, d) -> (B, S * r, H, d)
+                return torch.einsum("bslhr,bslhd->bsrhd", prob, x[:, :done].unflatten(1, (-1, l))).flatten(1, 2)
+
+            state.rows_k = _cat(state.rows_k, finish_k(pool(k)))
+            state.rows_v = _cat(state.rows_v, finish_v(pool(v)))
         state.pending_scores, state.pending_k, state.pending_v = scores[:, done:], k[:, done:], v[:, done:]
 
     def _keep_keys(self, state: XLState, keys: Tensor, values: Tensor) -> None:
