@@ -8,16 +8,18 @@ Post-LN decoder with learned absolute positions) in what the official ``Transfor
 * Pre-LN in the official form: ``h = LN_1(h); h = h + Attn(h); h = LN_2(h); h = h + FFN(h)`` (the residual stream is
   the normalised input; no final LayerNorm), embeddings scaled by ``sqrt(d)``, output tied to the input embedding
   with its own bias.
-* Transformer-XL relative positions (Dai et al., 2019, Sec. 3.3): window scores ``(q + u) k + (q + v) R_{t-j}`` with
-  sinusoids of the distance ``t - j``; scores of projected rows ``q k_bar + q R'_c`` with a sinusoid of the row
-  distance ``a r - 1 - c`` for a query in segment ``a`` and row ``c`` (no u, v).
+* Transformer-XL relative positions (Dai et al., 2019, Sec. 3.3): with ``q`` scaled by ``1/sqrt(d_h)``, window
+  scores ``(q + u) k + (q + v) R_{t-j}`` with sinusoids of the distance ``t - j``; scores of projected rows
+  ``q k_bar + q R'_c`` with a sinusoid of the row distance ``a r - 1 - c`` for a query in segment ``a`` and row ``c``
+  (no u, v).
 * A memory: each layer also attends to the detached inputs of the previous blocks (its window keys and their
   projected rows). ``forward(memory=...)`` takes and returns it, so consecutive training batches continue the same
   streams (truncated backpropagation through time) and evaluation streams a long context.
 
 Two rules where the official code and the paper's text differ are options (config ``window_rule`` and
 ``projection_input``); the official ones are this class's defaults, because this class reproduces the official
-model (its outputs match the official code to float64 precision, ``tests/fixtures/char_lm_official.*``):
+model (in float64 its log-probabilities match the official code's to 3.4e-7, the official softmaxes running in
+float32; ``tests/fixtures/char_lm_official.*``):
 
 * ``window_rule="token"`` (official): the token at t sees the w keys ``[t - w + 1, t]``; ``"segment"`` (paper,
   Appendix D, Fig. 5): the w keys left of its window segment and the segment's past.
