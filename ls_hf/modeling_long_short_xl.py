@@ -397,7 +397,7 @@ class LongShortXLPreTrainedModel(LongShortPreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` with an ``auto_map`` for this model (Hub remote code)."""
         module = type(self).__module__.rsplit(".", 1)[-1]
-        self.config.auto_map = {"AutoConfig": f"{module}.LongShortXLConfig",
+        self.config.auto_map = {"AutoConfig": f"{module}.LongShortXLConfig", "AutoModel": f"{module}.LongShortXLModel",
                                 "AutoModelForCausalLM": f"{module}.LongShortXLForCausalLM"}
         return super(LongShortPreTrainedModel, self).save_pretrained(save_directory, *args, **kwargs)
 
@@ -518,4 +518,5 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
 
 
 LongShortXLConfig.register_for_auto_class()
+LongShortXLModel.register_for_auto_class("AutoModel")
 LongShortXLForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -194,8 +194,12 @@ import sys
 sys.modules["ls_hf"] = None  # installed in this venv: make it unimportable
 import torch
 from transformers import AutoModelForCausalLM
+from transformers import AutoModel
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+base = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+for m in (model, base):
+    assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
+assert type(base).__name__ == "LongShortXLModel"
 with torch.no_grad():
     torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
 """
