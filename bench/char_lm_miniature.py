@@ -5,9 +5,11 @@
     python -m bench.char_lm_miniature report                      # table (markdown) and curves (png)
 
 Corpus: the Python standard library's own sources (every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` outside
-``test``/``tests``/``idlelib``/``site-packages`` directories, in sorted path order, each after a ``# file: <path>``
-line), cut to its first --bytes bytes (4 MiB): every machine with this Python has it, and the same Python version
-gives the same bytes (the sha256 is recorded). ``recipes.char_lm`` splits it in order 90/5/5.
+``test``/``tests``/``idlelib``/``site-packages``/``encodings`` directories, in sorted path order, each after a
+``# file: <path>`` line), cut to its first --bytes bytes (4 MiB): every machine with this Python has it, and the same
+Python version gives the same bytes (the sha256 is recorded). ``recipes.char_lm`` splits it in order 90/5/5: with
+Python 3.11 validation runs from the end of ``http/server.py`` to ``importlib/_bootstrap_external.py``, test through
+the rest of ``importlib`` into ``inspect.py``.
 
 Every variant trains 4 layers of width 256 (4 heads) with w = 128, l = 16, r = 1 for the same budget: the same steps,
 blocks of --block bytes and --streams streams per batch (so the same bytes), AdamW at a constant learning rate after
@@ -33,7 +35,8 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path("/work/runs/char_lm_mini")
-SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
+# tests, the IDLE application, installed packages and the generated codec tables (encodings/: hex maps, not code)
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "encodings"}
 MODEL = ["--num_hidden_layers", "4", "--hidden_size", "256", "--num_attention_heads", "4", "--window_size", "128",
          "--causal_segment_length", "16", "--projection_rank", "1", "--dropout", "0.1"]
 VARIANTS = {
