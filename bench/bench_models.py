@@ -104,7 +104,7 @@ def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: boo
     torch.manual_seed(0)
     model = build_mlm(peer, n, layers, vocab).train()
     if checkpointing:
-        model.activation_checkpointing_enable()
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     ids = torch.randint(3, vocab, (1, n))
     inputs = {"input_ids": ids, "labels": ids}
     if global_first and peer != "roberta-sdpa":

@@ -7,11 +7,14 @@ import tempfile
 from pathlib import Path
 
 from .modeling_long_short import LongShortPreTrainedModel
+from .modeling_long_short_xl import LongShortXLPreTrainedModel
 
-__all__ = ["REMOTE_CODE_FILES", "is_local_path", "save_for_hub"]
+__all__ = ["REMOTE_CODE_FILES", "REMOTE_CODE_FILES_XL", "is_local_path", "save_for_hub"]
 
 # The files a folder needs to load with trust_remote_code=True where ls_hf is not installed.
 REMOTE_CODE_FILES = ("configuration_long_short.py", "modeling_long_short.py", "long_short_attention.py")
+# LongShortXLForCausalLM's folders also need its own file (which imports the three above).
+REMOTE_CODE_FILES_XL = (*REMOTE_CODE_FILES, "modeling_long_short_xl.py")
 
 
 def is_local_path(name) -> bool:
@@ -34,10 +37,10 @@ def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overw
 
     The folder gets ``model.safetensors``, ``config.json`` whose ``auto_map`` names the config and every head (so
     ``AutoModel``, ``AutoModelForMaskedLM``, ``AutoModelForCausalLM``, ... all load it with ``trust_remote_code=True``),
-    the remote-code files ``REMOTE_CODE_FILES``, ``generation_config.json`` for causal models, and the tokenizer
-    files. Everything is written next to ``folder`` first and moved into place at the end, so a failure leaves
-    neither a half-written nor a missing folder. ``folder`` must not exist or be empty, unless ``overwrite``
-    (then it is replaced). Returns ``Path(folder)``.
+    the remote-code files ``REMOTE_CODE_FILES`` (``REMOTE_CODE_FILES_XL`` for ``LongShortXLForCausalLM``),
+    ``generation_config.json`` for causal models, and the tokenizer files. Everything is written next to ``folder``
+    first and moved into place at the end, so a failure leaves neither a half-written nor a missing folder.
+    ``folder`` must not exist or be empty, unless ``overwrite`` (then it is replaced). Returns ``Path(folder)``.
     """
     if not isinstance(model, LongShortPreTrainedModel):
         raise TypeError(f"model must be a LongShort model (LongShortPreTrainedModel), got {type(model).__name__}.")
@@ -54,7 +57,8 @@ def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overw
             tokenizer.save_pretrained(new)
         for name, text in (files or {}).items():
             (new / name).write_text(text)
-        missing = [name for name in REMOTE_CODE_FILES if not (new / name).is_file()]
+        needed = REMOTE_CODE_FILES_XL if isinstance(model, LongShortXLPreTrainedModel) else REMOTE_CODE_FILES
+        missing = [name for name in needed if not (new / name).is_file()]
         if missing:
             raise RuntimeError(f"save_pretrained did not write the remote code files {missing}.")
         _readable(new)

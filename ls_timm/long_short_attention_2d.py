@@ -173,6 +173,8 @@ class LongShortAttention2d(nn.Module):
         conv_dynamic_proj: ``W^P`` as a depthwise-separable conv whose 3x3 depthwise weights are standardised
             (Appendix E, CvT*-LS); otherwise a Linear (ViL-LS).
         window_bias: the official ViL-LS relative position bias table on the window scores.
+        use_dual_ln: DualLN (Eq. 7); False is the paper's ablation (CvT*-LS-13 without DualLN, Appendix E): no LN on
+            the keys/values of the window or of the projected rows.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
     """
 
@@ -201,6 +203,7 @@ class LongShortAttention2d(nn.Module):
         conv_proj: bool = False,
         conv_dynamic_proj: bool = False,
         window_bias: bool = False,
+        use_dual_ln: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         device=None,
@@ -235,11 +238,12 @@ class LongShortAttention2d(nn.Module):
         self.dp_conv = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd) if projection_rank and conv_dynamic_proj \
             else None
         self.dynamic_proj = nn.Linear(dim, projection_rank * num_heads, **dd) if projection_rank else None
-        self.dual_ln_local = nn.LayerNorm(dim, **dd)
-        self.dual_ln_global = nn.LayerNorm(dim, **dd)
+        norm = functools.partial(nn.LayerNorm, **dd) if use_dual_ln else (lambda width: nn.Identity())
+        self.dual_ln_local = norm(dim)
+        self.dual_ln_global = norm(dim)
         # LMSA: narrower keys get their own DualLN pair.
-        self.dual_ln_local_k = nn.LayerNorm(qk_dim, **dd) if qk_dim != dim else None
-        self.dual_ln_global_k = nn.LayerNorm(qk_dim, **dd) if qk_dim != dim else None
+        self.dual_ln_local_k = norm(qk_dim) if qk_dim != dim else None
+        self.dual_ln_global_k = norm(qk_dim) if qk_dim != dim else None
         if window_bias:
             if window_size < 2:
                 raise ValueError(f"window_bias needs window_size >= 2 (the official table), got {window_size}.")

@@ -101,6 +101,7 @@ class VilLs(HierarchicalTransformer):
         long_short: per stage, Long-Short attention (True) or full attention with relative bias (False).
         window_size: w of the Long-Short stages; projection_rank: r rows per head (Eq. 3).
         qk_dims: optional LMSA query/key width per stage (Long-Short stages without global tokens only).
+        use_dual_ln: DualLN (Eq. 7) in the Long-Short stages; False is the paper's ablation.
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class VilLs(HierarchicalTransformer):
         window_size: int = 7,
         projection_rank: int = 8,
         qk_dims: Sequence[int | None] | None = None,
+        use_dual_ln: bool = True,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
         drop_rate: float = 0.0,
@@ -155,7 +157,8 @@ class VilLs(HierarchicalTransformer):
                 attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
                                window_size=window_size, projection_rank=projection_rank,
                                num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
-                               window_bias=True, attn_drop=attn_drop_rate, proj_drop=proj_drop_rate, **dd)
+                               window_bias=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
+                               proj_drop=proj_drop_rate, **dd)
             else:
                 attn = partial(RelPosAttention, dim=embed_dims[i], num_heads=num_heads[i], feat_size=sides[i],
                                num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,

@@ -22,9 +22,15 @@ The defaults are the paper's smaller model and schedule (Appendix D): 12 layers 
 l = 16, r = 1, dropout 0.2, weight decay 0.01, a constant learning rate of 2.5e-4 after 10k warmup steps, no
 gradient clipping; its batches of 32, 32 and 16 blocks are --per_device_train_batch_size times the devices times
 --gradient_accumulation_steps. The paper trains in three phases of 2048, 4096 and 8192 bytes: run the recipe three
-times, each phase with the previous output as --model_name_or_path and a longer --max_seq_length. Not reproduced
-here: the paper's model is Pre-LN with a relative position encoding of the projected segments and a Transformer-XL
-memory; this one is the package's RoBERTa-style (Post-LN) LongShort decoder with learned absolute positions.
+times, each phase with the previous output as --model_name_or_path and a longer --max_seq_length.
+
+--model_type long_short (the default) trains the package's RoBERTa-style (Post-LN) LongShort decoder with learned
+absolute positions. --model_type long_short_xl trains the paper's model as the official code builds it
+(``LongShortXLForCausalLM``: Pre-LN, Transformer-XL relative positions, a memory of earlier blocks): training batches
+continue the same --per_device_train_batch_size streams (truncated backpropagation through time, --memory_length
+tokens per layer, the block length by default as the official scripts), and evaluation streams each split once with
+--eval_memory_length bytes of context before every block of --eval_block_length (the official 32768 and 256), also
+reporting block-by-block scoring of the same model (``*_block_bpc``: each --max_seq_length block on its own).
 
 The saved tokenizer is ByT5's, which appends ``</s>`` unless told not to; training saw none, so encode prompts with
 ``add_special_tokens=False`` (also a ``pipeline("text-generation")`` argument).
@@ -36,17 +42,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     ByT5Tokenizer,
     DataCollatorForLanguageModeling,
     Trainer,
     TrainingArguments,
+    default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import PredictionOutput
 
-from ls_hf import LongShortConfig, LongShortForCausalLM
+from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortXLConfig, LongShortXLForCausalLM
 from recipes.common import (
     UsageError,
     check_memory,
@@ -81,6 +91,22 @@ class CharLmArguments:
     causal_segment_length: int = field(default=16, metadata={"help": "New model: segment length l."})
     max_positions: int = field(default=8192, metadata={"help": "New model: longest block of any later phase."})
     dropout: float = field(default=0.2, metadata={"help": "New model: hidden and attention dropout."})
+    model_type: str = field(default="long_short", metadata={
+        "help": "New model: long_short (Post-LN, absolute positions) or long_short_xl (the paper's official model: "
+                "Pre-LN, relative positions, memory).", "choices": ["long_short", "long_short_xl"]})
+    use_dual_ln: bool = field(default=True, metadata={"help": "New model: DualLN (False: the paper's ablation)."})
+    window_rule: str = field(default="token", metadata={
+        "help": "New long_short_xl model: token (official, w keys per token) or segment (paper Appendix D).",
+        "choices": ["token", "segment"]})
+    projection_input: str = field(default="raw", metadata={
+        "help": "New long_short_xl model: raw (official) or normalized (paper Sec. 3.4) keys into the projection.",
+        "choices": ["raw", "normalized"]})
+    memory_length: int | None = field(default=None, metadata={
+        "help": "long_short_xl: tokens of memory per layer in training (default --max_seq_length; 0: none)."})
+    eval_memory_length: int = field(default=32768, metadata={"help": "long_short_xl: context bytes when scoring."})
+    eval_block_length: int = field(default=256, metadata={"help": "long_short_xl: bytes scored per step."})
+    eval_streams: int = field(default=1, metadata={
+        "help": "long_short_xl: score a split as this many parallel streams (1: exact, as the official batch 1)."})
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the argument if the data cannot be read."""
@@ -92,6 +118,9 @@ class CharLmArguments:
                 raise ValueError(f"--{split}_file {path!r}: no such file.")
         if self.max_seq_length < 2:
             raise ValueError(f"--max_seq_length must be at least 2 bytes, got {self.max_seq_length}.")
+        for name in ("eval_block_length", "eval_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}.")
 
     def data_name(self, split: str) -> str:
         """What ``split`` is read from, for model cards: its own file, else the training text's source."""
@@ -163,6 +192,8 @@ def bits_per_character(metrics: dict) -> dict:
 
 def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
     """A new ``LongShortForCausalLM`` of the requested shape, or the byte-level one in --model_name_or_path."""
+    if args.model_type == LongShortXLConfig.model_type:
+        return build_xl_model(args, tokenizer)
     if args.model_name_or_path is not None:
         name = args.model_name_or_path
         config = long_short_config(name, "--model_name_or_path")
@@ -176,10 +207,113 @@ def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
         window_size=args.window_size, projection_rank=args.projection_rank,
         causal_segment_length=args.causal_segment_length, is_decoder=True,
         max_position_embeddings=args.max_positions + tokenizer.pad_token_id + 1,
-        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
+        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout, use_dual_ln=args.use_dual_ln,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
     )
     return LongShortForCausalLM(config)
+
+
+def build_xl_model(args: CharLmArguments, tokenizer: ByT5Tokenizer) -> LongShortXLForCausalLM:
+    """A new ``LongShortXLForCausalLM`` (the official model: dropout on hidden states, embeddings and positions, none
+    on attention probabilities), or the byte-level one in --model_name_or_path with --memory_length if given."""
+    memory_length = args.max_seq_length if args.memory_length is None else args.memory_length
+    if args.model_name_or_path is not None:
+        name = args.model_name_or_path
+        try:
+            config = AutoConfig.from_pretrained(name)
+        except OSError as err:
+            raise UsageError(f"--model_name_or_path {name!r}: no model there ({err}).") from err
+        if config.model_type != LongShortXLConfig.model_type or config.vocab_size != len(tokenizer):
+            raise UsageError(f"--model_name_or_path {name!r} is not a byte-level long_short_xl model (an earlier output "
+                             f"of this recipe with --model_type long_short_xl); start a new model by leaving it out.")
+        config.memory_length = memory_length if args.memory_length is not None else config.memory_length
+        config.check_long_short()
+        return LongShortXLForCausalLM.from_pretrained(name, config=config)
+    try:
+        config = LongShortXLConfig(
+            vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+            num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,
+            window_size=args.window_size, projection_rank=args.projection_rank,
+            causal_segment_length=args.causal_segment_length, hidden_dropout_prob=args.dropout,
+            use_dual_ln=args.use_dual_ln, memory_length=memory_length, window_rule=args.window_rule,
+            projection_input=args.projection_input, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    except ValueError as err:
+        raise UsageError(f"--model_type long_short_xl: {err}") from err
+    return LongShortXLForCausalLM(config)
+
+
+def stream_blocks(data: bytes, length: int, streams: int, offset: int, name: str) -> Dataset:
+    """The text as ``streams`` contiguous streams cut into blocks of ``length``, ordered so that row ``k * streams +
+    s`` is block k of stream s: batches of ``streams`` rows continue the previous batch's streams. Each row holds
+    ``input_ids`` and ``shift_labels`` (the next byte of every input byte)."""
+    per_stream = (len(data) - 1) // streams // length * length
+    if per_stream == 0:
+        raise UsageError(f"the {name} text holds {len(data)} bytes, fewer than one block per stream; lower "
+                         f"--max_seq_length ({length}) or --per_device_train_batch_size ({streams}), or add text.")
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64) + offset
+    rows = [ids[s * per_stream : (s + 1) * per_stream + 1] for s in range(streams)]
+    inputs = np.stack([row[:-1] for row in rows]).reshape(streams, -1, length).transpose(1, 0, 2)
+    labels = np.stack([row[1:] for row in rows]).reshape(streams, -1, length).transpose(1, 0, 2)
+    return Dataset.from_dict({"input_ids": inputs.reshape(-1, length), "shift_labels": labels.reshape(-1, length)})
+
+
+@torch.no_grad()
+def stream_loss(model: LongShortXLForCausalLM, data: bytes, offset: int, block_length: int, memory_length: int,
+                streams: int = 1) -> float:
+    """Nats per byte of every byte after the first given all bytes before it that the memory holds: the text is cut
+    into ``streams`` contiguous parts, each scored ``block_length`` bytes at a time with up to ``memory_length`` bytes
+    of memory (0: every block on its own). Official evaluation: one stream, blocks of 256, memory 32768."""
+    per_stream = (len(data) - 1) // streams
+    if per_stream < 1:
+        raise UsageError(f"a text of {len(data)} bytes cannot be scored as {streams} streams; lower --eval_streams.")
+    ids = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64) + offset).to(model.device)
+    inputs = torch.stack([ids[s * per_stream : (s + 1) * per_stream] for s in range(streams)])
+    targets = torch.stack([ids[s * per_stream + 1 : (s + 1) * per_stream + 1] for s in range(streams)])
+    training, memory, total = model.training, None, 0.0
+    model.eval()
+    for start in range(0, per_stream, block_length):
+        out = model(inputs[:, start : start + block_length], memory=memory, memory_length=memory_length,
+                    use_cache=False)
+        logp = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)).log_softmax(-1)
+        total -= logp.gather(-1, targets[:, start : start + block_length, None]).sum().item()
+        memory = out.memory
+    model.train(training)
+    return total / (streams * per_stream)
+
+
+class StreamTrainer(Trainer):
+    """A ``Trainer`` for ``LongShortXLForCausalLM``: training batches continue the same streams (a ``stream_blocks``
+    dataset read in order, ``train_sampling_strategy="sequential"``) and each step passes the previous step's memory, detached (truncated backpropagation through
+    time); ``evaluate`` and ``predict`` score the raw split with ``stream_loss``, streaming and block by block."""
+
+    def __init__(self, *args, texts: dict, scoring: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.texts, self.scoring, self.memory = texts, scoring, None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, memory=self.memory)
+        self.memory = outputs.memory
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def _score(self, split: str, prefix: str) -> dict:
+        model, s = self.model, self.scoring
+        metrics = {
+            f"{prefix}_loss": stream_loss(model, self.texts[split], s["offset"], s["eval_block_length"],
+                                          s["eval_memory_length"], s["eval_streams"]),
+            f"{prefix}_block_bpc": stream_loss(model, self.texts[split], s["offset"], s["block_length"], 0,
+                                               s["eval_streams"]) / math.log(2),
+            f"{prefix}_memory_length": s["eval_memory_length"],
+        }
+        self.log(metrics)
+        return metrics
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        return self._score("validation", metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        return PredictionOutput(predictions=None, label_ids=None, metrics=self._score("test", metric_key_prefix))
 
 
 @cli
@@ -200,6 +334,10 @@ def main(argv=None) -> dict:
     offset = tokenizer("\x00", add_special_tokens=False).input_ids[0]
     needed = {"train": training_args.do_train, "test": training_args.do_predict,
               "validation": training_args.do_eval or training_args.eval_strategy != "no"}
+    if isinstance(model, LongShortXLForCausalLM):
+        texts = {split: text for split, text in read_splits(args).items() if needed[split]}
+        trainer = stream_trainer(model, args, training_args, tokenizer, texts, offset)
+        return finish(trainer, training_args, args, checkpoint_to_resume(training_args), bits_per_character)
     data = DatasetDict({split: blocks(text, args.max_seq_length, offset, split)
                         for split, text in read_splits(args).items() if needed[split]})
 
@@ -212,6 +350,27 @@ def main(argv=None) -> dict:
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     )
     return finish(trainer, training_args, args, checkpoint, bits_per_character, data.get("test"))
+
+
+def stream_trainer(model, args, training_args, tokenizer, texts: dict, offset: int) -> StreamTrainer:
+    """The ``StreamTrainer`` of a long_short_xl run: --per_device_train_batch_size streams of the training text."""
+    if training_args.world_size > 1:
+        raise UsageError("--model_type long_short_xl trains the streams of one process (its memory continues "
+                         "them batch to batch); run it in a single process.")
+    segment = model.config.causal_segment_length
+    if args.eval_memory_length < 0 or args.eval_memory_length % segment:
+        raise UsageError(f"--eval_memory_length must be a multiple of the segment length l = {segment} (the memory "
+                         f"is compressed segment by segment), got {args.eval_memory_length}.")
+    train = None
+    if "train" in texts:
+        train = stream_blocks(texts["train"], args.max_seq_length, training_args.per_device_train_batch_size, offset,
+                              "train")
+    training_args.label_names = ["shift_labels"]
+    training_args.train_sampling_strategy = "sequential"  # the dataset is in stream order
+    scoring = {"offset": offset, "block_length": args.max_seq_length, "eval_block_length": args.eval_block_length,
+               "eval_memory_length": args.eval_memory_length, "eval_streams": args.eval_streams}
+    return StreamTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
+                         data_collator=default_data_collator, texts=texts, scoring=scoring)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,68 @@ def _one(m, x, valid, cls, glob):
         prob = (torch.einsum("hd,khd->hk", qc, ks) / math.sqrt(dq)).softmax(-1)
         context = torch.cat([torch.einsum("hk,khd->hd", prob, vs)[None], context])
     return m.output(context.reshape(context.shape[0], -1))
+
+
+def reference_xl_attention(module, h, memory=None):
+    """``LongShortXLAttention`` by its definition, one query at a time: h (B, n, d) and memory (B, L, d) are the
+    normalised inputs of the block and of the tokens before it; positions count from the first memory token."""
+    import torch.nn.functional as F
+
+    def ln(name, x):
+        if not module.use_dual_ln:
+            return x
+        norm = getattr(module, name)
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+    def sinusoid(distance, width):
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2, dtype=torch.float64) / width))
+        angle = distance * inv_freq
+        return torch.cat([angle.sin(), angle.cos()]).to(h.dtype)
+
+    B, n, d = h.shape
+    L = 0 if memory is None else memory.shape[1]
+    H, w, r, l = module.num_heads, module.window_size, module.projection_rank, module.segment_length
+    dh = d // H
+    outs = []
+    for b in range(B):
+        x = h[b] if memory is None else torch.cat([memory[b], h[b]])
+        keys, values = ln("dual_ln_local", module.key(x)), ln("dual_ln_local", module.value(x))
+        rows_k, rows_v = [], []  # per finished segment: (r, d)
+        for s in range((L + n) // l):
+            seg = x[s * l : (s + 1) * l]
+            prob = module.dynamic_projection(seg).view(l, H, r).softmax(0)  # over the segment
+            if module.projection_input == "normalized":
+                src_k, src_v = keys[s * l : (s + 1) * l], values[s * l : (s + 1) * l]
+            elif (s + 1) * l <= L:  # official memory: pool the input's head slices, then project
+                pooled = torch.einsum("lhr,lhd->rhd", prob, seg.view(l, H, dh)).reshape(r, d)
+                rows_k.append(ln("dual_ln_global", module.key(pooled)))
+                rows_v.append(ln("dual_ln_global", module.value(pooled)))
+                continue
+            else:
+                src_k, src_v = module.key(seg), module.value(seg)
+            rows_k.append(ln("dual_ln_global", torch.einsum("lhr,lhd->rhd", prob, src_k.view(l, H, dh)).reshape(r, d)))
+            rows_v.append(ln("dual_ln_global", torch.einsum("lhr,lhd->rhd", prob, src_v.view(l, H, dh)).reshape(r, d)))
+        out = []
+        for t in range(L, L + n):
+            q = module.query(x[t]).view(H, dh) / math.sqrt(dh)
+            if module.window_rule == "token":
+                window = range(max(0, t - w + 1), t + 1)
+            else:
+                window = range(max(0, t // w * w - w), t + 1)
+            scores, vals = [], []
+            for j in window:
+                rel = module.window_position(sinusoid(t - j, d)).view(H, dh)
+                scores.append(((q + module.content_bias) * keys[j].view(H, dh)).sum(-1)
+                              + ((q + module.position_bias) * rel).sum(-1))
+                vals.append(values[j].view(H, dh))
+            a = t // l
+            for s in range(a):  # finished segments before the query's own
+                for i in range(r):
+                    c = s * r + i
+                    rel = module.row_position(sinusoid(a * r - 1 - c, d)).view(H, dh)
+                    scores.append((q * (rows_k[s][i].view(H, dh) + rel)).sum(-1))
+                    vals.append(rows_v[s][i].view(H, dh))
+            prob = torch.stack(scores, -1).softmax(-1)  # (H, K)
+            out.append(torch.einsum("hk,khd->hd", prob, torch.stack(vals)).reshape(d))
+        outs.append(module.output(torch.stack(out)))
+    return torch.stack(outs)

@@ -65,6 +65,11 @@ def tiny_config(**overrides) -> LongShortConfig:
     return LongShortConfig(**{**kwargs, **overrides})
 
 
+def enable_checkpointing(model) -> None:
+    """Transformers' activation checkpointing, under its name in the version installed (renamed after 5.17)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+
+
 def tokens(batch=2, length=19, seed=0):
     """Random non-special token ids (>= 3: no pad/bos/eos)."""
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
@@ -247,7 +252,7 @@ def test_global_tokens_with_gradient_checkpointing_and_global_projections():
 
     plain = gradients()
     assert any("global_key" in name for name in plain)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     checkpointed = gradients()
     assert plain.keys() == checkpointed.keys()
     for name in plain:
@@ -335,8 +340,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(overrides):
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
+    enable_checkpointing(model)
     assert all(layer.gradient_checkpointing for layer in model.long_short.encoder.layer)
     checkpointed = gradients()
     assert plain.keys() == checkpointed.keys() and len(plain) > 20
