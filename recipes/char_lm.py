@@ -337,7 +337,7 @@ def main(argv=None) -> dict:
     if isinstance(model, LongShortXLForCausalLM):
         texts = {split: text for split, text in read_splits(args).items() if needed[split]}
         trainer = stream_trainer(model, args, training_args, tokenizer, texts, offset)
-        return finish(trainer, training_args, args, checkpoint_to_resume(training_args), bits_per_character)
+        return finish(trainer, training_args, args, checkpoint, bits_per_character)
     data = DatasetDict({split: blocks(text, args.max_seq_length, offset, split)
                         for split, text in read_splits(args).items() if needed[split]})
 
