@@ -163,3 +163,28 @@ class LRAClassifier(nn.Module):
             x0, x1 = pooled
             return self.head(torch.cat([x0, x1, x0 * x1, x0 - x1], -1))
         return self.head(pooled[0])
+
+
+# Official ``lra/model.py`` / ``model_wrapper.py`` state-dict names -> ours (``transformer_{i}`` blocks).
+OFFICIAL_NAMES = {"mha.W_q": "attention.query", "mha.W_k": "attention.key", "mha.W_v": "attention.value",
+                  "mha.W_o": "attention.output", "mha.dconv_fc": "attention.dynamic_projection",
+                  "mha.dual_ln_l": "attention.dual_ln_local", "mha.dual_ln_s": "attention.dual_ln_global",
+                  "mlpblock": "mlp"}
+
+
+def from_official(model_state: dict, head_state: dict) -> dict:
+    """Our ``LRAClassifier`` state dict from an official ``Model`` and ``SCHead`` (or ``SCHeadDual``) state dict; the
+    zero-sized ``dconv_fc`` of r = 0 is dropped."""
+    state = {}
+    for key, value in model_state.items():
+        if not value.numel():
+            continue
+        if key.startswith("transformer_"):
+            index, rest = key[len("transformer_") :].split(".", 1)
+            for official, ours in OFFICIAL_NAMES.items():
+                if rest.startswith(official + "."):
+                    rest = ours + rest[len(official) :]
+            key = f"layers.{index}.{rest}"
+        state[f"encoder.{key.removeprefix('embeddings.')}"] = value
+    state.update({f"head.{key.removeprefix('mlpblock.')}": value for key, value in head_state.items()})
+    return state

@@ -28,14 +28,14 @@ from .model import ATTENTIONS, LRAClassifier, LRAConfig
 # Table 8 (lr 1e-4, batch 32, T_w, T) and the official scripts' lengths, classes, dropout and weight decay. The paper
 # gives no schedule for Image; its row is a starting point, not the paper's.
 TASKS = {
-    "listops": dict(steps=5000, warmup=1000, max_length=2000, num_classes=10, dropout=0.0, weight_decay=0.0,
-                    vocab_size=len(LISTOPS_VOCAB)),
-    "text": dict(steps=20000, warmup=8000, max_length=4096, num_classes=2, dropout=0.0, weight_decay=0.0,
-                 vocab_size=257),
-    "retrieval": dict(steps=30000, warmup=8000, max_length=4096, num_classes=2, dropout=0.1, weight_decay=0.01,
-                      vocab_size=257),
-    "image": dict(steps=20000, warmup=1000, max_length=1024, num_classes=10, dropout=0.0, weight_decay=0.0,
-                  vocab_size=257),
+    "listops": {"steps": 5000, "warmup": 1000, "max_length": 2000, "num_classes": 10, "dropout": 0.0,
+                "weight_decay": 0.0, "vocab_size": len(LISTOPS_VOCAB)},
+    "text": {"steps": 20000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.0,
+             "weight_decay": 0.0, "vocab_size": 257},
+    "retrieval": {"steps": 30000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.1,
+                  "weight_decay": 0.01, "vocab_size": 257},
+    "image": {"steps": 20000, "warmup": 1000, "max_length": 1024, "num_classes": 10, "dropout": 0.0,
+              "weight_decay": 0.0, "vocab_size": 257},
 }
 # Arguments that must match to resume a run (the others, e.g. --threads, may change between invocations).
 RUN_KEYS = ("task", "attention", "window_size", "projection_rank", "steps", "warmup", "lr", "weight_decay",

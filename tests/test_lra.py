@@ -1,0 +1,177 @@
+"""recipes.lra: ListOps by LRA's rules, the paper's LRA model against the official one, training and resuming."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.lra import data as lra_data
+from recipes.lra.data import LISTOPS_VOCAB, OPERATORS, ListOpsRules, generate_listops, listops
+from recipes.lra.model import LRAClassifier, LRAConfig, from_official
+from recipes.lra.train import main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SMALL = ListOpsRules(max_depth=4, max_args=5, min_length=10, max_length=60, train=64, dev=16, test=16)
+
+
+# ------------------------------------------------------------------------------------------- ListOps rules
+def _evaluate(tokens: list[str]) -> tuple[int, int]:
+    """Reference: value of the bracketed prefix expression starting at tokens[0], and the tokens it used."""
+    if tokens[0].isdigit():
+        return int(tokens[0]), 1
+    op, args, used = tokens[0], [], 1
+    while tokens[used] != "]":
+        value, size = _evaluate(tokens[used:])
+        args.append(value)
+        used += size
+    ops = {"MIN": min, "MAX": max, "MED": lambda a: int(np.median(a)), "SM": lambda a: sum(a) % 10}
+    return ops[op](args), used + 1
+
+
+def _depth(tokens: list[str]) -> int:
+    depth = best = 0
+    for t in tokens:
+        depth += t in OPERATORS
+        depth -= t == "]"
+        best = max(best, depth)
+    return best
+
+
+def test_listops_rules_and_labels():
+    """Bracketed generation: every example is a well-formed expression whose label is its value, with LRA's limits on
+    depth, arguments and length, and no example repeats."""
+    rules = ListOpsRules(**{**SMALL.__dict__, "brackets": True})
+    splits = generate_listops(seed=3, rules=rules)
+    seen = set()
+    for split, size in (("train", 64), ("dev", 16), ("test", 16)):
+        ex = splits[split]
+        assert len(ex) == size
+        for i in range(size):
+            tokens = [LISTOPS_VOCAB[t] for t in ex.tokens[ex.offsets[0, i] : ex.offsets[0, i + 1]]]
+            value, used = _evaluate(tokens)
+            assert used == len(tokens) and value == ex.labels[i]
+            assert rules.min_length < len(tokens) < rules.max_length
+            assert _depth(tokens) <= rules.max_depth - 1  # operators only below the maximum depth
+            seen.add(tuple(tokens))
+    assert len(seen) == 96
+
+
+def test_listops_lra_tokenisation_drops_brackets():
+    """LRA's released pipeline keeps only alphanumeric tokens: the same expressions without ']' (same labels)."""
+    plain, bracketed = generate_listops(5, SMALL), generate_listops(5, ListOpsRules(**{**SMALL.__dict__,
+                                                                                       "brackets": True}))
+    close = LISTOPS_VOCAB.index("]")
+    assert close not in plain["train"].tokens
+    np.testing.assert_array_equal(plain["train"].tokens, bracketed["train"].tokens[bracketed["train"].tokens != close])
+    np.testing.assert_array_equal(plain["dev"].labels, bracketed["dev"].labels)
+
+
+def test_listops_deterministic_and_cached(tmp_path, monkeypatch):
+    a, b, c = (generate_listops(seed, SMALL) for seed in (1, 1, 2))
+    np.testing.assert_array_equal(a["train"].tokens, b["train"].tokens)
+    assert not np.array_equal(a["train"].labels, c["train"].labels)
+    first = listops(tmp_path, 1, SMALL)
+    monkeypatch.setattr(lra_data, "generate_listops", lambda *a: pytest.fail("regenerated instead of read"))
+    again = listops(tmp_path, 1, SMALL)
+    np.testing.assert_array_equal(first["test"].tokens, again["test"].tokens)
+    np.testing.assert_array_equal(first["test"].offsets, a["test"].offsets)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+
+
+def test_listops_bad_rules():
+    with pytest.raises(ValueError, match="--listops_max_depth"):
+        ListOpsRules(max_depth=0).check()
+    with pytest.raises(ValueError, match="--listops_max_length"):
+        ListOpsRules(min_length=10, max_length=11).check()
+
+
+# --------------------------------------------------------------------------------- the official LRA model
+@pytest.mark.parametrize("case", ["long_short", "window", "projection"])
+def test_official_lra_model(case):
+    """``lra/model.py`` (Model, post-CLS in the last layer) and ``SCHead`` with random weights, padding, float64:
+    our model loads their weights and reproduces the pooled CLS and the logits to 1e-5."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((FIXTURES / "lra_model.json").read_text())["cases"][case]
+    tensors = load_file(FIXTURES / "lra_model.safetensors")
+    part = {p: {k[len(f"{case}.{p}.") :]: v for k, v in tensors.items() if k.startswith(f"{case}.{p}.")}
+            for p in ("model", "head")}
+    config = LRAConfig(vocab_size=16, max_length=meta["seq_len"], num_classes=10, attention=case,
+                       window_size=meta["window_size"] or 8, projection_rank=meta["num_landmarks"] or 32)
+    model = LRAClassifier(config).double().eval()
+    model.load_state_dict(from_official(part["model"], part["head"]), strict=True)
+    ids, mask = tensors[f"{case}.input_ids"], tensors[f"{case}.mask"] > 0
+    with torch.no_grad():
+        pooled = model.encoder(ids, mask)
+        logits = model([ids], [mask])
+    torch.testing.assert_close(pooled, tensors[f"{case}.pooled"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, tensors[f"{case}.logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["long_short", "full", "window", "projection"])
+def test_model_padding_invariance(attention):
+    """Padding a batch further changes no logit (masked keys, projection and CLS)."""
+    torch.manual_seed(0)
+    model = LRAClassifier(LRAConfig(vocab_size=16, max_length=64, num_classes=10, attention=attention,
+                                    window_size=4, projection_rank=3)).double().eval()
+    ids = torch.randint(1, 15, (2, 40))
+    mask = torch.arange(40)[None] < torch.tensor([[40], [23]])
+    ids[~mask] = 0
+    wide_ids = torch.cat([ids, torch.zeros(2, 24, dtype=ids.dtype)], 1)
+    wide_mask = torch.cat([mask, torch.zeros(2, 24, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model([ids], [mask]), model([wide_ids], [wide_mask]), atol=1e-10, rtol=0)
+        alone = model([ids[1:, :23]], [mask[1:, :23]])
+        torch.testing.assert_close(model([ids], [mask])[1:], alone, atol=1e-10, rtol=0)
+
+
+def test_bad_config_names_the_argument():
+    with pytest.raises(ValueError, match="--attention"):
+        LRAConfig(vocab_size=16, max_length=8, num_classes=2, attention="sparse")
+    with pytest.raises(ValueError, match="--window_size"):
+        LRAConfig(vocab_size=16, max_length=8, num_classes=2, attention="projection", projection_rank=0)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _argv(out, steps, *extra):
+    return ["--task", "listops", "--output_dir", str(out), "--data_dir", str(out.parent / "data"), "--steps",
+            str(steps), "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--eval_batch_size", "8",
+            "--window_size", "4", "--projection_rank", "2", "--listops_train", "24", "--listops_dev", "8",
+            "--listops_test", "8", "--no_progress", "--threads", "1", *extra]
+
+
+def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
+    """A run stopped after its first evaluation and rerun ends where an uninterrupted one ends; the test split is
+    scored once, with the best dev checkpoint."""
+    small = {"min_length": 10, "max_length": 60, "max_depth": 4, "max_args": 5}  # short expressions, quick steps
+    monkeypatch.setattr("recipes.lra.train.ListOpsRules", lambda **kw: ListOpsRules(**{**small, **kw}))
+    whole = main(_argv(tmp_path / "whole", 6))
+    assert [h["step"] for h in whole["history"]] == [2, 4, 6]
+    assert whole["tested_checkpoint_step"] == max(whole["history"], key=lambda h: h["dev_accuracy"])["step"]
+    assert 0 <= whole["test_accuracy"] <= 1
+
+    from recipes.lra import train
+
+    real_save = train.save
+
+    def stop_after_first_eval(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save", stop_after_first_eval)
+    with pytest.raises(KeyboardInterrupt):
+        main(_argv(tmp_path / "split", 6))
+    monkeypatch.setattr(train, "save", real_save)
+    resumed = main(_argv(tmp_path / "split", 6))
+    assert [h["step"] for h in resumed["history"]] == [2, 4, 6]
+    for a, b in zip(whole["history"], resumed["history"]):
+        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    # a finished run is not retrained; other settings in the same folder are refused
+    assert main(_argv(tmp_path / "split", 6))["test_accuracy"] == whole["test_accuracy"]
+    (tmp_path / "split" / "results.json").unlink()
+    with pytest.raises(SystemExit, match="other settings"):
+        main(_argv(tmp_path / "split", 6, "--seed", "1"))
