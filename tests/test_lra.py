@@ -175,3 +175,15 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
     (tmp_path / "split" / "results.json").unlink()
     with pytest.raises(SystemExit, match="other settings"):
         main(_argv(tmp_path / "split", 6, "--seed", "1"))
+
+
+def test_flops_count_the_attention():
+    """FlopCounterMode sees the fused CPU attention: full attention's score and value products, 4 n^2 d per layer
+    (the CLS adds a row and a column in the last)."""
+    from recipes.lra.flops import count
+
+    n = 64
+    full = count(LRAConfig(vocab_size=16, max_length=n, num_classes=10, attention="full"), n)
+    assert full["by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == 4 * 64 * (n**2 + (n + 1) ** 2)
+    short = count(LRAConfig(vocab_size=16, max_length=n, num_classes=10, window_size=8, projection_rank=4), n)
+    assert short["flops"] < full["flops"]
