@@ -176,6 +176,11 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="other settings"):
         main(_argv(tmp_path / "split", 6, "--seed", "1"))
 
+    from recipes.lra.plot import plot
+
+    plot([str(tmp_path / "whole"), str(tmp_path / "whole" / "results.json")], str(tmp_path / "d.png"))
+    assert (tmp_path / "d.png").stat().st_size > 0
+
 
 def test_flops_count_the_attention():
     """FlopCounterMode sees the fused CPU attention: full attention's score and value products, 4 n^2 d per layer
@@ -187,3 +192,81 @@ def test_flops_count_the_attention():
     assert full["by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == 4 * 64 * (n**2 + (n + 1) ** 2)
     short = count(LRAConfig(vocab_size=16, max_length=n, num_classes=10, window_size=8, projection_rank=4), n)
     assert short["flops"] < full["flops"]
+
+
+# ---------------------------------------------------------------------------------- synthetic long range
+def test_synthetic_only_the_projection_reaches_the_second_half():
+    """The first token's logits do not depend on the second half through a 2-layer window of w = 16; with the
+    dynamic projection (r = 8) they do."""
+    from recipes.lra.synthetic import batch, build
+
+    ids, _ = batch(torch.Generator().manual_seed(0), 2, 512, 32)
+    changed = ids.clone()
+    changed[:, 256:] = torch.randint(4, 32, (2, 256), generator=torch.Generator().manual_seed(1))
+    for attention, reaches in (("window", False), ("long_short", True)):
+        model = build(attention, 512).eval()
+        with torch.no_grad():
+            delta = (model(input_ids=ids).logits - model(input_ids=changed).logits).abs().max().item()
+        assert (delta > 1e-4) == reaches, (attention, delta)
+
+
+def test_synthetic_long_range_is_learned():
+    """Long-Short learns the marker of the second half at n = 512 (only its projected rows can carry it)."""
+    from recipes.lra.synthetic import train
+
+    result = train("long_short", 512, 1500, eval_every=50, eval_size=256, target=0.9)
+    assert result["best_accuracy"] >= 0.9, result["history"]
+
+
+# ------------------------------------------------------------------------------------------- user data
+def _write_jsonl(folder: Path, rows_by_split: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in rows_by_split.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def test_text_and_retrieval_files(tmp_path):
+    """Bytes + 1 as ids, truncated to --max_length; Retrieval keeps two sequences per example and trains its dual
+    tower end to end."""
+    text = _write_jsonl(tmp_path / "text", {s: [{"text": "héllo", "label": 1}, {"text": "a" * 50, "label": 0}]
+                                            for s in ("train", "dev", "test")})
+    splits = lra_data.load_user_data("text", text, max_length=16)
+    ex = splits["dev"]
+    assert list(ex.tokens[ex.offsets[0, 0] : ex.offsets[0, 1]]) == [b + 1 for b in "héllo".encode()]
+    assert ex.lengths()[0, 1] == 16 and list(ex.labels) == [1, 0]
+
+    pairs = [{"text1": f"doc {i}", "text2": f"other {i % 2}", "label": i % 2} for i in range(8)]
+    retrieval = _write_jsonl(tmp_path / "retrieval", {s: pairs for s in ("train", "dev", "test")})
+    result = main(["--task", "retrieval", "--data_dir", str(retrieval), "--output_dir", str(tmp_path / "run"),
+                   "--steps", "4", "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--max_length", "32",
+                   "--window_size", "4", "--projection_rank", "2", "--no_progress", "--threads", "1"])
+    assert result["model"]["dual"] and result["split_sizes"] == {"train": 8, "dev": 8, "test": 8}
+
+
+def test_image_dataset_folder(tmp_path):
+    """CIFAR-style images saved with save_to_disk: grey levels (ITU-R 601-2) + 1, row by row."""
+    import datasets
+    from PIL import Image
+
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
+    split = datasets.Dataset.from_dict({"image": [Image.fromarray(a) for a in rgb], "label": [3, 7]},
+                                       features=datasets.Features({"image": datasets.Image(),
+                                                                   "label": datasets.Value("int64")}))
+    datasets.DatasetDict({s: split for s in ("train", "dev", "test")}).save_to_disk(tmp_path / "cifar")
+    ex = lra_data.load_user_data("image", tmp_path / "cifar", max_length=16)["test"]
+    grey = np.asarray(Image.fromarray(rgb[1]).convert("L"), dtype=np.int64).reshape(-1)
+    np.testing.assert_array_equal(ex.tokens[ex.offsets[0, 1] : ex.offsets[0, 2]], grey + 1)
+    with pytest.raises(ValueError, match="--max_length"):
+        lra_data.load_user_data("image", tmp_path / "cifar", max_length=8)
+
+
+def test_user_data_errors(tmp_path):
+    with pytest.raises(ValueError, match="--data_dir"):
+        lra_data.load_user_data("text", tmp_path / "missing", 16)
+    folder = _write_jsonl(tmp_path / "bad", {s: [{"body": "x", "label": 0}] for s in ("train", "dev")})
+    with pytest.raises(ValueError, match="test"):
+        lra_data.load_user_data("text", folder, 16)
+    _write_jsonl(folder, {"test": [{"body": "x", "label": 0}]})
+    with pytest.raises(ValueError, match="lacks the column"):
+        lra_data.load_user_data("text", folder, 16)
