@@ -68,7 +68,8 @@ def train(attention: str, length: int, steps: int, *, window_size: int = 16, pro
     data = torch.Generator().manual_seed(seed + 1)
     held_out = batch(torch.Generator().manual_seed(10_000 + seed), eval_size, length, model.config.vocab_size)
     history, start, cpu = [], time.perf_counter(), time.process_time()
-    for step in tqdm(range(1, steps + 1), disable=not progress, desc=f"{attention} n={length}"):
+    bar = tqdm(range(1, steps + 1), disable=not progress, desc=f"{attention} n={length}")
+    for step in bar:
         ids, labels = batch(data, batch_size, length, model.config.vocab_size)
         loss = F.cross_entropy(model(input_ids=ids).logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -78,6 +79,7 @@ def train(attention: str, length: int, steps: int, *, window_size: int = 16, pro
             history.append({"step": step, "loss": loss.item(), "accuracy": accuracy(model, *held_out),
                             "seconds": round(time.perf_counter() - start, 1),
                             "cpu_seconds": round(time.process_time() - cpu, 1)})
+            bar.set_postfix(accuracy=history[-1]["accuracy"])
             if target is not None and history[-1]["accuracy"] >= target:
                 break
     return {"attention": attention, "length": length, "window_size": window_size, "projection_rank": projection_rank,
