@@ -13,8 +13,9 @@ Longformer's recipe (Beltagy et al., 2020, Sec. 5), applied to Long-Short attent
   the learned rows are tiled (copying, not random init, is what lets training start well). BERT and ELECTRA count
   positions from 0, RoBERTa from ``pad_token_id + 1``: their table is moved down by ``pad_token_id + 1`` rows, so the
   model keeps RoBERTa's one position rule (padding aware) and computes the source's positions exactly;
-* the new parameters get RoBERTa's init (``_init_weights``): W^P of the dynamic projection N(0, initializer_range),
-  so its softmax starts close to uniform pooling with the symmetry broken, and DualLN gains 1, biases 0;
+* the new parameters get the model's init (``_init_weights``): W^P of the dynamic projection U(+-1/sqrt(d)) (about
+  N(0, 0.02) at d = 768), so its softmax starts close to uniform pooling with the symmetry broken, and DualLN gains 1,
+  biases 0;
 * the tokenizer is saved with ``model_max_length = max_position_embeddings``; ``sep_token_id`` is the tokenizer's.
 
 With ``use_dual_ln=False``, ``projection_rank=0`` and a window covering the input the converted model computes the
@@ -219,8 +220,8 @@ def _copy_weights(source, model, family: Source, log) -> None:
     else:
         log(f"truncated {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (the first ones kept{shifted})")
     if new:
-        std = model.config.initializer_range
-        log(f"initialised {len(new)} new tensors (W^P: N(0, {std}); DualLN: weight 1, bias 0):")
+        bound = 1 / model.config.hidden_size**0.5
+        log(f"initialised {len(new)} new tensors (W^P: U(+-{bound:.4f}), bias 0; DualLN: weight 1, bias 0):")
     for key in sorted({_pattern(key) for key in new}):
         log(f"  {key}")
 

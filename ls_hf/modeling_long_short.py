@@ -16,6 +16,7 @@ keys/values and the projected rows of finished segments, so a step costs O(w + r
 This file only uses single-dot relative imports: it is copied as-is into saved folders as Hub remote code.
 """
 
+import math
 from typing import ClassVar
 
 import torch
@@ -329,11 +330,22 @@ class LongShortPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """RoBERTa's init: N(0, initializer_range) linears and embeddings (W^P included), unit LayerNorms (DualLN
-        included), zero biases."""
+        """RoBERTa's init: N(0, initializer_range) linears and embeddings, unit LayerNorms (DualLN included), zero
+        biases; W^P (Eq. 3) as nn.Linear's default, U(-1/sqrt(d), 1/sqrt(d)), as the official LRA code leaves it.
+
+        W^P scores LayerNorm-ed inputs of norm ~sqrt(d), so N(0, 0.02) gives scores of std 0.02 sqrt(d): 0.16 at
+        d = 64, where ``softmax_n`` starts so close to uniform that a single informative token keeps a share ~1/n of
+        every projected row and its gradient vanishes with n (a 2-layer, 64-wide model then does not learn to carry
+        one token across n = 1024). U(+-1/sqrt(d)) gives std 1/sqrt(3) ~ 0.58 at any width (0.55 under N(0, 0.02)
+        at d = 768, so wide models start as before)."""
         super()._init_weights(module)
         if isinstance(module, LongShortLMHead):
             init.zeros_(module.bias)
+        if isinstance(module, nn.Linear) and any(
+            module is m.dynamic_projection for m in self.modules() if isinstance(m, LongShortSelfAttention)
+        ):  # (Transformers calls this on the modules that hold parameters, so W^P is found as a Linear)
+            bound = 1 / math.sqrt(module.in_features)
+            init.uniform_(module.weight, -bound, bound)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained``, plus this package's modeling files and an ``auto_map`` naming every

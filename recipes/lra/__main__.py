@@ -1,0 +1,5 @@
+"""``python -m recipes.lra --task listops --output_dir runs/listops-ls``: see ``train.py``."""
+
+from .train import main
+
+main()

@@ -1,0 +1,238 @@
+"""Train and test the paper's LRA model (Sec. 4.1, Appendix B, Table 8); ``python -m recipes.lra --help``.
+
+What the paper leaves out follows the official scripts (``lra/run_tasks.py``, ``lra/run_*.sh``): AdamW with
+eps 1e-6 and betas (0.9, 0.999), ``OneCycleLR`` with linear warm-up over ``T_w`` steps and linear decay to the end
+(the paper's text says a fixed rate; the scripts decay it), no dropout for ListOps and Text, 0.1 and weight decay 0.01
+for Retrieval. The dev split is scored every ``--eval_every`` steps (whole split), the best dev checkpoint is kept,
+and the test split is scored once, at the end, with it. Rerunning the same command resumes from ``last.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .data import LISTOPS_VOCAB, SPLITS, ListOpsRules, listops, load_user_data
+from .model import ATTENTIONS, LRAClassifier, LRAConfig
+
+# Table 8 (lr 1e-4, batch 32, T_w, T) and the official scripts' lengths, classes, dropout and weight decay. The paper
+# gives no schedule for Image; its row is a starting point, not the paper's.
+TASKS = {
+    "listops": {"steps": 5000, "warmup": 1000, "max_length": 2000, "num_classes": 10, "dropout": 0.0,
+                "weight_decay": 0.0, "vocab_size": len(LISTOPS_VOCAB)},
+    "text": {"steps": 20000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.0,
+             "weight_decay": 0.0, "vocab_size": 257},
+    "retrieval": {"steps": 30000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.1,
+                  "weight_decay": 0.01, "vocab_size": 257},
+    "image": {"steps": 20000, "warmup": 1000, "max_length": 1024, "num_classes": 10, "dropout": 0.0,
+              "weight_decay": 0.0, "vocab_size": 257},
+}
+# Arguments that must match to resume a run (the others, e.g. --threads, may change between invocations).
+RUN_KEYS = ("task", "attention", "window_size", "projection_rank", "steps", "warmup", "lr", "weight_decay",
+            "batch_size", "seed", "data_seed", "max_length", "dropout", "attention_dropout", "eval_every",
+            "listops_brackets", "listops_train", "listops_dev", "listops_test")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipes.lra", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--task", choices=sorted(TASKS), required=True)
+    p.add_argument("--output_dir", required=True, help="checkpoints, log and results.json; rerun to resume")
+    p.add_argument("--data_dir", help="ListOps: cache of the generated splits (default OUTPUT_DIR/../data); other "
+                                      "tasks: the folder with the user's train/dev/test data")
+    p.add_argument("--attention", choices=ATTENTIONS, default="long_short")
+    p.add_argument("--window_size", type=int, default=8, help="w (segment length of the sliding window)")
+    p.add_argument("--projection_rank", type=int, default=32, help="r (rows of the dynamic projection)")
+    p.add_argument("--steps", type=int, help="training steps T (default: Table 8)")
+    p.add_argument("--warmup", type=int, help="warm-up steps T_w (default: Table 8)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight_decay", type=float, help="AdamW weight decay (default: the official script's)")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--eval_batch_size", type=int, default=64)
+    p.add_argument("--eval_every", type=int, default=100, help="score the dev split every this many steps")
+    p.add_argument("--max_length", type=int, help="tokens per sequence (default: the task's)")
+    p.add_argument("--dropout", type=float, help="dropout (default: the official script's)")
+    p.add_argument("--attention_dropout", type=float, help="attention dropout (default: = --dropout)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
+    p.add_argument("--data_seed", type=int, default=0, help="ListOps generation")
+    p.add_argument("--listops_brackets", action="store_true",
+                   help="keep '[OP' and ']' tokens (LRA's released pipeline, behind the paper's numbers, drops them)")
+    for split, size in zip(SPLITS, (96_000, 2_000, 2_000)):
+        p.add_argument(f"--listops_{split}", type=int, default=size, help=f"generated {split} examples")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    defaults = TASKS[args.task]
+    for key in ("steps", "warmup", "max_length", "weight_decay", "dropout"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.attention_dropout is None:
+        args.attention_dropout = args.dropout
+    for key in ("steps", "batch_size", "eval_batch_size", "eval_every", "max_length"):
+        if getattr(args, key) < 1:
+            parser().error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if not 2 <= args.warmup <= args.steps - 2:  # OneCycleLR's two phases need two steps each
+        parser().error(f"--warmup must be in [2, --steps - 2], got {args.warmup} with --steps {args.steps}")
+    if args.task != "listops" and args.data_dir is None:
+        parser().error(f"--data_dir is required for --task {args.task}: the folder with its train/dev/test data")
+    if args.threads is not None and args.threads < 1:
+        parser().error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def model_config(args) -> LRAConfig:
+    return LRAConfig(vocab_size=TASKS[args.task]["vocab_size"], max_length=args.max_length,
+                     num_classes=TASKS[args.task]["num_classes"], attention=args.attention,
+                     window_size=args.window_size, projection_rank=args.projection_rank, dropout=args.dropout,
+                     attention_dropout=args.attention_dropout, dual=args.task == "retrieval")
+
+
+def load_splits(args):
+    if args.task == "listops":
+        rules = ListOpsRules(train=args.listops_train, dev=args.listops_dev, test=args.listops_test,
+                             brackets=args.listops_brackets)
+        data_dir = args.data_dir or Path(args.output_dir).resolve().parent / "data"
+        splits = listops(data_dir, args.data_seed, rules)
+    else:
+        splits = load_user_data(args.task, args.data_dir, args.max_length)
+    too_long = int(max(ex.lengths().max() for ex in splits.values()))
+    if too_long > args.max_length:
+        raise ValueError(f"a sequence has {too_long} tokens, more than --max_length {args.max_length}; raise it.")
+    return splits
+
+
+class BatchOrder:
+    """Training batches as a function of (seed, step): epoch e visits the examples in the permutation drawn from
+    ``[seed, e]``, so a resumed run sees the batches an uninterrupted one would."""
+
+    def __init__(self, size: int, batch_size: int, seed: int):
+        self.size, self.batch_size, self.seed, self.perms = size, batch_size, seed, {}
+
+    def __call__(self, step: int) -> np.ndarray:
+        pos = step * self.batch_size + np.arange(self.batch_size)
+        epoch, within = pos // self.size, pos % self.size
+        self.perms = {int(e): self.perms.get(int(e)) if int(e) in self.perms else
+                      np.random.default_rng([self.seed, int(e)]).permutation(self.size) for e in np.unique(epoch)}
+        return np.array([self.perms[e][i] for e, i in zip(epoch, within)])
+
+
+@torch.no_grad()
+def accuracy(model, examples, batch_size: int, multiple: int) -> float:
+    """Accuracy over a whole split, batches of similar lengths (outputs do not depend on padding)."""
+    model.eval()
+    order = np.argsort(examples.lengths().max(0), kind="stable")
+    correct = 0
+    for start in range(0, len(order), batch_size):
+        ids, masks, labels = examples.batch(order[start : start + batch_size], multiple)
+        correct += int((model(ids, masks).argmax(-1) == labels).sum())
+    model.train()
+    return correct / len(examples)
+
+
+def save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def machine() -> str:
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def main(argv=None):
+    args = resolve(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    results_path, last_path, best_path = out / "results.json", out / "last.pt", out / "best.pt"
+    run = {key: getattr(args, key) for key in RUN_KEYS}
+    if results_path.exists():
+        results = json.loads(results_path.read_text())
+        if "test_accuracy" in results:
+            print(f"{results_path} holds a finished run: test accuracy {results['test_accuracy']:.4f}")
+            return results
+    last = torch.load(last_path, weights_only=False) if last_path.exists() else None
+    if last is not None and last["run"] != run:
+        changed = {k: (last["run"].get(k), v) for k, v in run.items() if last["run"].get(k) != v}
+        raise SystemExit(f"error: {out} holds a run with other settings {changed} (saved, given); use another "
+                         f"--output_dir or the saved settings.")
+
+    try:
+        splits = load_splits(args)
+        config = model_config(args)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model = LRAClassifier(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
+                                                    pct_start=args.warmup / args.steps, anneal_strategy="linear")
+    state = {"step": 0, "history": [], "best": {"step": None, "dev_accuracy": -1.0}, "train_seconds": 0.0}
+    if last is not None:
+        model.load_state_dict(last["model"])
+        optimizer.load_state_dict(last["optimizer"])
+        scheduler.load_state_dict(last["scheduler"])
+        torch.set_rng_state(last["rng"])
+        state = last["state"]
+    multiple = max(config.window, 1)
+    order = BatchOrder(len(splits["train"]), args.batch_size, args.seed)
+    info = {"run": run, "model": config.to_dict(), "machine": machine(),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "split_sizes": {split: len(ex) for split, ex in splits.items()}}
+
+    bar = tqdm(total=args.steps, initial=state["step"], disable=args.no_progress, desc=f"{args.task} {args.attention}",
+               dynamic_ncols=True, file=sys.stdout)
+    losses, tick = [], time.perf_counter()
+    model.train()
+    while state["step"] < args.steps:
+        ids, masks, labels = splits["train"].batch(order(state["step"]), multiple)
+        loss = F.cross_entropy(model(ids, masks), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        state["step"] += 1
+        losses.append(loss.item())
+        bar.update(1)
+        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+            state["train_seconds"] += time.perf_counter() - tick
+            dev = accuracy(model, splits["dev"], args.eval_batch_size, multiple)
+            record = {"step": state["step"], "train_loss": float(np.mean(losses)), "dev_accuracy": dev,
+                      "lr": scheduler.get_last_lr()[0], "train_seconds": round(state["train_seconds"], 1)}
+            state["history"].append(record)
+            losses = []
+            if dev > state["best"]["dev_accuracy"]:
+                state["best"] = {"step": state["step"], "dev_accuracy": dev}
+                save({"model": model.state_dict(), "config": config.to_dict(), "step": state["step"]}, best_path)
+            save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                  "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "state": state, "run": run},
+                 last_path)
+            results_path.write_text(json.dumps({**info, **state}, indent=1))
+            bar.set_postfix(loss=f"{record['train_loss']:.3f}", dev=f"{dev:.4f}",
+                            best=f"{state['best']['dev_accuracy']:.4f}")
+            tick = time.perf_counter()
+    bar.close()
+
+    model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
+    test = accuracy(model, splits["test"], args.eval_batch_size, multiple)
+    results = {**info, **state, "test_accuracy": test, "tested_checkpoint_step": state["best"]["step"],
+               "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    results_path.write_text(json.dumps(results, indent=1))
+    print(f"best dev {state['best']['dev_accuracy']:.4f} at step {state['best']['step']}; test {test:.4f}")
+    return results

@@ -1,0 +1,273 @@
+"""recipes.lra: ListOps by LRA's rules, the paper's LRA model against the official one, training and resuming."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.lra import data as lra_data
+from recipes.lra.data import LISTOPS_VOCAB, OPERATORS, ListOpsRules, generate_listops, listops
+from recipes.lra.model import LRAClassifier, LRAConfig, from_official
+from recipes.lra.train import main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SMALL = ListOpsRules(max_depth=4, max_args=5, min_length=10, max_length=60, train=64, dev=16, test=16)
+
+
+# ------------------------------------------------------------------------------------------- ListOps rules
+def _evaluate(tokens: list[str]) -> tuple[int, int]:
+    """Reference: value of the bracketed prefix expression starting at tokens[0], and the tokens it used."""
+    if tokens[0].isdigit():
+        return int(tokens[0]), 1
+    op, args, used = tokens[0], [], 1
+    while tokens[used] != "]":
+        value, size = _evaluate(tokens[used:])
+        args.append(value)
+        used += size
+    ops = {"MIN": min, "MAX": max, "MED": lambda a: int(np.median(a)), "SM": lambda a: sum(a) % 10}
+    return ops[op](args), used + 1
+
+
+def _depth(tokens: list[str]) -> int:
+    depth = best = 0
+    for t in tokens:
+        depth += t in OPERATORS
+        depth -= t == "]"
+        best = max(best, depth)
+    return best
+
+
+def test_listops_rules_and_labels():
+    """Bracketed generation: every example is a well-formed expression whose label is its value, with LRA's limits on
+    depth, arguments and length, and no example repeats."""
+    rules = ListOpsRules(**{**SMALL.__dict__, "brackets": True})
+    splits = generate_listops(seed=3, rules=rules)
+    seen = set()
+    for split, size in (("train", 64), ("dev", 16), ("test", 16)):
+        ex = splits[split]
+        assert len(ex) == size
+        for i in range(size):
+            tokens = [LISTOPS_VOCAB[t] for t in ex.tokens[ex.offsets[0, i] : ex.offsets[0, i + 1]]]
+            value, used = _evaluate(tokens)
+            assert used == len(tokens) and value == ex.labels[i]
+            assert rules.min_length < len(tokens) < rules.max_length
+            assert _depth(tokens) <= rules.max_depth - 1  # operators only below the maximum depth
+            seen.add(tuple(tokens))
+    assert len(seen) == 96
+
+
+def test_listops_lra_tokenisation_drops_brackets():
+    """LRA's released pipeline keeps only alphanumeric tokens: the same expressions without ']' (same labels)."""
+    plain, bracketed = generate_listops(5, SMALL), generate_listops(5, ListOpsRules(**{**SMALL.__dict__,
+                                                                                       "brackets": True}))
+    close = LISTOPS_VOCAB.index("]")
+    assert close not in plain["train"].tokens
+    np.testing.assert_array_equal(plain["train"].tokens, bracketed["train"].tokens[bracketed["train"].tokens != close])
+    np.testing.assert_array_equal(plain["dev"].labels, bracketed["dev"].labels)
+
+
+def test_listops_deterministic_and_cached(tmp_path, monkeypatch):
+    a, b, c = (generate_listops(seed, SMALL) for seed in (1, 1, 2))
+    np.testing.assert_array_equal(a["train"].tokens, b["train"].tokens)
+    assert not np.array_equal(a["train"].labels, c["train"].labels)
+    first = listops(tmp_path, 1, SMALL)
+    monkeypatch.setattr(lra_data, "generate_listops", lambda *a: pytest.fail("regenerated instead of read"))
+    again = listops(tmp_path, 1, SMALL)
+    np.testing.assert_array_equal(first["test"].tokens, again["test"].tokens)
+    np.testing.assert_array_equal(first["test"].offsets, a["test"].offsets)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+
+
+def test_listops_bad_rules():
+    with pytest.raises(ValueError, match="--listops_max_depth"):
+        ListOpsRules(max_depth=0).check()
+    with pytest.raises(ValueError, match="--listops_max_length"):
+        ListOpsRules(min_length=10, max_length=11).check()
+
+
+# --------------------------------------------------------------------------------- the official LRA model
+@pytest.mark.parametrize("case", ["long_short", "window", "projection"])
+def test_official_lra_model(case):
+    """``lra/model.py`` (Model, post-CLS in the last layer) and ``SCHead`` with random weights, padding, float64:
+    our model loads their weights and reproduces the pooled CLS and the logits to 1e-5."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((FIXTURES / "lra_model.json").read_text())["cases"][case]
+    tensors = load_file(FIXTURES / "lra_model.safetensors")
+    part = {p: {k[len(f"{case}.{p}.") :]: v for k, v in tensors.items() if k.startswith(f"{case}.{p}.")}
+            for p in ("model", "head")}
+    config = LRAConfig(vocab_size=16, max_length=meta["seq_len"], num_classes=10, attention=case,
+                       window_size=meta["window_size"] or 8, projection_rank=meta["num_landmarks"] or 32)
+    model = LRAClassifier(config).double().eval()
+    model.load_state_dict(from_official(part["model"], part["head"]), strict=True)
+    ids, mask = tensors[f"{case}.input_ids"], tensors[f"{case}.mask"] > 0
+    with torch.no_grad():
+        pooled = model.encoder(ids, mask)
+        logits = model([ids], [mask])
+    torch.testing.assert_close(pooled, tensors[f"{case}.pooled"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, tensors[f"{case}.logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["long_short", "full", "window", "projection"])
+def test_model_padding_invariance(attention):
+    """Padding a batch further changes no logit (masked keys, projection and CLS)."""
+    torch.manual_seed(0)
+    model = LRAClassifier(LRAConfig(vocab_size=16, max_length=64, num_classes=10, attention=attention,
+                                    window_size=4, projection_rank=3)).double().eval()
+    ids = torch.randint(1, 15, (2, 40))
+    mask = torch.arange(40)[None] < torch.tensor([[40], [23]])
+    ids[~mask] = 0
+    wide_ids = torch.cat([ids, torch.zeros(2, 24, dtype=ids.dtype)], 1)
+    wide_mask = torch.cat([mask, torch.zeros(2, 24, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model([ids], [mask]), model([wide_ids], [wide_mask]), atol=1e-10, rtol=0)
+        alone = model([ids[1:, :23]], [mask[1:, :23]])
+        torch.testing.assert_close(model([ids], [mask])[1:], alone, atol=1e-10, rtol=0)
+
+
+def test_bad_config_names_the_argument():
+    with pytest.raises(ValueError, match="--attention"):
+        LRAConfig(vocab_size=16, max_length=8, num_classes=2, attention="sparse")
+    with pytest.raises(ValueError, match="--window_size"):
+        LRAConfig(vocab_size=16, max_length=8, num_classes=2, attention="projection", projection_rank=0)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _argv(out, steps, *extra):
+    return ["--task", "listops", "--output_dir", str(out), "--data_dir", str(out.parent / "data"), "--steps",
+            str(steps), "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--eval_batch_size", "8",
+            "--window_size", "4", "--projection_rank", "2", "--listops_train", "24", "--listops_dev", "8",
+            "--listops_test", "8", "--no_progress", "--threads", "1", *extra]
+
+
+def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
+    """A run stopped after its first evaluation and rerun ends where an uninterrupted one ends; the test split is
+    scored once, with the best dev checkpoint."""
+    small = {"min_length": 10, "max_length": 60, "max_depth": 4, "max_args": 5}  # short expressions, quick steps
+    monkeypatch.setattr("recipes.lra.train.ListOpsRules", lambda **kw: ListOpsRules(**{**small, **kw}))
+    whole = main(_argv(tmp_path / "whole", 6))
+    assert [h["step"] for h in whole["history"]] == [2, 4, 6]
+    assert whole["tested_checkpoint_step"] == max(whole["history"], key=lambda h: h["dev_accuracy"])["step"]
+    assert 0 <= whole["test_accuracy"] <= 1
+
+    from recipes.lra import train
+
+    real_save = train.save
+
+    def stop_after_first_eval(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save", stop_after_first_eval)
+    with pytest.raises(KeyboardInterrupt):
+        main(_argv(tmp_path / "split", 6))
+    monkeypatch.setattr(train, "save", real_save)
+    resumed = main(_argv(tmp_path / "split", 6))
+    assert [h["step"] for h in resumed["history"]] == [2, 4, 6]
+    for a, b in zip(whole["history"], resumed["history"]):
+        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    # a finished run is not retrained; other settings in the same folder are refused
+    assert main(_argv(tmp_path / "split", 6))["test_accuracy"] == whole["test_accuracy"]
+    (tmp_path / "split" / "results.json").unlink()
+    with pytest.raises(SystemExit, match="other settings"):
+        main(_argv(tmp_path / "split", 6, "--seed", "1"))
+
+    from recipes.lra.plot import plot
+
+    plot([str(tmp_path / "whole"), str(tmp_path / "whole" / "results.json")], str(tmp_path / "d.png"))
+    assert (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_flops_count_the_attention():
+    """FlopCounterMode sees the fused CPU attention: full attention's score and value products, 4 n^2 d per layer
+    (the CLS adds a row and a column in the last)."""
+    from recipes.lra.flops import count
+
+    n = 64
+    full = count(LRAConfig(vocab_size=16, max_length=n, num_classes=10, attention="full"), n)
+    assert full["by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == 4 * 64 * (n**2 + (n + 1) ** 2)
+    short = count(LRAConfig(vocab_size=16, max_length=n, num_classes=10, window_size=8, projection_rank=4), n)
+    assert short["flops"] < full["flops"]
+
+
+# ---------------------------------------------------------------------------------- synthetic long range
+def test_synthetic_only_the_projection_reaches_the_second_half():
+    """The first token's logits do not depend on the second half through a 2-layer window of w = 16; with the
+    dynamic projection (r = 8) they do."""
+    from recipes.lra.synthetic import batch, build
+
+    ids, _ = batch(torch.Generator().manual_seed(0), 2, 512, 32)
+    changed = ids.clone()
+    changed[:, 256:] = torch.randint(4, 32, (2, 256), generator=torch.Generator().manual_seed(1))
+    for attention, reaches in (("window", False), ("long_short", True)):
+        model = build(attention, 512).eval()
+        with torch.no_grad():
+            delta = (model(input_ids=ids).logits - model(input_ids=changed).logits).abs().max().item()
+        assert (delta > 1e-4) == reaches, (attention, delta)
+
+
+def test_synthetic_long_range_is_learned():
+    """Long-Short learns the marker of the second half at n = 512 (only its projected rows can carry it): seed 0
+    jumps from chance to 1.0 at step 850 (about 100 s of one core); 1,500 steps leave room for other machines."""
+    from recipes.lra.synthetic import train
+
+    result = train("long_short", 512, 1500, eval_every=50, eval_size=256, target=0.9)
+    assert result["best_accuracy"] >= 0.9, result["history"]
+
+
+# ------------------------------------------------------------------------------------------- user data
+def _write_jsonl(folder: Path, rows_by_split: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in rows_by_split.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def test_text_and_retrieval_files(tmp_path):
+    """Bytes + 1 as ids, truncated to --max_length; Retrieval keeps two sequences per example and trains its dual
+    tower end to end."""
+    text = _write_jsonl(tmp_path / "text", {s: [{"text": "héllo", "label": 1}, {"text": "a" * 50, "label": 0}]
+                                            for s in ("train", "dev", "test")})
+    splits = lra_data.load_user_data("text", text, max_length=16)
+    ex = splits["dev"]
+    assert list(ex.tokens[ex.offsets[0, 0] : ex.offsets[0, 1]]) == [b + 1 for b in "héllo".encode()]
+    assert ex.lengths()[0, 1] == 16 and list(ex.labels) == [1, 0]
+
+    pairs = [{"text1": f"doc {i}", "text2": f"other {i % 2}", "label": i % 2} for i in range(8)]
+    retrieval = _write_jsonl(tmp_path / "retrieval", {s: pairs for s in ("train", "dev", "test")})
+    result = main(["--task", "retrieval", "--data_dir", str(retrieval), "--output_dir", str(tmp_path / "run"),
+                   "--steps", "4", "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--max_length", "32",
+                   "--window_size", "4", "--projection_rank", "2", "--no_progress", "--threads", "1"])
+    assert result["model"]["dual"] and result["split_sizes"] == {"train": 8, "dev": 8, "test": 8}
+
+
+def test_image_dataset_folder(tmp_path):
+    """CIFAR-style images saved with save_to_disk: grey levels (ITU-R 601-2) + 1, row by row."""
+    import datasets
+    from PIL import Image
+
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
+    split = datasets.Dataset.from_dict({"image": [Image.fromarray(a) for a in rgb], "label": [3, 7]},
+                                       features=datasets.Features({"image": datasets.Image(),
+                                                                   "label": datasets.Value("int64")}))
+    datasets.DatasetDict({s: split for s in ("train", "dev", "test")}).save_to_disk(tmp_path / "cifar")
+    ex = lra_data.load_user_data("image", tmp_path / "cifar", max_length=16)["test"]
+    grey = np.asarray(Image.fromarray(rgb[1]).convert("L"), dtype=np.int64).reshape(-1)
+    np.testing.assert_array_equal(ex.tokens[ex.offsets[0, 1] : ex.offsets[0, 2]], grey + 1)
+    with pytest.raises(ValueError, match="--max_length"):
+        lra_data.load_user_data("image", tmp_path / "cifar", max_length=8)
+
+
+def test_user_data_errors(tmp_path):
+    with pytest.raises(ValueError, match="--data_dir"):
+        lra_data.load_user_data("text", tmp_path / "missing", 16)
+    folder = _write_jsonl(tmp_path / "bad", {s: [{"body": "x", "label": 0}] for s in ("train", "dev")})
+    with pytest.raises(ValueError, match="test"):
+        lra_data.load_user_data("text", folder, 16)
+    _write_jsonl(folder, {"test": [{"body": "x", "label": 0}]})
+    with pytest.raises(ValueError, match="lacks the column"):
+        lra_data.load_user_data("text", folder, 16)
