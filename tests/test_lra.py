@@ -196,18 +196,20 @@ def test_flops_count_the_attention():
 
 # ---------------------------------------------------------------------------------- synthetic long range
 def test_synthetic_only_the_projection_reaches_the_second_half():
-    """The first token's logits do not depend on the second half through a 2-layer window of w = 16; with the
-    dynamic projection (r = 8) they do."""
-    from recipes.lra.synthetic import batch, build
+    """Without global tokens the first token's logits do not depend on the second half through a 2-layer window of
+    w = 16; with the dynamic projection (r = 8) they do, and so they do when the first token is global."""
+    from recipes.lra.synthetic import batch, build, logits
 
     ids, _ = batch(torch.Generator().manual_seed(0), 2, 512, 32)
     changed = ids.clone()
     changed[:, 256:] = torch.randint(4, 32, (2, 256), generator=torch.Generator().manual_seed(1))
-    for attention, reaches in (("window", False), ("long_short", True)):
+    for attention, global_first_token, reaches in (
+        ("window", False, False), ("long_short", False, True), ("window", True, True)
+    ):
         model = build(attention, 512).eval()
         with torch.no_grad():
-            delta = (model(input_ids=ids).logits - model(input_ids=changed).logits).abs().max().item()
-        assert (delta > 1e-4) == reaches, (attention, delta)
+            delta = (logits(model, ids, global_first_token) - logits(model, changed, global_first_token)).abs().max()
+        assert (delta.item() > 1e-4) == reaches, (attention, global_first_token, delta)
 
 
 def test_synthetic_long_range_is_learned():

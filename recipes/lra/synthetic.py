@@ -1,10 +1,12 @@
 """A synthetic long-range task: does the dynamic projection (paper Eq. 3) carry information across the sequence?
 
 Each sequence is random tokens with one marker token (A or B) at a random position of its second half; the label
-says which. ``LongShortForSequenceClassification`` reads the first token and has no global token, so with 2 layers
-and window w the first token's receptive field through the window is about 3w tokens: a window-only model must stay
-at chance, and whatever Long-Short learns above chance came through the projected rows. ``full`` is the same model
-with a window covering the input. ``python -m recipes.lra.synthetic --help``.
+says which. ``LongShortForSequenceClassification`` reads the first token, here with no global token (an all-zero
+``global_attention_mask`` replaces the head's default global first token), so with 2 layers and window w the first
+token's receptive field through the window is about 3w tokens: a window-only model must stay at chance, and whatever
+Long-Short learns above chance came through the projected rows. ``full`` is the same model with a window covering the
+input. ``--global_first_token`` makes the first token global instead (Longformer's way: it then sees every token).
+``python -m recipes.lra.synthetic --help``.
 """
 
 from __future__ import annotations
@@ -49,10 +51,18 @@ def build(attention: str, length: int, window_size: int = 16, projection_rank: i
     return LongShortForSequenceClassification(config)
 
 
+def logits(model, ids, global_first_token: bool = False):
+    """The classifier's logits (B, 2), with the first token global or no global token at all."""
+    glob = torch.zeros_like(ids)
+    glob[:, 0] = int(global_first_token)
+    return model(input_ids=ids, global_attention_mask=glob).logits
+
+
 @torch.no_grad()
-def accuracy(model, ids, labels, batch_size: int = 64) -> float:
+def accuracy(model, ids, labels, batch_size: int = 64, global_first_token: bool = False) -> float:
     model.eval()
-    correct = sum(int((model(input_ids=ids[i : i + batch_size]).logits.argmax(-1) == labels[i : i + batch_size]).sum())
+    correct = sum(int((logits(model, ids[i : i + batch_size], global_first_token).argmax(-1)
+                       == labels[i : i + batch_size]).sum())
                   for i in range(0, len(ids), batch_size))
     model.train()
     return correct / len(ids)
@@ -60,7 +70,7 @@ def accuracy(model, ids, labels, batch_size: int = 64) -> float:
 
 def train(attention: str, length: int, steps: int, *, window_size: int = 16, projection_rank: int = 8,
           lr: float = 1e-3, batch_size: int = 16, eval_every: int = 100, eval_size: int = 512, seed: int = 0,
-          target: float | None = None, progress: bool = False) -> dict:
+          target: float | None = None, global_first_token: bool = False, progress: bool = False) -> dict:
     """AdamW, fresh batches every step; held-out accuracy every ``eval_every`` steps. Stops early once it reaches
     ``target``. Returns the history and the best accuracy."""
     model = build(attention, length, window_size, projection_rank, seed=seed)
@@ -71,19 +81,21 @@ def train(attention: str, length: int, steps: int, *, window_size: int = 16, pro
     bar = tqdm(range(1, steps + 1), disable=not progress, desc=f"{attention} n={length}")
     for step in bar:
         ids, labels = batch(data, batch_size, length, model.config.vocab_size)
-        loss = F.cross_entropy(model(input_ids=ids).logits, labels)
+        loss = F.cross_entropy(logits(model, ids, global_first_token), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         if step % eval_every == 0 or step == steps:
-            history.append({"step": step, "loss": loss.item(), "accuracy": accuracy(model, *held_out),
+            history.append({"step": step, "loss": loss.item(),
+                            "accuracy": accuracy(model, *held_out, global_first_token=global_first_token),
                             "seconds": round(time.perf_counter() - start, 1),
                             "cpu_seconds": round(time.process_time() - cpu, 1)})
             bar.set_postfix(accuracy=history[-1]["accuracy"])
             if target is not None and history[-1]["accuracy"] >= target:
                 break
     return {"attention": attention, "length": length, "window_size": window_size, "projection_rank": projection_rank,
-            "lr": lr, "batch_size": batch_size, "seed": seed, "history": history,
+            "lr": lr, "batch_size": batch_size, "seed": seed, "global_first_token": global_first_token,
+            "history": history,
             "best_accuracy": max(h["accuracy"] for h in history), "torch": torch.__version__}
 
 
@@ -99,6 +111,7 @@ def main(argv=None):
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, help="stop once the held-out accuracy reaches this")
+    p.add_argument("--global_first_token", action="store_true", help="make the first token global (default: none)")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
@@ -106,7 +119,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     result = train(args.attention, args.length, args.steps, window_size=args.window_size,
                    projection_rank=args.projection_rank, lr=args.lr, batch_size=args.batch_size,
-                   eval_every=args.eval_every, seed=args.seed, target=args.target, progress=True)
+                   eval_every=args.eval_every, seed=args.seed, target=args.target,
+                   global_first_token=args.global_first_token, progress=True)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
     if args.json:
         with open(args.json, "w") as f:
