@@ -1,6 +1,6 @@
 """The paper's character-level comparisons in miniature (Sec. 4.2, Fig. 2 right) on a byte corpus this repo builds.
 
-    python -m bench.char_lm_miniature corpus                      # builds /work/runs/char_lm_mini/corpus.txt
+    python -m bench.char_lm_miniature corpus                      # builds runs/char_lm_mini/corpus.txt
     python -m bench.char_lm_miniature run official --seed 0       # one variant; rerun the same line to resume
     python -m bench.char_lm_miniature report                      # table (markdown) and curves (png)
 
@@ -34,7 +34,7 @@ import json
 import sysconfig
 from pathlib import Path
 
-ROOT = Path("/work/runs/char_lm_mini")
+ROOT = Path("runs/char_lm_mini")
 # tests, the IDLE application, installed packages and the generated codec tables (encodings/: hex maps, not code)
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "encodings"}
 MODEL = ["--num_hidden_layers", "4", "--hidden_size", "256", "--num_attention_heads", "4", "--window_size", "128",
