@@ -744,9 +744,10 @@ __all__ = ["AUTO_CLASSES", "HEADS", "ROBERTA_KEY_MAPPING", "LongShortCache", "Lo
 __all__ += [model_class.__name__ for model_class in HEADS]
 
 
-def hub_auto_map() -> dict:
-    """``config.auto_map`` naming the config and every head by ``<module file>.<class>`` (Hub remote code)."""
-    classes = {"AutoConfig": LongShortConfig, **AUTO_CLASSES}
+def hub_auto_map(config_class=LongShortConfig, auto_classes: dict = AUTO_CLASSES) -> dict:
+    """``config.auto_map`` naming the config and every head (Auto class name -> model class) by
+    ``<module file>.<class>`` (Hub remote code)."""
+    classes = {"AutoConfig": config_class, **auto_classes}
     return {name: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}" for name, cls in classes.items()}
 
 

@@ -48,9 +48,11 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import segment_keep, window_keep
-from .modeling_long_short import LongShortCacheLayer, LongShortPreTrainedModel
+from .modeling_long_short import LongShortCacheLayer, LongShortPreTrainedModel, hub_auto_map
 
 __all__ = [
+    "AUTO_CLASSES_XL",
+    "HEADS_XL",
     "LongShortXLCache",
     "LongShortXLConfig",
     "LongShortXLForCausalLM",
@@ -396,9 +398,7 @@ class LongShortXLPreTrainedModel(LongShortPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` with an ``auto_map`` for this model (Hub remote code)."""
-        module = type(self).__module__.rsplit(".", 1)[-1]
-        self.config.auto_map = {"AutoConfig": f"{module}.LongShortXLConfig", "AutoModel": f"{module}.LongShortXLModel",
-                                "AutoModelForCausalLM": f"{module}.LongShortXLForCausalLM"}
+        self.config.auto_map = hub_auto_map(LongShortXLConfig, AUTO_CLASSES_XL)
         return super(LongShortPreTrainedModel, self).save_pretrained(save_directory, *args, **kwargs)
 
 
@@ -518,6 +518,14 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
+# model class -> (Auto class, pipeline task), as modeling_long_short.HEADS.
+HEADS_XL = {
+    LongShortXLModel: ("AutoModel", "feature-extraction"),
+    LongShortXLForCausalLM: ("AutoModelForCausalLM", "text-generation"),
+}
+AUTO_CLASSES_XL = {auto_name: model_class for model_class, (auto_name, _) in HEADS_XL.items()}
+
+# Saving copies this file and its relative imports next to the weights (Hub remote code).
 LongShortXLConfig.register_for_auto_class()
-LongShortXLModel.register_for_auto_class("AutoModel")
-LongShortXLForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for _auto_name, _model_class in AUTO_CLASSES_XL.items():
+    _model_class.register_for_auto_class(_auto_name)

@@ -89,7 +89,9 @@ class CharLmArguments:
     window_size: int = field(default=512, metadata={"help": "New model: short-term window w."})
     projection_rank: int = field(default=1, metadata={"help": "New model: projected rows r per segment."})
     causal_segment_length: int = field(default=16, metadata={"help": "New model: segment length l."})
-    max_positions: int = field(default=8192, metadata={"help": "New model: longest block of any later phase."})
+    max_positions: int = field(default=8192, metadata={
+        "help": "New long_short model: longest block of any later phase (long_short_xl has relative positions and "
+                "no such limit)."})
     dropout: float = field(default=0.2, metadata={"help": "New model: hidden and attention dropout."})
     model_type: str = field(default="long_short", metadata={
         "help": "New model: long_short (Post-LN, absolute positions) or long_short_xl (the paper's official model: "
@@ -325,7 +327,7 @@ def main(argv=None) -> dict:
 
     tokenizer = ByT5Tokenizer()
     model = build_model(args, tokenizer)
-    if args.max_seq_length > model.config.max_input_length:
+    if not isinstance(model, LongShortXLForCausalLM) and args.max_seq_length > model.config.max_input_length:
         raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "
                          f"positions of the model; raise --max_positions for a new model.")
     checkpoint = checkpoint_to_resume(training_args, model)

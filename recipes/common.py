@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
-from ls_hf import LongShortConfig
+from ls_hf import LongShortConfig, LongShortXLConfig
 from ls_hf.hub import is_local_path
 
 logger = logging.getLogger("recipes")
@@ -43,13 +43,19 @@ def cli(main):
     return run
 
 
-def long_short_config(name, argument: str, trust_remote_code: bool = False):
-    """The config of the model at ``name``; a ``UsageError`` naming ``argument`` unless it holds a LongShort model."""
+def long_short_config(name, argument: str, trust_remote_code: bool = False,
+                      model_types: tuple[str, ...] = (LongShortConfig.model_type,)):
+    """The config of the model at ``name``; a ``UsageError`` naming ``argument`` unless its ``model_type`` is one of
+    ``model_types`` (default: the LongShort encoder/decoder's)."""
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except OSError as err:
         raise UsageError(f"{argument} {str(name)!r}: no model there ({err}).") from err
-    if config.model_type != LongShortConfig.model_type:
+    if config.model_type not in model_types:
+        if config.model_type == LongShortXLConfig.model_type:
+            raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model (LongShortXLForCausalLM, "
+                             f"the official character-level model), which only `recipes.char_lm --model_type "
+                             f"long_short_xl` continues training and `recipes.push_to_hub` publishes.")
         raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model, not LongShort; convert a "
                          f"RoBERTa checkpoint with ls-convert-roberta first.")
     return config

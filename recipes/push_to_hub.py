@@ -5,8 +5,10 @@
 
 The folder holds the safetensors weights, ``config.json`` whose ``auto_map`` names every head, the remote-code files
 (``trust_remote_code=True`` works where ``ls_hf`` is not installed), the tokenizer and ``README.md``: the model card
-``model_cards/<repo name>.md`` (or ``--model-card``; ``model_cards/template.md`` otherwise) with the metrics measured
-by the recipes (``MODEL_DIR/all_results.json``) filled into its metadata and results section.
+``model_cards/<repo name>.md`` (or ``--model-card``; otherwise ``model_cards/template.md``, or
+``model_cards/template-long-short-xl.md`` for the official character-level model of ``recipes.char_lm --model_type
+long_short_xl``) with the metrics measured by the recipes (``MODEL_DIR/all_results.json``) filled into its metadata
+and results section.
 """
 
 import argparse
@@ -20,11 +22,15 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoTokenizer
 
 import ls_hf
+from ls_hf import LongShortConfig, LongShortXLConfig
 from ls_hf.hub import save_for_hub
 from ls_hf.modeling_long_short import HEADS
+from ls_hf.modeling_long_short_xl import HEADS_XL
 from recipes.common import long_short_config
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+# model_type -> the card template used when model_cards/ has none named after the repository.
+TEMPLATES = {LongShortConfig.model_type: "template.md", LongShortXLConfig.model_type: "template-long-short-xl.md"}
 RESULTS_MARKER = "<!-- measured results -->"
 # Trainer metric -> (model-index metric type, display name).
 METRICS = {
@@ -32,41 +38,57 @@ METRICS = {
     "perplexity": ("perplexity", "Perplexity"),
     "bits_per_token": ("bits_per_token", "Bits per token"),
     "eval_bpc": ("bpc", "Bits per character"),
+    "eval_block_bpc": ("bpc", "Bits per character, each block alone"),
     "eval_loss": ("loss", "Loss"),
 }
 
 
-def load_model(model_dir: Path):
-    """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer."""
+def model_config(model_dir: Path):
+    """The config of the LongShort model (``long_short`` or ``long_short_xl``) saved in ``model_dir``."""
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"MODEL_DIR {str(model_dir)!r} has no config.json; pass the --output_dir of a recipe.")
-    config = long_short_config(model_dir, "MODEL_DIR")
-    architecture = (config.architectures or ["LongShortModel"])[0]
+    return long_short_config(model_dir, "MODEL_DIR", model_types=tuple(TEMPLATES))
+
+
+def load_model(model_dir: Path, config):
+    """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer."""
+    architecture = (config.architectures or [f"{type(config).__name__.removesuffix('Config')}Model"])[0]
     model = getattr(ls_hf, architecture).from_pretrained(model_dir, config=config)
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def measured_metrics(model_dir: Path) -> tuple[dict, str | None]:
-    """The card's metrics and the data they were measured on, from the recipe's ``all_results.json``: the test
-    metrics when it has them (finetune_imdb --do_predict), the evaluation metrics otherwise."""
+def measured_metrics(model_dir: Path) -> tuple[dict, str | None, int | None]:
+    """The card's metrics, the data they were measured on and the context of streaming scoring (bytes before each
+    block; char_lm --model_type long_short_xl), from the recipe's ``all_results.json``: the test metrics when it has
+    them (--do_predict), the evaluation metrics otherwise."""
     path = model_dir / "all_results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     prefix = "test_" if "test_dataset" in results else "eval_"
     names = {key: key.replace("eval_", prefix) for key in METRICS}
-    return {key: results[name] for key, name in names.items() if name in results}, results.get(prefix + "dataset")
+    metrics = {key: results[name] for key, name in names.items() if name in results}
+    return metrics, results.get(prefix + "dataset"), results.get(prefix + "memory_length")
 
 
-def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str | None = None) -> str:
-    """Fill ``template``: ``{{repo_id}}``, ``{{auto_class}}``, ``{{architecture}}``, the metadata defaults, and the
-    ``metrics`` measured on ``dataset`` (model-index metadata and the table at ``<!-- measured results -->``)."""
-    architecture = type(model).__name__
-    auto_class, pipeline_tag = HEADS[type(model)]
+def summary(model) -> str:
+    """One line on the architecture: size, attention and, for ``LongShortXLForCausalLM``, positions and memory."""
     c = model.config
-    summary = (
-        f"{architecture}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {c.max_input_length} tokens, "
-        f"window_size={c.window_size}, projection_rank={c.projection_rank}, use_dual_ln={c.use_dual_ln}"
-    )
-    for key, value in {"repo_id": repo_id, "auto_class": auto_class, "architecture": summary}.items():
+    if isinstance(c, LongShortXLConfig):
+        positions = (f"Transformer-XL relative positions (no length limit), memory_length={c.memory_length}, "
+                     f"causal_segment_length={c.causal_segment_length}, window_rule={c.window_rule}, "
+                     f"projection_input={c.projection_input}")
+    else:
+        positions = f"{c.max_input_length} tokens"
+    return (f"{type(model).__name__}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {positions}, "
+            f"window_size={c.window_size}, projection_rank={c.projection_rank}, use_dual_ln={c.use_dual_ln}")
+
+
+def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str | None = None,
+               context: int | None = None) -> str:
+    """Fill ``template``: ``{{repo_id}}``, ``{{auto_class}}``, ``{{architecture}}``, the metadata defaults, and the
+    ``metrics`` measured on ``dataset`` (model-index metadata and the table at ``<!-- measured results -->``;
+    ``context``: bytes before each block in streaming scoring, named beside ``eval_bpc``)."""
+    auto_class, pipeline_tag = {**HEADS, **HEADS_XL}[type(model)]
+    for key, value in {"repo_id": repo_id, "auto_class": auto_class, "architecture": summary(model)}.items():
         template = template.replace("{{" + key + "}}", value)
     card = ModelCard(template)
     card.data.library_name = card.data.library_name or "transformers"
@@ -75,6 +97,9 @@ def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str |
         card.text = card.text.replace(RESULTS_MARKER, "Not measured yet: no `all_results.json` in the model folder.")
         return str(card)
     dataset = dataset or (card.data.datasets or ["local data"])[0]
+    names = {key: METRICS[key][1] for key in metrics}
+    if context is not None and "eval_bpc" in names:
+        names["eval_bpc"] += f", streaming with up to {context:,} bytes of context"
     card.data.model_name = repo_id.split("/")[-1]
     card.data.eval_results = [
         EvalResult(
@@ -82,12 +107,12 @@ def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str |
             dataset_type=dataset,
             dataset_name=dataset,
             metric_type=METRICS[key][0],
-            metric_name=METRICS[key][1],
+            metric_name=names[key],
             metric_value=round(value, 4),
         )
         for key, value in metrics.items()
     ]
-    rows = "\n".join(f"| {METRICS[key][1]} | {value:.4f} |" for key, value in metrics.items())
+    rows = "\n".join(f"| {names[key]} | {value:.4f} |" for key, value in metrics.items())
     card.text = card.text.replace(RESULTS_MARKER, f"| metric ({dataset}) | value |\n|---|---|\n{rows}")
     return str(card)
 
@@ -99,14 +124,15 @@ def build_repo_folder(model_dir, repo_id: str, folder, card_path=None, overwrite
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise ValueError(f"REPO_ID {repo_id!r} is not a valid repo id such as user/roberta-ls-base ({err}).") from err
-    if card_path is None:
-        named = CARDS / f"{repo_id.split('/')[-1]}.md"
-        card_path = named if named.is_file() else CARDS / "template.md"
-    if not Path(card_path).is_file():
+    if card_path is not None and not Path(card_path).is_file():
         raise ValueError(f"--model-card {str(card_path)!r}: no such file.")
     if Path(folder).exists() and not overwrite:
         raise ValueError(f"--dry-run {str(folder)!r} already exists; pick a new folder or pass --overwrite.")
-    model, tokenizer = load_model(model_dir)
+    config = model_config(model_dir)
+    if card_path is None:
+        named = CARDS / f"{repo_id.split('/')[-1]}.md"
+        card_path = named if named.is_file() else CARDS / TEMPLATES[config.model_type]
+    model, tokenizer = load_model(model_dir, config)
     card = model_card(Path(card_path).read_text(), repo_id, model, *measured_metrics(model_dir))
     return save_for_hub(model, folder, tokenizer, files={"README.md": card}, overwrite=overwrite)
 

@@ -352,6 +352,22 @@ def test_char_lm_official_model_clear_errors(tmp_path, extra, match, capsys):
     assert err.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_char_lm_official_model_takes_blocks_beyond_the_absolute_position_limit(tmp_path):
+    """Relative positions have no table: a block longer than LongShortConfig's 4,097 absolute positions (phase 3
+    trains on 8,192) is not refused."""
+    from recipes import char_lm
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(32, 127)) * 100)
+    metrics = char_lm.main(["--train_file", str(text), "--output_dir", str(tmp_path / "o"), "--model_type",
+                            "long_short_xl", "--num_hidden_layers", "1", "--hidden_size", "16",
+                            "--num_attention_heads", "2", "--window_size", "16", "--causal_segment_length", "16",
+                            "--max_seq_length", "4112", "--per_device_train_batch_size", "1", "--max_steps", "1",
+                            "--save_strategy", "no", "--disable_tqdm", "True", "--do_train"])
+    assert math.isfinite(metrics["train_loss"])
+    assert AutoConfig.from_pretrained(tmp_path / "o").memory_length == 4112
+
+
 def test_official_initialisation():
     """N(0, 0.02) linears, embedding and u, v; zero biases (the output bias included); LayerNorm weights N(1, 0.02)."""
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from datasets import load_dataset
 from safetensors.torch import load_file
 from transformers import EvalPrediction
 
-from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification
+from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification, LongShortXLConfig, LongShortXLForCausalLM
 from recipes import char_lm, common, demo, finetune_classification, finetune_imdb, pretrain_mlm, push_to_hub
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short, tiny_roberta
 
@@ -31,6 +31,15 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def roberta_dir(tmp_path_factory):
     return tiny_roberta(tmp_path_factory.mktemp("models") / "roberta-tiny")
+
+
+@pytest.fixture(scope="module")
+def xl_dir(tmp_path_factory):
+    """A tiny byte-level LongShortXLForCausalLM folder (the official character-level model)."""
+    folder = tmp_path_factory.mktemp("models") / "xl-tiny"
+    LongShortXLForCausalLM(LongShortXLConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                             intermediate_size=32, window_size=16, memory_length=16)).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -177,9 +186,15 @@ def test_model_card_reports_the_test_metrics(tmp_path):
     results = {"eval_accuracy": 0.9, "eval_loss": 0.3, "eval_dataset": "imdb_train.csv", "test_accuracy": 0.8,
                "test_loss": 0.4, "test_dataset": "imdb_test.csv"}
     (tmp_path / "all_results.json").write_text(json.dumps(results))
-    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.8, "eval_loss": 0.4}, "imdb_test.csv")
+    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.8, "eval_loss": 0.4}, "imdb_test.csv", None)
     (tmp_path / "all_results.json").write_text(json.dumps({k: v for k, v in results.items() if "test" not in k}))
-    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.9, "eval_loss": 0.3}, "imdb_train.csv")
+    assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.9, "eval_loss": 0.3}, "imdb_train.csv", None)
+    # char_lm --model_type long_short_xl: streaming and block-by-block bits per character, and the streaming context
+    streaming = {"test_bpc": 1.5, "test_block_bpc": 1.7, "test_loss": 1.04, "test_dataset": "corpus.txt",
+                 "test_memory_length": 4096, "eval_bpc": 1.6, "eval_dataset": "corpus.txt"}
+    (tmp_path / "all_results.json").write_text(json.dumps(streaming))
+    assert push_to_hub.measured_metrics(tmp_path) == (
+        {"eval_bpc": 1.5, "eval_block_bpc": 1.7, "eval_loss": 1.04}, "corpus.txt", 4096)
 
 
 def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
@@ -231,6 +246,10 @@ def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
                          str(IMDB_TRAIN)], "holds a 'roberta' model, not LongShort"),
         (pretrain_mlm, ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file",
                         str(IMDB_TRAIN)], "convert a RoBERTa checkpoint with ls-convert-roberta"),
+        (finetune_imdb, ["--model_name_or_path", "XL", "--output_dir", "o", "--do_train", "--train_file",
+                         str(IMDB_TRAIN)], "only `recipes.char_lm --model_type long_short_xl` continues training"),
+        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
+                   "XL"], "only `recipes.char_lm --model_type long_short_xl` continues training"),
         (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
                          "one_label.csv", "--eval_strategy", "no"], "a classifier needs at least two"),
         (char_lm, ["--output_dir", "o", "--do_train"], "exactly one of --train_file"),
@@ -258,8 +277,8 @@ def test_accuracy_uses_evaluate_or_falls_back_to_local_computation(monkeypatch):
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
 )
-def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_dir, roberta_dir, tmp_path, capsys,
-                                                 monkeypatch):
+def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_dir, roberta_dir, xl_dir, tmp_path,
+                                                 capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "one_label.csv").write_text("text,label\n" + "".join(f"review {i},1\n" for i in range(8)))
     (tmp_path / "header.csv").write_text("text,label\n")
@@ -269,7 +288,7 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
     with zipfile.ZipFile(tmp_path / "two.zip", "w") as archive:
         archive.writestr("a.txt", "a" * 1000)
         archive.writestr("b.txt", "b" * 1000)
-    argv = [{"MODEL": str(model_dir), "ROBERTA": str(roberta_dir)}.get(arg, arg) for arg in argv]
+    argv = [{"MODEL": str(model_dir), "ROBERTA": str(roberta_dir), "XL": str(xl_dir)}.get(arg, arg) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         script.main(argv)
     assert exit_info.value.code == 2
