@@ -2,6 +2,8 @@
 reduced variants (one block per stage, small images) forward, backward, features, intermediates, classifier reset,
 grad checkpointing, save/load and the Hub-format round trip through a local folder."""
 
+import socket
+
 import pytest
 import timm
 import torch
@@ -267,6 +269,31 @@ def test_released_weights_load_from_their_own_cache_files(tmp_path, monkeypatch)
             kept = {k: v for k, v in source.state_dict().items() if num_classes == 1000 or not k.startswith("head.")}
             for key, value in kept.items():
                 torch.testing.assert_close(loaded.state_dict()[key], value, msg=key)
+
+
+def test_pretrained_without_a_download_names_the_local_file_fix(tmp_path, monkeypatch):
+    """pretrained=True where the weights cannot be downloaded (here: their URL points at a closed local port, as
+    offline) is an OSError that says how to load a downloaded copy, and leaves no weights file behind; the fix it
+    names loads a checkpoint in the official form."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with socket.socket() as sock:  # a port that was free a moment ago: the connection is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = (f"http://127.0.0.1:{port}/model_best.pth", "vil_ls_medium_unreachable.pth")
+    with pytest.raises(OSError, match="could not be downloaded") as err:
+        _reduced("vil_ls_medium", pretrained=True, pretrained_cfg_overlay={"url": url, "custom_load": True})
+    message = str(err.value)
+    assert message.startswith("vil_ls_medium: ")
+    assert "pretrained_cfg_overlay=dict(file='model_best.pth')" in message and "--pretrained-file" in message
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
+
+    torch.manual_seed(0)
+    source, _ = _reduced("vil_ls_medium")
+    torch.save({"net": {"module." + k: v for k, v in source.state_dict().items()}}, tmp_path / "model_best.pth")
+    loaded, _ = _reduced("vil_ls_medium", pretrained=True,
+                         pretrained_cfg_overlay={"file": str(tmp_path / "model_best.pth")})
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, msg=key)
 
 
 def test_meta_device_creation_then_load():
