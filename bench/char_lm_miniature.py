@@ -24,6 +24,11 @@ warmup, dropout 0.1, weight decay 0.01 (the official recipe's form, scaled down)
 Validation and test are scored by streaming (--eval_memory bytes of context before every 256 bytes) and block by
 block; ``causal`` has no memory and is scored block by block. Runs live in --root (outside git); a run that stopped
 resumes from its last checkpoint when started again with the same line.
+
+``report`` writes ``table.md`` (per run: variant, model, DualLN, seed, steps, test and validation BPC streaming and
+block by block, training time; per variant with two or more finished seeds, their means) and ``curves.png`` (the
+training loss of every run, a colour per variant and a line style per seed). ``run`` notes in ``legs.jsonl`` the step
+each session starts from: the Trainer times only its own session, so a resumed run's time says which steps it covers.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path("runs/char_lm_mini")
@@ -88,49 +95,157 @@ def run_args(variant: str, seed: int, args) -> list[str]:
     ]
 
 
-def report(root: Path) -> str:
-    """A markdown table of every finished run in ``root`` and ``curves.png`` (training loss in bits against step)."""
-    import math
+# variant -> what its table row says of the model and the attention (DualLN is read from each run's config)
+DESCRIPTIONS = {
+    "official": "LongShortXL, official rules",
+    "official_no_dual_ln": "LongShortXL, official rules",
+    "paper_rules": "LongShortXL, paper rules (Appendix D window, LN_L keys projected)",
+    "causal": "LongShortForCausalLM (Post-LN, absolute positions, no memory)",
+    "full": "LongShortXL, full attention (w = memory + block, r = 0)",
+}
+LEGS = "legs.jsonl"  # one line per `run` of a run folder: the step it started from
 
+
+def start_session(out: Path) -> int:
+    """Note in ``out/legs.jsonl`` the step a training session of the run in ``out`` starts from (its last checkpoint's;
+    0 for a new run) and return it: the report's train time covers the session that finishes the run."""
+    steps = [int(c.name.split("-")[-1]) for c in out.glob("checkpoint-*") if c.name.split("-")[-1].isdigit()]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LEGS, "a") as legs:
+        legs.write(json.dumps({"start_step": max(steps, default=0)}) + "\n")
+    return max(steps, default=0)
+
+
+@dataclass
+class Run:
+    """One run folder ``<variant>-s<seed>``: its config, training log (last checkpoint while it trains) and results."""
+
+    variant: str
+    seed: int | None
+    use_dual_ln: bool | None
+    step: int
+    max_steps: int
+    curve: tuple[list[int], list[float]]  # steps, training loss in bits per byte
+    metrics: dict  # all_results.json: empty until the run finished
+    resumed_from: int  # the step the session that finished it started from (0: one session)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.metrics)
+
+
+def load_runs(root: Path) -> list[Run]:
+    """Every run folder in ``root`` with a training log, in ``VARIANTS`` order and then by seed."""
+    runs = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        states = [folder / "trainer_state.json"] if (folder / "trainer_state.json").is_file() else sorted(
+            folder.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+        if not states:
+            continue
+        state = json.loads(states[-1].read_text())
+        log = [entry for entry in state["log_history"] if "loss" in entry]
+        config_file = states[-1].parent / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        results = folder / "all_results.json"
+        legs = folder / LEGS
+        starts = [json.loads(line)["start_step"] for line in legs.read_text().splitlines()] if legs.is_file() else [0]
+        variant, _, seed = folder.name.rpartition("-s")
+        if not variant or not seed.isdigit():
+            variant, seed = folder.name, None
+        runs.append(Run(
+            variant=variant, seed=None if seed is None else int(seed), use_dual_ln=config.get("use_dual_ln"),
+            step=state["global_step"], max_steps=state["max_steps"],
+            curve=([e["step"] for e in log], [e["loss"] / math.log(2) for e in log]),
+            metrics=json.loads(results.read_text()) if results.is_file() else {}, resumed_from=starts[-1],
+        ))
+    order = list(VARIANTS)
+    return sorted(runs, key=lambda r: (order.index(r.variant) if r.variant in order else len(order), r.variant,
+                                       -1 if r.seed is None else r.seed))
+
+
+def scores(metrics: dict) -> dict:
+    """Test and validation BPC, streaming and block by block (``causal`` runs have only blocks: their ``*_bpc``)."""
+    stream = "eval_block_bpc" in metrics  # long_short_xl runs score both ways
+    keys = {"test_stream": "test_bpc" if stream else None, "test_blocks": "test_block_bpc" if stream else "test_bpc",
+            "val_stream": "eval_bpc" if stream else None, "val_blocks": "eval_block_bpc" if stream else "eval_bpc"}
+    return {name: metrics[key] for name, key in keys.items() if key in metrics}
+
+
+def table(runs: list[Run]) -> str:
+    """The markdown table: a row per run, and per variant with two or more finished seeds a row of their means."""
+    columns = ["test_stream", "test_blocks", "val_stream", "val_blocks"]
+    header = ("| variant | model and attention | DualLN | seed | steps | test BPC (stream) | test BPC (blocks) | "
+              "val BPC (stream) | val BPC (blocks) | train time (min) |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(variant, dual_ln, seed, steps, values: dict, minutes: str) -> str:
+        dual = {True: "on", False: "off"}.get(dual_ln, "-")
+        cells = " | ".join(f"{values[c]:.3f}" if c in values else "-" for c in columns)
+        return (f"| {variant} | {DESCRIPTIONS.get(variant, '-')} | {dual} | {seed} | {steps} | {cells} | "
+                f"{minutes} |")
+
+    for variant in dict.fromkeys(r.variant for r in runs):
+        group = [r for r in runs if r.variant == variant]
+        for r in group:
+            minutes = "-"
+            if r.finished:
+                minutes = f"{r.metrics['train_runtime'] / 60:.1f}"
+                if r.resumed_from:
+                    minutes += f" (steps {r.resumed_from}-{r.step})"
+            steps = f"{r.step}" if r.finished else f"{r.step} of {r.max_steps} (running or stopped)"
+            lines.append(row(variant, r.use_dual_ln, "-" if r.seed is None else r.seed, steps, scores(r.metrics),
+                             minutes))
+        done = [r for r in group if r.finished]
+        if len(done) >= 2:
+            per_run = [scores(r.metrics) for r in done]
+            means = {c: sum(s[c] for s in per_run) / len(per_run) for c in columns if all(c in s for s in per_run)}
+            timed = [r for r in done if not r.resumed_from]
+            minutes = f"{sum(r.metrics['train_runtime'] for r in timed) / 60 / len(timed):.1f}" if timed else "-"
+            seeds = ", ".join(str(r.seed) for r in done)
+            dual = {r.use_dual_ln for r in done}
+            lines.append(row(variant, dual.pop() if len(dual) == 1 else None, f"mean of {seeds}",
+                             ", ".join(dict.fromkeys(str(r.step) for r in done)), means, minutes))
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], path: Path) -> list[str]:
+    """``path``: the training curves of every run (a colour per variant, a line style per seed); returns their
+    labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, fig = [], plt.figure(figsize=(7, 4.5))
-    for run in sorted(p for p in root.iterdir() if (p / "trainer_state.json").is_file() or
-                      list(p.glob("checkpoint-*/trainer_state.json"))):
-        state_file = run / "trainer_state.json"
-        if not state_file.is_file():
-            state_file = max(run.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name[11:]))
-        state = json.loads(state_file.read_text())
-        log = state["log_history"]
-        steps = [e["step"] for e in log if "loss" in e]
-        plt.plot(steps, [e["loss"] / math.log(2) for e in log if "loss" in e], label=run.name, linewidth=1)
-        results = run / "all_results.json"
-        metrics = json.loads(results.read_text()) if results.is_file() else {}
-        rows.append((run.name, state["global_step"], metrics))
-    plt.xlabel("step")
-    plt.ylabel("training loss (bits per byte)")
-    plt.ylim(top=4)
-    plt.grid(alpha=0.3)
-    plt.legend(fontsize=8)
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    seeds = sorted({r.seed for r in runs if r.seed is not None})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = []
+    for r in runs:
+        label = f"{r.variant}, seed {r.seed}" + ("" if r.finished else f" (to step {r.step})")
+        style = ["-", "--", ":", "-."][seeds.index(r.seed) % 4 if r.seed in seeds else 0]
+        ax.plot(*r.curve, style, color=f"C{variants.index(r.variant) % 10}", label=label, linewidth=1)
+        labels.append(label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (bits per byte, mean over 25 steps)")
+    ax.set_ylim(top=4)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(root / "curves.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return labels
 
-    def cell(metrics, key):
-        return f"{metrics[key]:.3f}" if key in metrics else "-"
 
-    lines = ["| run | steps | val BPC (stream) | val BPC (blocks) | test BPC (stream) | test BPC (blocks) | train time (s) |",
-             "|---|---|---|---|---|---|---|"]
-    for name, steps, m in rows:
-        stream = "eval_block_bpc" in m  # long_short_xl runs score both ways; causal runs only block by block
-        lines.append(f"| {name} | {steps} | {cell(m, 'eval_bpc') if stream else '-'} | "
-                     f"{cell(m, 'eval_block_bpc' if stream else 'eval_bpc')} | {cell(m, 'test_bpc') if stream else '-'} | "
-                     f"{cell(m, 'test_block_bpc' if stream else 'test_bpc')} | {m.get('train_runtime', 0):.0f} |")
-    table = "\n".join(lines)
-    (root / "table.md").write_text(table + "\n")
-    return table
+def report(root: Path) -> str:
+    """``root/table.md`` (``table``) and ``root/curves.png`` (``plot``) from every run folder in ``root``."""
+    runs = load_runs(root)
+    if not runs:
+        raise SystemExit(f"no run in {root} has a training log yet; start one with `python -m "
+                         f"bench.char_lm_miniature run official --seed 0`.")
+    plot(runs, root / "curves.png")
+    text = table(runs)
+    (root / "table.md").write_text(text + "\n")
+    return text
 
 
 def main(argv=None) -> None:
@@ -162,6 +277,7 @@ def main(argv=None) -> None:
         if not args.dry_run:
             from recipes import char_lm
 
+            start_session(args.root / f"{args.variant}-s{args.seed}")
             char_lm.main(argv)
     else:
         print(report(args.root))

@@ -19,7 +19,8 @@ from ls_hf.hub import REMOTE_CODE_FILES_XL
 from recipes import char_lm, finetune_imdb, push_to_hub
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, tiny_long_short
 
-CHILD = """
+# The start of every child's code: ls_hf must be unimportable there.
+NO_LS_HF = """
 import json, sys
 try:
     import ls_hf
@@ -28,6 +29,9 @@ except ImportError:
 else:
     sys.exit("ls_hf is importable in the child")
 import torch
+"""
+
+CHILD = NO_LS_HF + """
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 folder = sys.argv[1]
 model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True).eval()
@@ -40,15 +44,7 @@ classes = [type(model).__module__, type(AutoModel.from_pretrained(folder, trust_
 print(json.dumps({"logits": logits.tolist(), "classes": classes}))
 """
 
-CHILD_XL = """
-import json, sys
-try:
-    import ls_hf
-except ImportError:
-    pass
-else:
-    sys.exit("ls_hf is importable in the child")
-import torch
+CHILD_XL = NO_LS_HF + """
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 folder = sys.argv[1]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
