@@ -419,9 +419,10 @@ class LongShortAttention2d(nn.Module):
                 row = _vil_bias_row(q_idx // W - patch // W, q_idx % W - patch % W, w).clamp(0, table.shape[0] - 1)
                 return torch.where(kv_idx < X, score, score + table[row, h].to(score.dtype))
 
-        # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
-        q, k, v = (self._heads(t.to(q.dtype)).contiguous() for t in (q, torch.cat(keys[::-1], 1),
-                                                                     torch.cat(values[::-1], 1)))
+        # Heads-first copies, even of one head (where the view is already contiguous): compiled on CPU (torch 2.14),
+        # FlexAttention refuses a query that is a view of a matmul.
+        q, k, v = (self._heads(t.to(q.dtype)).clone(memory_format=torch.contiguous_format)
+                   for t in (q, torch.cat(keys[::-1], 1), torch.cat(values[::-1], 1)))
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
         return out.transpose(1, 2).reshape(B, HW, -1)
 

@@ -45,10 +45,14 @@ def cpu64(*objects):
     return tuple(convert(obj) for obj in objects)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0) -> None:
-    """``torch.testing.assert_close`` on CPU float64 copies: ``atol``/``rtol`` as given when ``actual`` is float64,
-    else an absolute tolerance of ``RELATIVE_ATOL[dtype]`` times the largest magnitude of ``expected``."""
-    if actual.dtype != torch.float64:
-        atol, rtol = RELATIVE_ATOL[actual.dtype] * expected.abs().max().item(), 0.0
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0,
+                 dtype: torch.dtype | None = None) -> None:
+    """``torch.testing.assert_close`` on CPU float64 copies: ``atol``/``rtol`` as given when the values were computed in
+    float64 (``dtype``, default ``actual``'s), else an absolute tolerance of ``RELATIVE_ATOL[dtype]`` times the
+    largest magnitude of ``expected``."""
+    dtype = dtype or actual.dtype
+    if dtype != torch.float64:
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        atol, rtol = RELATIVE_ATOL[dtype] * scale, 0.0
     torch.testing.assert_close(actual.to("cpu", torch.float64), expected.to("cpu", torch.float64), atol=atol,
                                rtol=rtol)
