@@ -26,7 +26,7 @@ Python), on strided (.., heads, L, d) views:
 
 Both layouts' index tensors and masks depend on the map size only (``window_layout``), so they are built once per
 size and shared by every layer of a stage. ``attn_implementation="flex_attention"`` instead hands FlexAttention the
-keys [extra keys; patches] in raster order and the same rule as a block mask (``flex_block_mask``), gathering nothing
+keys [patches in raster order; extra keys] and the same rule as a block mask (``flex_block_mask``), gathering nothing
 (``_attend_flex``; compile the model for its fused kernel). Maps whose sides are not multiples of ``w`` get partial last blocks:
 positions outside the map are masked keys and dropped queries, so any input size works.
 
@@ -172,19 +172,19 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
 
 @functools.lru_cache(maxsize=64)
 def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device: torch.device):
-    """FlexAttention's block mask for the keys [``extra`` keys; the (H, W) map in raster order] of the map's queries:
-    every query sees the extra keys and the patches of its window (``window_keep_2d``'s rule, per axis). Cached like
-    ``window_layout`` (and built outside inference mode for the same reason)."""
+    """FlexAttention's block mask for the keys [the (H, W) map in raster order; ``extra`` keys] of the map's queries:
+    every query sees the patches of its window (``window_keep_2d``'s rule, per axis) and the extra keys. Cached like
+    ``window_layout`` (and built outside inference mode for the same reason). The patches come first so that the rule
+    reads key positions without an offset: compiled on CPU (torch 2.14), the offset form fails to build."""
     H, W = feat_size
 
     def keep(b, h, q_idx, kv_idx):
-        patch = kv_idx - extra  # negative for the extra keys
-        in_window = _window_rule(q_idx // W, patch // W, window, causal=False) & _window_rule(
-            q_idx % W, patch % W, window, causal=False)
-        return (kv_idx < extra) | in_window
+        in_window = _window_rule(q_idx // W, kv_idx // W, window, causal=False) & _window_rule(
+            q_idx % W, kv_idx % W, window, causal=False)
+        return (kv_idx >= H * W) | in_window
 
     with torch.inference_mode(False):
-        return create_block_mask(keep, None, None, H * W, extra + H * W, device=device)
+        return create_block_mask(keep, None, None, H * W, H * W + extra, device=device)
 
 
 class LongShortAttention2d(nn.Module):
@@ -403,7 +403,7 @@ class LongShortAttention2d(nn.Module):
 
     def _attend_flex(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
                      feat_size: tuple[int, int]) -> Tensor:
-        """``_attend_blocked`` (same arguments) on FlexAttention: the keys are [extra keys; patches], the block mask
+        """``_attend_blocked`` (same arguments) on FlexAttention: the keys are [patches; extra keys], the block mask
         is the window rule on their 2-D positions (``flex_block_mask``), and the ViL-LS window bias is a score_mod
         reading its table at the query-minus-key offset. Nothing is gathered; under ``torch.compile`` this is a fused
         kernel that skips the blocks no query sees."""
@@ -415,14 +415,13 @@ class LongShortAttention2d(nn.Module):
         score_mod = None
         if table is not None:
             def score_mod(score, b, h, q_idx, kv_idx):
-                patch = kv_idx - X
-                row = _vil_bias_row(q_idx // W - patch // W, q_idx % W - patch % W, w).clamp(0, table.shape[0] - 1)
-                return torch.where(kv_idx < X, score, score + table[row, h].to(score.dtype))
+                row = _vil_bias_row(q_idx // W - kv_idx // W, q_idx % W - kv_idx % W, w).clamp(0, table.shape[0] - 1)
+                return torch.where(kv_idx >= HW, score, score + table[row, h].to(score.dtype))
 
         # Heads-first copies, even of one head (where the view is already contiguous): compiled on CPU (torch 2.14),
         # FlexAttention refuses a query that is a view of a matmul.
         q, k, v = (self._heads(t.to(q.dtype)).clone(memory_format=torch.contiguous_format)
-                   for t in (q, torch.cat(keys[::-1], 1), torch.cat(values[::-1], 1)))
+                   for t in (q, torch.cat(keys, 1), torch.cat(values, 1)))
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
         return out.transpose(1, 2).reshape(B, HW, -1)
 
