@@ -36,7 +36,8 @@ case "${1:-}" in
         fi
         for dtype in float32 bfloat16; do
             echo "run.sh gpu-check: tests on CUDA in $dtype"
-            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
+            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+                "${GPU_TESTS[@]}"
         done
         "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \
             --peers long-short sdpa flex-window longformer   # bench/results/attention_cuda_bf16.json

@@ -76,11 +76,13 @@ class DenseAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value))
+        return self.output(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+    def attend(self, q, k, v):
+        """(B, heads, n, d) queries, keys, values -> context, same shape."""
         if self.eager:
-            context = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).softmax(-1) @ v
-        else:
-            context = F.scaled_dot_product_attention(q, k, v)
-        return self.output(context.transpose(1, 2).flatten(2))
+            return ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class LongformerAttention(nn.Module):
@@ -113,25 +115,22 @@ class LongShortAttention(nn.Module):
         return self.attn(x)[0]
 
 
-class FlexWindowAttention(nn.Module):
+class FlexWindowAttention(DenseAttention):
     """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
     a block mask per length and the compiled kernel."""
 
     def __init__(self, hidden: int, heads: int, window: int):
-        super().__init__()
-        self.heads, self.window = heads, window
-        self.query, self.key, self.value, self.output = (nn.Linear(hidden, hidden) for _ in range(4))
-        self.attend = torch.compile(flex_attention, dynamic=False)
+        super().__init__(hidden, heads, eager=False)
+        self.window = window
+        self.flex = torch.compile(flex_attention, dynamic=False)
         self.masks = {}
 
-    def forward(self, x):
-        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value))
-        n = x.shape[1]
+    def attend(self, q, k, v):
+        n = q.shape[-2]
         if n not in self.masks:
             self.masks[n] = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
-                                              None, None, n, n, device=x.device)
-        context = self.attend(q, k, v, block_mask=self.masks[n])
-        return self.output(context.transpose(1, 2).flatten(2))
+                                              None, None, n, n, device=q.device)
+        return self.flex(q, k, v, block_mask=self.masks[n])
 
 
 def build_peer(peer: str) -> nn.Module:

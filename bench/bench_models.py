@@ -33,7 +33,8 @@ the first token global in LongShort and Longformer (what their classification he
 ``--device cuda`` (``--dtype bf16``) runs on a GPU: every measurement in-process, peak memory as
 ``torch.cuda.max_memory_allocated`` above the memory allocated before the step.
 
-Writes ``bench/results/models_<device>[_<dtype>].json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another path): the
+Writes ``bench/results/models_<device>[_<dtype>].json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another
+path): the
 machine and command, each row's step times in run order with their median, tokens/s and ratios, and the performance targets.
 Prints markdown tables with ratios and the performance targets (PASS/MISS); times are never asserted anywhere.
 """

@@ -25,10 +25,12 @@ Python), on strided (.., heads, L, d) views:
   first copy in a strip is the previous strip's, hidden). No gathers, one call; O(HW (w + 2e) W + HW r) work.
 
 Both layouts' index tensors and masks depend on the map size only (``window_layout``), so they are built once per
-size and shared by every layer of a stage. ``attn_implementation="flex_attention"`` instead hands FlexAttention the
-keys [patches in raster order; extra keys] and the same rule as a block mask (``flex_block_mask``), gathering nothing
-(``_attend_flex``; compile the model for its fused kernel). Maps whose sides are not multiples of ``w`` get partial last blocks:
+size and shared by every layer of a stage. Maps whose sides are not multiples of ``w`` get partial last blocks:
 positions outside the map are masked keys and dropped queries, so any input size works.
+
+``attn_implementation="flex_attention"`` instead hands FlexAttention the keys [patches in raster order; extra keys]
+and the same rule as a block mask (``flex_block_mask``), gathering nothing (``_attend_flex``; compile the model for
+its fused kernel).
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -43,7 +45,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ls_hf.long_short_attention import (
-    FLEX_ATTENTION_MIN_TORCH,
     _window_rule,
     check_attn_implementation,
     create_block_mask,
@@ -54,8 +55,8 @@ from ls_hf.long_short_attention import (
 
 from .conv_layers import ConvBn, StdConv2d
 
-__all__ = ["FLEX_ATTENTION_MIN_TORCH", "LongShortAttention2d", "WindowLayout", "flex_block_mask", "validate_ls_2d_args",
-           "window_keep_2d", "window_layout"]
+__all__ = ["LongShortAttention2d", "WindowLayout", "flex_block_mask", "validate_ls_2d_args", "window_keep_2d",
+           "window_layout"]
 
 
 def validate_ls_2d_args(
