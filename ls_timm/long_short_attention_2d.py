@@ -210,7 +210,8 @@ class LongShortAttention2d(nn.Module):
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code; the ``ls_hf`` names): the strip/blocked SDPA
             layouts; ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no
-            attention dropout; the global tokens' own rows stay on SDPA (dense, no window to mask).
+            attention dropout; the global tokens' own rows stay on SDPA (dense, no window to mask). Compile it with
+            ``dynamic=False`` on CPU: torch 2.14's CPU kernel fails to build with symbolic map sizes.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
