@@ -2,8 +2,17 @@
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo   runs the main job on built-in small data
 #   bash run.sh test   runs the test suite
+#   bash run.sh gpu-check   on a CUDA machine: the attention, model and timm tests on CUDA (float32, bfloat16), then
+#                      bench_attention (bf16, n up to 65,536) and bench_models on CUDA, JSON under bench/results/;
+#                      without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
+GPU_TESTS=(tests/test_attention.py tests/test_modeling.py tests/test_flex_attention.py tests/test_timm_attention.py
+           tests/test_timm_models.py tests/test_timm_flex_attention.py)
+if [ "${1:-}" = gpu-check ] && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+    echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
+    exit 0
+fi
 VENV="${VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
@@ -19,5 +28,21 @@ case "${1:-}" in
     demo) shift; exec "$VENV/bin/python" -m recipes.demo "$@" ;;
     # two pytest workers, one thread each: the two cores without oversubscription
     test) shift; OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" exec "$VENV/bin/python" -m pytest -q -n 2 "$@" ;;
-    *) echo "usage: bash run.sh demo|test [args]" >&2; exit 2 ;;
+    gpu-check)
+        if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+            echo "run.sh gpu-check: nvidia-smi sees a GPU but torch in $VENV/ has no CUDA; install a CUDA build of" \
+                 "torch (pip install torch --index-url https://download.pytorch.org/whl/cu128, say)." >&2
+            exit 1
+        fi
+        for dtype in float32 bfloat16; do
+            echo "run.sh gpu-check: tests on CUDA in $dtype"
+            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+                "${GPU_TESTS[@]}"
+        done
+        "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \
+            --peers long-short sdpa flex-window longformer   # bench/results/attention_cuda_bf16.json
+        "$VENV/bin/python" -m bench.bench_models --device cuda --dtype bf16 --lengths 4096 16384 \
+            --layers 2   # bench/results/models_cuda_bf16.json
+        ;;
+    *) echo "usage: bash run.sh demo|test|gpu-check [args]" >&2; exit 2 ;;
 esac

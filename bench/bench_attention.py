@@ -6,7 +6,10 @@ One attention module each (query/key/value/output projections included; hidden 7
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
-  Linear.
+  Linear;
+* ``flex-window``: FlexAttention's own sliding window (keys within w of the query: the same 2w span) on the same
+  projections, a block mask and the compiled kernel. CUDA only (no FlexAttention backward on CPU), and there by
+  default.
 
 On CPU every (peer, n) runs in a forked process so that its peak memory is its own: the RSS high-water mark
 (``VmHWM``) minus the RSS before the first step. On CUDA it runs in-process: ``max_memory_allocated`` minus the
@@ -15,7 +18,7 @@ the OOM killer.
 
     python -m bench.bench_attention                 # CPU float32, n = 1024 ... 16384 (a few minutes)
     python -m bench.bench_attention --quick         # n = 1024, 2048 (well under a minute)
-    python -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536
+    python -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536   # sdpa: the flash kernel
 
 Writes ``bench/results/attention_<device>.json`` and ``.png`` and prints markdown tables with the ratios against
 the performance targets (PASS/MISS). Times are never asserted anywhere.
@@ -34,22 +37,23 @@ from transformers import LongformerConfig
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
 from bench.common import (
-    forked,
+    DTYPES,
     free_bytes,
     interleaved_times,
-    peak_rss_above,
-    reset_peak_rss,
+    isolated,
+    peak_memory_above,
+    reset_peak_memory,
     results_path,
     run_meta,
+    sync,
     write_json,
 )
 from bench.plot import plot_scaling
-from ls_hf.long_short_attention import LongShortSelfAttention
+from ls_hf.long_short_attention import LongShortSelfAttention, create_block_mask, flex_attention
 
 HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW
-PEERS = ("long-short", "sdpa", "eager", "longformer")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window")
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
@@ -72,11 +76,13 @@ class DenseAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value))
+        return self.output(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+    def attend(self, q, k, v):
+        """(B, heads, n, d) queries, keys, values -> context, same shape."""
         if self.eager:
-            context = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).softmax(-1) @ v
-        else:
-            context = F.scaled_dot_product_attention(q, k, v)
-        return self.output(context.transpose(1, 2).flatten(2))
+            return ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class LongformerAttention(nn.Module):
@@ -109,6 +115,24 @@ class LongShortAttention(nn.Module):
         return self.attn(x)[0]
 
 
+class FlexWindowAttention(DenseAttention):
+    """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
+    a block mask per length and the compiled kernel."""
+
+    def __init__(self, hidden: int, heads: int, window: int):
+        super().__init__(hidden, heads, eager=False)
+        self.window = window
+        self.flex = torch.compile(flex_attention, dynamic=False)
+        self.masks = {}
+
+    def attend(self, q, k, v):
+        n = q.shape[-2]
+        if n not in self.masks:
+            self.masks[n] = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
+                                              None, None, n, n, device=q.device)
+        return self.flex(q, k, v, block_mask=self.masks[n])
+
+
 def build_peer(peer: str) -> nn.Module:
     if peer == "long-short":
         return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK)
@@ -116,6 +140,8 @@ def build_peer(peer: str) -> nn.Module:
         return DenseAttention(HIDDEN, HEADS, eager=peer == "eager")
     if peer == "longformer":
         return LongformerAttention(HIDDEN, HEADS, LONGFORMER_WINDOW)
+    if peer == "flex-window":
+        return FlexWindowAttention(HIDDEN, HEADS, LONGFORMER_WINDOW // 2)
     raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
 
 
@@ -126,7 +152,7 @@ def model_flops(peer: str, n: int) -> float:
     projections = 8 * n * d * d
     if peer in ("sdpa", "eager"):
         return projections + 4 * n * n * d
-    if peer == "longformer":
+    if peer in ("longformer", "flex-window"):
         return projections + 4 * n * (LONGFORMER_WINDOW + 1) * d
     span = WINDOW + 2 * max(WINDOW // 2, 1)
     dynamic_projection = 2 * n * d * HEADS * RANK + 4 * n * RANK * d
@@ -144,11 +170,6 @@ def estimated_bytes(peer: str, n: int, element_size: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ one run
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _inputs(n: int, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     x = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype, requires_grad=True)
@@ -165,17 +186,9 @@ def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
     """Peak memory of one forward + backward step above the memory held before it."""
     module = build_peer(peer).to(device=device, dtype=dtype)
     x, grad = _inputs(n, device, dtype)
-    _sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = reset_peak_rss()
+    base = reset_peak_memory(device)
     _step(module, x, grad)
-    _sync(device)
-    if device == "cuda":
-        return {"peak_mem_bytes": max(torch.cuda.max_memory_allocated() - base, 0)}
-    return {"peak_mem_bytes": peak_rss_above(base)}
+    return {"peak_mem_bytes": peak_memory_above(device, base)}
 
 
 def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -183,21 +196,8 @@ def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, rep
     modules = {peer: build_peer(peer).to(device=device, dtype=dtype) for peer in peers}
     x, grad = _inputs(n, device, dtype)
     steps = {peer: (lambda module=module: _step(module, x, grad)) for peer, module in modules.items()}
-    times = interleaved_times(steps, repeats, sync=lambda: _sync(device))
+    times = interleaved_times(steps, repeats, sync=lambda: sync(device))
     return {peer: {"time_s": sorted(t)[len(t) // 2], "times_s": t} for peer, t in times.items()}
-
-
-def isolated(device: str, fn, *args) -> dict:
-    """``fn(*args)`` in a forked process on CPU (its memory high-water mark is its own), in-process on CUDA (the peak
-    counter resets). Returns ``{"status": ..., **result}``."""
-    if device != "cuda":
-        return forked(fn, *args)
-    try:
-        return {"status": "ok", **fn(*args)}
-    except torch.OutOfMemoryError:
-        return {"status": "oom", "reason": "CUDA out of memory"}
-    finally:
-        torch.cuda.empty_cache()
 
 
 def run_length(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -286,9 +286,11 @@ def main(argv=None) -> None:
     parser.add_argument("--min-n", type=int, default=1024)
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
-    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--peers", nargs="+", default=None, choices=PEERS,
+                        help="default: all (flex-window on CUDA only: no FlexAttention backward on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)")
     args = parser.parse_args(argv)
+    args.peers = args.peers or [peer for peer in PEERS if args.device == "cuda" or peer != "flex-window"]
     if args.quick:
         args.max_n = min(args.max_n, 2048)
     args.repeats = args.repeats or (1 if args.quick else 3)

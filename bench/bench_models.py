@@ -30,7 +30,11 @@ inside ``generate`` (a stopping criterion records the clock), so the prefill is 
 the first token global in LongShort and Longformer (what their classification heads do; RoBERTa is dense anyway);
 ``--single-step`` times the one step that measures memory, in its own process, instead of warm-up and rounds.
 
-Writes ``bench/results/models_cpu.json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another path): the
+``--device cuda`` (``--dtype bf16``) runs on a GPU: every measurement in-process, peak memory as
+``torch.cuda.max_memory_allocated`` above the memory allocated before the step.
+
+Writes ``bench/results/models_<device>[_<dtype>].json`` (``bench/results/quick/`` with ``--quick``; ``--out`` another
+path): the
 machine and command, each row's step times in run order with their median, tokens/s and ratios, and the performance targets.
 Prints markdown tables with ratios and the performance targets (PASS/MISS); times are never asserted anywhere.
 """
@@ -53,13 +57,15 @@ from transformers import (
 )
 
 from bench.common import (
-    forked,
+    DTYPES,
     free_bytes,
     interleaved_times,
-    peak_rss_above,
-    reset_peak_rss,
+    isolated,
+    peak_memory_above,
+    reset_peak_memory,
     results_path,
     run_meta,
+    sync,
     write_json,
 )
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortForMaskedLM
@@ -99,13 +105,14 @@ def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: b
     return need
 
 
-def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False, global_first: bool = False):
+def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False, global_first: bool = False,
+                  device: str = "cpu", dtype: str = "fp32"):
     """A closure running one training step (forward + backward of the MLM loss) of a freshly built peer."""
     torch.manual_seed(0)
-    model = build_mlm(peer, n, layers, vocab).train()
+    model = build_mlm(peer, n, layers, vocab).to(device, DTYPES[dtype]).train()
     if checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    ids = torch.randint(3, vocab, (1, n))
+    ids = torch.randint(3, vocab, (1, n), device=device)
     inputs = {"input_ids": ids, "labels": ids}
     if global_first and peer != "roberta-sdpa":
         inputs["global_attention_mask"] = torch.zeros_like(ids)
@@ -119,38 +126,39 @@ def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: boo
 
 
 def measure_memory(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False,
-                   global_first: bool = False) -> dict:
-    """Peak RSS of one training step above the RSS of the built model, and that step's time."""
-    step = training_step(peer, n, layers, vocab, checkpointing, global_first)
-    base = reset_peak_rss()
+                   global_first: bool = False, device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Peak memory (RSS; CUDA: allocated) of one training step above that of the built model, and that step's time."""
+    step = training_step(peer, n, layers, vocab, checkpointing, global_first, device, dtype)
+    base = reset_peak_memory(device)
     start = time.perf_counter()
     step()
-    return {"peak_mem_bytes": peak_rss_above(base), "single_step_s": time.perf_counter() - start}
+    sync(device)
+    return {"single_step_s": time.perf_counter() - start, "peak_mem_bytes": peak_memory_above(device, base)}
 
 
 def measure_times(peers, n: int, layers: int, vocab: int, repeats: int, checkpointing: bool = False,
-                  global_first: bool = False) -> dict:
+                  global_first: bool = False, device: str = "cpu", dtype: str = "fp32") -> dict:
     """Step times of all peers built in one process and stepped in turn (``interleaved_times``). Returns
     {peer: times in run order}."""
-    steps = {peer: training_step(peer, n, layers, vocab, checkpointing, global_first) for peer in peers}
-    return interleaved_times(steps, repeats)
+    steps = {peer: training_step(peer, n, layers, vocab, checkpointing, global_first, device, dtype) for peer in peers}
+    return interleaved_times(steps, repeats, sync=lambda: sync(device))
 
 
 def run_training(peers, lengths, layers, vocab, repeats, threads, checkpointing=False, global_first=False,
-                 single_step=False) -> list[dict]:
-    """Per n: peak memory of each peer in its own process, then the interleaved timing of the peers that fit (with
-    ``single_step``, the memory step's time instead)."""
+                 single_step=False, device="cpu", dtype="fp32") -> list[dict]:
+    """Per n: peak memory of each peer in its own process (CUDA: in this one), then the interleaved timing of the
+    peers that fit (with ``single_step``, the memory step's time instead)."""
     rows = []
-    setup = (checkpointing, global_first)
+    setup = (checkpointing, global_first, device, dtype)
     for n in lengths:
         fitting = []
         for peer in peers:
             row = {"peer": peer, "n": n, "layers": layers}
-            need, free = estimated_bytes(peer, n, layers, vocab, checkpointing), free_bytes("cpu")
+            need, free = estimated_bytes(peer, n, layers, vocab, checkpointing), free_bytes(device)
             if need > 0.8 * free:
                 row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
             else:
-                row |= forked(measure_memory, peer, n, layers, vocab, *setup, threads=threads)
+                row |= isolated(device, measure_memory, peer, n, layers, vocab, *setup, threads=threads)
                 if row["status"] == "ok":
                     fitting.append(peer)
             rows.append(row)
@@ -161,7 +169,8 @@ def run_training(peers, lengths, layers, vocab, repeats, threads, checkpointing=
             timed = {"status": "ok", **{row["peer"]: [row["single_step_s"]] for row in rows[-len(peers):]
                                         if row["peer"] in fitting}}
         else:
-            timed = forked(measure_times, fitting, n, layers, vocab, repeats, *setup, threads=threads) if fitting else {}
+            timed = isolated(device, measure_times, fitting, n, layers, vocab, repeats, *setup,
+                             threads=threads) if fitting else {}
         for row in rows[-len(peers):]:
             if row["peer"] in fitting and timed["status"] == "ok":
                 times = timed[row["peer"]]
@@ -184,14 +193,15 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int) -> dict:
+def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int, device: str = "cpu",
+                       dtype: str = "fp32") -> dict:
     """Median per-token decoding time after a ``context``-token prompt, with or without the cache."""
     torch.manual_seed(0)
     config = LongShortConfig(**BASE, num_hidden_layers=layers, vocab_size=vocab, is_decoder=True, window_size=WINDOW,
                              projection_rank=1, causal_segment_length=16, max_position_embeddings=context + new_tokens + 3)
-    model = LongShortForCausalLM(config).eval()
+    model = LongShortForCausalLM(config).to(device, DTYPES[dtype]).eval()
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=1, bos_token_id=0)
-    prompt = torch.randint(3, vocab, (1, context))
+    prompt = torch.randint(3, vocab, (1, context), device=device)
     clock = StepClock()
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens + 1, do_sample=False, use_cache=use_cache,
@@ -202,12 +212,14 @@ def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: i
             "tokens_per_s": 1 / per_token}
 
 
-def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads) -> list[dict]:
+def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads, device="cpu",
+                   dtype="fp32") -> list[dict]:
     rows = []
     for context in contexts:
         for use_cache, tokens in ((True, cached_tokens), (False, uncached_tokens)):
             row = {"context": context, "use_cache": use_cache, "new_tokens": tokens}
-            row |= forked(measure_generation, context, tokens, use_cache, layers, vocab, threads=threads)
+            row |= isolated(device, measure_generation, context, tokens, use_cache, layers, vocab, device, dtype,
+                            threads=threads)
             rows.append(row)
             shown = f"{row['per_token_s'] * 1e3:9.1f} ms/token" if row["status"] == "ok" else row.get("reason", "")
             print(f"  generate context={context:<6} cache={use_cache!s:<5} {row['status']:<6} {shown}", flush=True)
@@ -232,7 +244,7 @@ def add_ratios(train_rows, gen_rows) -> None:
 
 
 def training_table(rows, peers, lengths) -> str:
-    lines = ["| n | layers | peer | s / step | tokens / s | LS speedup | peak RSS above model (MiB) |",
+    lines = ["| n | layers | peer | s / step | tokens / s | LS speedup | peak memory above model (MiB) |",
              "|---|---|---|---|---|---|---|"]
     for n in lengths:
         for peer in peers:
@@ -294,6 +306,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward pass")
     parser.add_argument("--global-first-token", action="store_true", help="LS and Longformer: first token global")
     parser.add_argument("--single-step", action="store_true", help="time the memory step only (no warm-up, rounds)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     args = parser.parse_args(argv)
     for name in ("layers", "repeats", "vocab", "cached_tokens", "uncached_tokens", "threads"):
         if getattr(args, name) < (0 if name == "threads" else 1):
@@ -307,22 +321,26 @@ def main(argv=None) -> None:
     train_rows = [] if args.skip_training else run_training(
         args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads,
         checkpointing=args.gradient_checkpointing, global_first=args.global_first_token, single_step=args.single_step,
+        device=args.device, dtype=args.dtype,
     )
     gen_rows = [] if args.skip_generation else run_generation(
-        args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads
+        args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads, args.device,
+        args.dtype,
     )
     add_ratios(train_rows, gen_rows)
     meta = run_meta(
         "bench_models", argv,
         measurement_threads=args.threads or torch.get_num_threads(),
-        dtype="fp32",
+        device=args.device,
+        dtype=args.dtype,
         config={**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
                 "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
                 "gradient_checkpointing": args.gradient_checkpointing, "global_first_token": args.global_first_token,
                 "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
                                "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
         memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
-               "per (peer, n)",
+               "per (peer, n)" if args.device == "cpu" else
+               "torch.cuda.max_memory_allocated over one training step minus memory_allocated of the built model",
         time=("training: the one MLM step (forward + backward) that measured memory, in its own forked process"
               if args.single_step else
               f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
@@ -330,7 +348,7 @@ def main(argv=None) -> None:
         + "; generation: median time between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
     )
     print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
-          f"torch {meta['torch']}  float32\n`{meta['command']}`\n")
+          f"torch {meta['torch']}  {args.device} {args.dtype}\n`{meta['command']}`\n")
     if train_rows:
         timing = ("one step per peer, in its own process" if args.single_step else
                   f"median of {args.repeats} rounds after a warm-up round, peers interleaved in one process")
@@ -347,7 +365,8 @@ def main(argv=None) -> None:
         value = "n/a" if target["value"] is None else f"{target['value']:.2f}x"
         print(f"{target['verdict']:<5} {target['check']}: {value}")
 
-    out = args.out or results_path("models_cpu", args.quick)
+    suffix = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    out = args.out or results_path(f"models_{args.device}{suffix}", args.quick)
     write_json(out, {"meta": meta, "training": train_rows, "generation": gen_rows, "targets": targets})
     print(f"\nwrote {out}")
 

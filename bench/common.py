@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the --dtype choices
 
 
 def results_path(name: str, quick: bool) -> Path:
@@ -87,6 +88,29 @@ def peak_rss_above(base: int) -> int:
     return max(_proc_status_bytes("VmHWM") - base, 0)
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory(device: str) -> int:
+    """Start a peak-memory measurement: the memory held now (CUDA: allocated; CPU: RSS, ``reset_peak_rss``)."""
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return reset_peak_rss()
+
+
+def peak_memory_above(device: str, base: int) -> int:
+    """The peak memory since ``reset_peak_memory`` minus the ``base`` it returned."""
+    sync(device)
+    if device == "cuda":
+        return max(torch.cuda.max_memory_allocated() - base, 0)
+    return peak_rss_above(base)
+
+
 def _child(conn, fn, args, threads) -> None:
     if threads:
         torch.set_num_threads(threads)
@@ -111,6 +135,19 @@ def forked(fn, *args, threads: int = 0) -> dict:
         return {"status": "oom", "reason": "process killed, out of memory?"}
     finally:
         proc.join()
+
+
+def isolated(device: str, fn, *args, threads: int = 0) -> dict:
+    """``fn(*args)`` in a forked process on CPU (its memory high-water mark is its own), in-process on CUDA (the peak
+    counter resets). Returns ``{"status": ..., **result}``."""
+    if device != "cuda":
+        return forked(fn, *args, threads=threads)
+    try:
+        return {"status": "ok", **fn(*args)}
+    except torch.OutOfMemoryError:
+        return {"status": "oom", "reason": "CUDA out of memory"}
+    finally:
+        torch.cuda.empty_cache()
 
 
 def interleaved_times(steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None) -> dict:

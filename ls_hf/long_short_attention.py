@@ -48,12 +48,25 @@ __all__ = [
     "CausalState",
     "ExtraKeys",
     "LongShortSelfAttention",
+    "check_attn_implementation",
     "project_rows",
     "segment_keep",
     "validate_long_short_args",
     "window_extent",
     "window_keep",
 ]
+
+
+def check_attn_implementation(attn_implementation: str) -> None:
+    """Refuse an unknown ``attn_implementation`` (``ValueError``), or ``"flex_attention"`` on a torch without
+    FlexAttention (``ImportError`` naming the minimum version), before any work."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}.")
+    if attn_implementation == "flex_attention" and flex_attention is None:
+        raise ImportError(
+            f'attn_implementation="flex_attention" needs torch.nn.attention.flex_attention (torch >= '
+            f'{FLEX_ATTENTION_MIN_TORCH}), which torch {torch.__version__} lacks; upgrade torch or use "sdpa".'
+        )
 
 
 def _is_int(value) -> bool:
@@ -292,13 +305,7 @@ class LongShortSelfAttention(nn.Module):
         attn_implementation: str = "sdpa",
     ):
         super().__init__()
-        if attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}.")
-        if attn_implementation == "flex_attention" and flex_attention is None:
-            raise ImportError(
-                f'attn_implementation="flex_attention" needs torch.nn.attention.flex_attention (torch >= '
-                f'{FLEX_ATTENTION_MIN_TORCH}), which torch {torch.__version__} lacks; upgrade torch or use "sdpa".'
-            )
+        check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
         validate_long_short_args(
             hidden_size=hidden_size,

@@ -51,6 +51,8 @@ class CvtLs(HierarchicalTransformer):
         projection_rank, window_size: r per head and w, per stage (an int applies to every stage).
         qk_dims: optional LMSA query/key width per stage (stage 3 must keep the full width for its cls token).
         use_dual_ln: DualLN (Eq. 7) in every Long-Short layer; False is the paper's ablation (81.3 against 81.9 top-1).
+        attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
+            block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class CvtLs(HierarchicalTransformer):
         proj_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        attn_implementation: str = "sdpa",
         norm_layer: Callable = nn.LayerNorm,
         act_layer: Callable = nn.GELU,
         device=None,
@@ -100,7 +103,7 @@ class CvtLs(HierarchicalTransformer):
                            window_size=window_size[i], projection_rank=projection_rank[i],
                            num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
                            conv_proj=True, conv_dynamic_proj=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
-                           proj_drop=proj_drop_rate, **dd)
+                           proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
             stages.append(Stage(
                 in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_strides[i],
                 padding=patch_paddings[i], num_prefix_tokens=num_global_tokens[i], attn_layer=attn,

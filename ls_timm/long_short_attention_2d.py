@@ -28,6 +28,10 @@ Both layouts' index tensors and masks depend on the map size only (``window_layo
 size and shared by every layer of a stage. Maps whose sides are not multiples of ``w`` get partial last blocks:
 positions outside the map are masked keys and dropped queries, so any input size works.
 
+``attn_implementation="flex_attention"`` instead hands FlexAttention the keys [patches in raster order; extra keys]
+and the same rule as a block mask (``flex_block_mask``), gathering nothing (``_attend_flex``; compile the model for
+its fused kernel).
+
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
 
@@ -40,11 +44,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ls_hf.long_short_attention import project_rows, window_extent
+from ls_hf.long_short_attention import (
+    _window_rule,
+    check_attn_implementation,
+    create_block_mask,
+    flex_attention,
+    project_rows,
+    window_extent,
+)
 
 from .conv_layers import ConvBn, StdConv2d
 
-__all__ = ["LongShortAttention2d", "WindowLayout", "validate_ls_2d_args", "window_keep_2d", "window_layout"]
+__all__ = ["LongShortAttention2d", "WindowLayout", "flex_block_mask", "validate_ls_2d_args", "window_keep_2d",
+           "window_layout"]
 
 
 def validate_ls_2d_args(
@@ -66,13 +78,11 @@ def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int
     """Whether the query at 2-D position ``q_yx[..., i, :]`` sees the key at ``k_yx[..., j, :]``: (..., Q, K) bool.
 
     A query in block ``(y // w, x // w)`` sees keys whose coordinates lie in ``[s - e, s + w + e)`` per axis, with
-    ``s`` the block start and ``e = window_extent(w)``, and inside the ``size = (H, W)`` map.
+    ``s`` the block start and ``e = window_extent(w)`` (the 1-D bidirectional rule of ``ls_hf`` on each axis), and
+    inside the ``size = (H, W)`` map.
     """
-    ext = window_extent(window)
-    q = q_yx.unsqueeze(-2)
     k = k_yx.unsqueeze(-3)
-    start = torch.div(q, window, rounding_mode="floor") * window
-    return ((k >= start - ext) & (k < start + window + ext)).all(-1) & _inside(k, size)
+    return _window_rule(q_yx.unsqueeze(-2), k, window, causal=False).all(-1) & _inside(k, size)
 
 
 def _inside(yx: Tensor, size: tuple[int, int]) -> Tensor:
@@ -94,8 +104,13 @@ def vil_window_bias_index(window: int) -> Tensor:
     """
     pad = window // 2
     rel = _grid(window, window).view(-1, 1, 2) - (_grid(window + 2 * pad, window + 2 * pad) - pad).view(1, -1, 2)
-    rel = rel + pad + window - 1
-    return rel[..., 0] * (2 * pad + window) + rel[..., 1]
+    return _vil_bias_row(rel[..., 0], rel[..., 1], window)
+
+
+def _vil_bias_row(dy: Tensor, dx: Tensor, window: int) -> Tensor:
+    """Row of the official ViL-LS window bias table for the query-minus-key offsets ``(dy, dx)`` (elementwise)."""
+    pad = window // 2
+    return (dy + pad + window - 1) * (2 * pad + window) + dx + pad + window - 1
 
 
 class WindowLayout(NamedTuple):
@@ -156,6 +171,23 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
     return WindowLayout(target, k_index, keep, patch_slots, halo, bias_index)
 
 
+@functools.lru_cache(maxsize=64)
+def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device: torch.device):
+    """FlexAttention's block mask for the keys [the (H, W) map in raster order; ``extra`` keys] of the map's queries:
+    every query sees the patches of its window (``window_keep_2d``'s rule, per axis) and the extra keys. Cached like
+    ``window_layout`` (and built outside inference mode for the same reason). The patches come first so that the rule
+    reads key positions without an offset: compiled on CPU (torch 2.14), the offset form fails to build."""
+    H, W = feat_size
+
+    def keep(b, h, q_idx, kv_idx):
+        in_window = _window_rule(q_idx // W, kv_idx // W, window, causal=False) & _window_rule(
+            q_idx % W, kv_idx % W, window, causal=False)
+        return (kv_idx >= H * W) | in_window
+
+    with torch.inference_mode(False):
+        return create_block_mask(keep, None, None, H * W, H * W + extra, device=device)
+
+
 class LongShortAttention2d(nn.Module):
     """Long-Short self-attention on ``num_prefix_tokens`` global tokens followed by an (H, W) patch map.
 
@@ -176,6 +208,10 @@ class LongShortAttention2d(nn.Module):
         use_dual_ln: DualLN (Eq. 7); False is the paper's ablation (CvT*-LS-13 without DualLN, Appendix E): no LN on
             the keys/values of the window or of the projected rows.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
+        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code; the ``ls_hf`` names): the strip/blocked SDPA
+            layouts; ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no
+            attention dropout; the global tokens' own rows stay on SDPA (dense, no window to mask). Compile it with
+            ``dynamic=False`` on CPU: torch 2.14's CPU kernel fails to build with symbolic map sizes.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
@@ -206,11 +242,14 @@ class LongShortAttention2d(nn.Module):
         use_dual_ln: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
+        attn_implementation: str = "sdpa",
         device=None,
         dtype=None,
     ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
+        check_attn_implementation(attn_implementation)
+        self.attn_implementation = attn_implementation
         validate_ls_2d_args(dim=dim, num_heads=num_heads, window_size=window_size, projection_rank=projection_rank,
                             qk_dim=qk_dim)
         qk_dim = qk_dim or dim
@@ -351,6 +390,43 @@ class LongShortAttention2d(nn.Module):
             out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
+    def _check_flex(self, x: Tensor) -> None:
+        """Refuse, before any work, what FlexAttention cannot do: attention dropout, and backward on CPU."""
+        if self.training and self.attn_drop > 0:
+            raise ValueError(f'attn_implementation="flex_attention" has no attention dropout, but attn_drop is '
+                             f'{self.attn_drop} in training mode; set it (attn_drop_rate) to 0 or use '
+                             f'attn_implementation="sdpa".')
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.proj.weight.requires_grad)
+        if needs_grad and x.device.type == "cpu":
+            raise NotImplementedError(
+                f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
+                f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
+                f"torch.no_grad() / torch.inference_mode().")
+
+    def _attend_flex(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
+                     feat_size: tuple[int, int]) -> Tensor:
+        """``_attend_blocked`` (same arguments) on FlexAttention: the keys are [patches; extra keys], the block mask
+        is the window rule on their 2-D positions (``flex_block_mask``), and the ViL-LS window bias is a score_mod
+        reading its table at the query-minus-key offset. Nothing is gathered; under ``torch.compile`` this is a fused
+        kernel that skips the blocks no query sees."""
+        B, HW, _ = q.shape
+        W, w, X = feat_size[1], self.window_size, keys[1].shape[1]
+        block_mask = flex_block_mask.__wrapped__ if torch.compiler.is_compiling() else flex_block_mask
+        mask = block_mask(tuple(feat_size), w, X, q.device)
+        table = self.relative_position_bias_table
+        score_mod = None
+        if table is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                row = _vil_bias_row(q_idx // W - kv_idx // W, q_idx % W - kv_idx % W, w).clamp(0, table.shape[0] - 1)
+                return torch.where(kv_idx >= HW, score, score + table[row, h].to(score.dtype))
+
+        # Heads-first copies, even of one head (where the view is already contiguous): compiled on CPU (torch 2.14),
+        # FlexAttention refuses a query that is a view of a matmul.
+        q, k, v = (self._heads(t.to(q.dtype)).clone(memory_format=torch.contiguous_format)
+                   for t in (q, torch.cat(keys, 1), torch.cat(values, 1)))
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+        return out.transpose(1, 2).reshape(B, HW, -1)
+
     def _in_strips(self, feat_size: tuple[int, int]) -> bool:
         """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
         H, W = feat_size
@@ -396,6 +472,8 @@ class LongShortAttention2d(nn.Module):
         layout, larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches',
         and the extra rows [projected rows; global tokens].
         """
+        if self.attn_implementation == "flex_attention":
+            self._check_flex(x)
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
@@ -413,7 +491,10 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
+        if self.attn_implementation == "flex_attention":
+            attend = self._attend_flex
+        else:
+            attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
         out = attend(q, (k, extra_k), (v, extra_v), feat_size)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
             glob = F.scaled_dot_product_attention(self._heads(q_g), self._heads(torch.cat([k_g, out], 1)),

@@ -102,6 +102,8 @@ class VilLs(HierarchicalTransformer):
         window_size: w of the Long-Short stages; projection_rank: r rows per head (Eq. 3).
         qk_dims: optional LMSA query/key width per stage (Long-Short stages without global tokens only).
         use_dual_ln: DualLN (Eq. 7) in the Long-Short stages; False is the paper's ablation.
+        attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
+            block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class VilLs(HierarchicalTransformer):
         proj_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        attn_implementation: str = "sdpa",
         norm_layer: Callable | None = None,  # default LayerNorm eps 1e-6
         act_layer: Callable = nn.GELU,
         device=None,
@@ -158,7 +161,7 @@ class VilLs(HierarchicalTransformer):
                                window_size=window_size, projection_rank=projection_rank,
                                num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
                                window_bias=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
-                               proj_drop=proj_drop_rate, **dd)
+                               proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
             else:
                 attn = partial(RelPosAttention, dim=embed_dims[i], num_heads=num_heads[i], feat_size=sides[i],
                                num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
+from tests.devices import assert_close, cpu64
 from tests.reference import reference_attention
 
 TOL = 1e-5
@@ -21,18 +22,20 @@ PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def make(hidden=8, heads=2, window=3, rank=2, seed=0, **kwargs) -> LongShortSelfAttention:
-    """A float64 module in eval mode whose DualLN weights are perturbed (so a misplaced LN cannot hide)."""
+def make(hidden=8, heads=2, window=3, rank=2, seed=0, device="cpu", dtype=torch.float64, **kwargs
+         ) -> LongShortSelfAttention:
+    """A module (float64 unless ``dtype``) in eval mode whose DualLN weights are perturbed (so a misplaced LN cannot
+    hide); the same weights on every device."""
     torch.manual_seed(seed)
     module = LongShortSelfAttention(hidden, heads, window, rank, **kwargs).double().eval()
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.startswith("dual_ln"):
                 param.add_(0.3 * torch.randn_like(param))
-    return module
+    return module.to(device, dtype)
 
 
-def make_mask(kind: str, batch: int, n: int, pad: int, seed: int = 0) -> torch.Tensor | None:
+def make_mask(kind: str, batch: int, n: int, pad: int, seed: int = 0, device="cpu") -> torch.Tensor | None:
     """None, or a (B, n) 0/1 mask: ``right``/``left`` padding of ``pad`` tokens on the last sample, or ``random``."""
     if kind == "none":
         return None
@@ -44,15 +47,16 @@ def make_mask(kind: str, batch: int, n: int, pad: int, seed: int = 0) -> torch.T
         mask[-1, :pad] = 0
     else:
         mask = (torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) > 0.3).double()
-    return mask
+    return mask.to(device)
 
 
 def inputs(module, batch, n, seed=1):
+    """Hidden states and a cls embedding on the module's device, in its dtype (drawn in float64 on the CPU)."""
     generator = torch.Generator().manual_seed(seed)
-    hidden = module.output.in_features
+    hidden, like = module.output.in_features, module.output.weight
     x = torch.randn(batch, n, hidden, generator=generator, dtype=torch.float64)
     cls = torch.randn(batch, 1, hidden, generator=generator, dtype=torch.float64)
-    return x, cls
+    return x.to(like), cls.to(like)
 
 
 def assert_rows_are_distributions(attn, mask):
@@ -60,7 +64,7 @@ def assert_rows_are_distributions(attn, mask):
     sums = attn.sum(-1)  # (B, H, n)
     real = torch.ones_like(sums, dtype=torch.bool) if mask is None else mask.bool()[:, None, :].expand_as(sums)
     assert (attn >= 0).all()
-    torch.testing.assert_close(sums[real], torch.ones_like(sums[real]), atol=1e-6, rtol=0)
+    assert_close(sums[real], torch.ones_like(sums[real]), atol=1e-6)
 
 
 @st.composite
@@ -88,18 +92,19 @@ masks = st.sampled_from(["none", "right", "left", "random"])
     output_attentions=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_bidirectional_matches_oracle(dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed):
+def test_bidirectional_matches_oracle(dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed,
+                                      device, dtype):
     if window == rank == 0:
         rank = 1
     with_cls = with_cls and dims["qk_head_dim"] is None  # cls needs qk_head_dim == head_dim
-    module = make(window=window, rank=rank, seed=seed, **dims)
+    module = make(window=window, rank=rank, seed=seed, device=device, dtype=dtype, **dims)
     x, cls = inputs(module, batch, n, seed)
     cls = cls if with_cls else None
-    mask = make_mask(mask_kind, batch, n, pad, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed, device)
     with torch.no_grad():
         out, attn = module(x, mask, cls_hidden=cls, output_attentions=output_attentions)
-        expected = reference_attention(module, x, mask, cls)
-    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+        expected = reference_attention(*cpu64(module, x, mask, cls))
+    assert_close(out, expected, atol=TOL)
     if output_attentions:
         assert attn.shape[:3] == (batch, dims["heads"], n)
         assert_rows_are_distributions(attn, mask)
@@ -126,14 +131,14 @@ def causal_configs(draw):
     output_attentions=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_causal_matches_oracle(config, n, batch, mask_kind, pad, output_attentions, seed):
-    module = make(seed=seed, **config)
+def test_causal_matches_oracle(config, n, batch, mask_kind, pad, output_attentions, seed, device, dtype):
+    module = make(seed=seed, device=device, dtype=dtype, **config)
     x, _ = inputs(module, batch, n, seed)
-    mask = make_mask(mask_kind, batch, n, pad, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed, device)
     with torch.no_grad():
         out, attn = module(x, mask, output_attentions=output_attentions)
-        expected = reference_attention(module, x, mask)
-    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+        expected = reference_attention(*cpu64(module, x, mask))
+    assert_close(out, expected, atol=TOL)
     if output_attentions:
         assert attn.shape[:3] == (batch, config["heads"], n)
         assert_rows_are_distributions(attn, mask)
@@ -178,15 +183,16 @@ def decode(module, x, mask, bounds, output_attentions=False):
     output_attentions=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_causal_cache_matches_full_forward(config, n, sizes, one_by_one, batch, mask_kind, pad, output_attentions, seed):
-    module = make(seed=seed, **config)
+def test_causal_cache_matches_full_forward(config, n, sizes, one_by_one, batch, mask_kind, pad, output_attentions, seed,
+                                           device, dtype):
+    module = make(seed=seed, device=device, dtype=dtype, **config)
     x, _ = inputs(module, batch, n, seed)
-    mask = make_mask(mask_kind, batch, n, pad, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed, device)
     bounds = [(t, t + 1) for t in range(n)] if one_by_one else _chunks(sizes, n)
     with torch.no_grad():
         full, _ = module(x, mask)
         chunked = decode(module, x, mask, bounds, output_attentions)
-    torch.testing.assert_close(chunked, full, atol=TOL, rtol=0)
+    assert_close(chunked, full, atol=TOL)
 
 
 def test_causal_state_map_batch_reorders_the_cache():
@@ -530,7 +536,7 @@ def assert_global_layout(attn, mask, glob, R):
                 assert attn[b, :, t, K + R : C - K].eq(0).all()
             else:
                 total = attn[b, :, t, : C - K].sum(-1)
-            torch.testing.assert_close(total, torch.ones_like(total), atol=1e-9, rtol=0)
+            assert_close(total, torch.ones_like(total), atol=1e-9)
 
 
 @PROPERTY
@@ -548,21 +554,22 @@ def assert_global_layout(attn, mask, glob, R):
     seed=st.integers(0, 2**16),
 )
 def test_global_tokens_match_oracle(
-    dims, window, rank, n, batch, mask_kind, pad, density, global_projections, output_attentions, seed
+    dims, window, rank, n, batch, mask_kind, pad, density, global_projections, output_attentions, seed, device, dtype
 ):
-    """Global tokens (any count per sample, anywhere, with padding) against the dense oracle, float64."""
+    """Global tokens (any count per sample, anywhere, with padding) against the dense oracle (float64 by default)."""
     if window == rank == 0:
         rank = 1
-    module = make(window=window, rank=rank, seed=seed, global_projections=global_projections, **dims)
+    module = make(window=window, rank=rank, seed=seed, global_projections=global_projections, device=device,
+                  dtype=dtype, **dims)
     x, _ = inputs(module, batch, n, seed)
-    mask = make_mask(mask_kind, batch, n, pad, seed)
-    glob = global_mask(batch, n, density, seed)
+    mask = make_mask(mask_kind, batch, n, pad, seed, device)
+    glob = global_mask(batch, n, density, seed).to(device)
     with torch.no_grad():
         out, attn = module(x, mask, global_attention_mask=glob, output_attentions=output_attentions)
-        expected = reference_attention(module, x, mask, global_mask=glob)
-    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+        expected = reference_attention(*cpu64(module, x, mask), global_mask=glob.cpu())
+    assert_close(out, expected, atol=TOL)
     if output_attentions:
-        assert_global_layout(attn, mask, glob, R=rank)
+        assert_global_layout(attn.cpu(), None if mask is None else mask.cpu(), glob.cpu(), R=rank)
 
 
 def test_no_global_token_is_the_plain_attention():

@@ -13,6 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 import ls_hf.long_short_attention as lsa
 from ls_hf import LongShortForCausalLM, LongShortModel
 from ls_hf.long_short_attention import LongShortSelfAttention
+from tests.devices import assert_close
 from tests.test_attention import PROPERTY, causal_configs, decode, global_mask, heads_and_dims, inputs, make, make_mask
 from tests.test_modeling import tiny_config, tokens
 
@@ -29,7 +30,7 @@ def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
     with torch.no_grad():
         expected, _ = sdpa(*args, **kwargs)
         out, _ = flex(*args, **kwargs)
-    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    assert_close(out, expected, atol=atol)
     return out
 
 
@@ -45,18 +46,19 @@ def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
     extra=st.sampled_from(["none", "cls", "global", "global_projections"]),
     seed=st.integers(0, 2**16),
 )
-def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind, pad, extra, seed):
+def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind, pad, extra, seed, device, dtype):
     """Window, projection, padding, the cls token and global tokens (with and without their own projections)."""
     if window == rank == 0:
         rank = 1
     if extra == "cls" and dims.get("qk_head_dim"):  # the cls query attends to the token outputs
         extra = "none"
-    sdpa, flex = pair(window=window, rank=rank, seed=seed, global_projections=extra == "global_projections", **dims)
+    sdpa, flex = pair(window=window, rank=rank, seed=seed, global_projections=extra == "global_projections",
+                      device=device, dtype=dtype, **dims)
     x, cls = inputs(sdpa, batch, n, seed)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra.startswith("global"):
-        kwargs["global_attention_mask"] = global_mask(batch, n, 0.2, seed)
-    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed), **kwargs)
+        kwargs["global_attention_mask"] = global_mask(batch, n, 0.2, seed).to(device)
+    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed, device), **kwargs)
 
 
 @PROPERTY
@@ -68,11 +70,11 @@ def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind
     pad=st.integers(1, 8),
     seed=st.integers(0, 2**16),
 )
-def test_causal_prefill_flex_matches_sdpa(config, n, batch, mask_kind, pad, seed):
+def test_causal_prefill_flex_matches_sdpa(config, n, batch, mask_kind, pad, seed, device, dtype):
     """Causal prefill: the window of Appendix D and the finished segments' rows of Eq. 5, with padding."""
-    sdpa, flex = pair(seed=seed, **config)
+    sdpa, flex = pair(seed=seed, device=device, dtype=dtype, **config)
     x, _ = inputs(sdpa, batch, n, seed)
-    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed))
+    same_output(sdpa, flex, x, make_mask(mask_kind, batch, n, pad, seed, device))
 
 
 @pytest.mark.parametrize("sizes", [[9, 1, 1, 5, 12], [3, 8, 2, 10]])
@@ -152,13 +154,13 @@ def test_compiled_flex_matches_sdpa(causal):
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
 
 
-def test_backward_matches_sdpa_where_supported():
+def test_backward_matches_sdpa_where_supported(device):
     """Gradients equal the SDPA path's where FlexAttention has a backward (not on CPU)."""
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         pytest.skip("FlexAttention has no backward on CPU (torch 2.14/2.15); runs on CUDA")
-    sdpa, flex = (module.cuda() for module in pair(window=3, rank=2))
+    sdpa, flex = pair(window=3, rank=2, device=device)
     x, _ = inputs(sdpa, 2, 21)
-    x = x.cuda().requires_grad_()
+    x = x.requires_grad_()
     grads = []
     for module in (sdpa, flex):
         module(x, None)[0].square().sum().backward()

@@ -40,6 +40,7 @@ from ls_hf import (
     LongShortForTokenClassification,
     LongShortModel,
 )
+from tests.devices import assert_close
 
 VOCAB = 99
 
@@ -109,11 +110,11 @@ DEFAULT_GLOBAL = {LongShortForSequenceClassification: 1, LongShortForMultipleCho
 
 
 @pytest.mark.parametrize("model_class, auto_class, output_class, overrides", HEADS, ids=lambda v: getattr(v, "__name__", ""))
-def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, output_class, overrides):
+def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, output_class, overrides, device, dtype):
     config = tiny_config(**overrides)
-    model = auto_class.from_config(config)
+    model = auto_class.from_config(config).to(device, dtype)
     assert type(model) is model_class
-    inputs = head_inputs(model_class)
+    inputs = {name: tensor.to(device) for name, tensor in head_inputs(model_class).items()}
     outputs = model(**inputs, output_hidden_states=True, output_attentions=True)
     assert type(outputs) is output_class
     B = 2 * (3 if model_class is LongShortForMultipleChoice else 1)
@@ -124,13 +125,14 @@ def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, outpu
     S = 2 * 4
     K = DEFAULT_GLOBAL.get(model_class, 0)
     assert [a.shape for a in outputs.attentions] == [(B, 4, 19, K + R + S + K)] * 2
-    torch.testing.assert_close(outputs.attentions[0][:, :, K:, : K + R + S].sum(-1), torch.ones(B, 4, 19 - K))
+    sums = outputs.attentions[0][:, :, K:, : K + R + S].sum(-1)
+    assert_close(sums, torch.ones(B, 4, 19 - K, dtype=torch.float64), atol=1e-6)
     if model_class is not LongShortModel:
         assert outputs.loss is not None and outputs.loss.ndim == 0 and torch.isfinite(outputs.loss)
         outputs.loss.backward()
         as_tuple = model(**inputs, return_dict=False)
         assert isinstance(as_tuple, tuple)
-        torch.testing.assert_close(as_tuple[0], outputs.loss)
+        assert_close(as_tuple[0], outputs.loss, atol=1e-12, dtype=dtype)  # explicit softmax above, SDPA here
 
 
 def test_masked_lm_refuses_causal_config_and_causal_lm_refuses_bidirectional():
@@ -351,20 +353,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(overrides):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
-def test_right_padding_does_not_change_real_positions(overrides):
-    model = LongShortModel(tiny_config(**overrides)).eval()
+def test_right_padding_does_not_change_real_positions(overrides, device, dtype):
+    model = LongShortModel(tiny_config(**overrides)).to(device, dtype).eval()
     ids = tokens(1, 13)
     padded = torch.cat([ids, torch.full((1, 10), 1)], 1)
     mask = torch.cat([torch.ones(1, 13), torch.zeros(1, 10)], 1).long()
     with torch.no_grad():
-        alone = model(ids).last_hidden_state
-        batch = model(torch.cat([padded, tokens(1, 23, seed=1)]), attention_mask=torch.cat([mask, torch.ones_like(mask)]))
-    torch.testing.assert_close(batch.last_hidden_state[:1, :13], alone)
+        alone = model(ids.to(device)).last_hidden_state
+        batch = model(torch.cat([padded, tokens(1, 23, seed=1)]).to(device),
+                      attention_mask=torch.cat([mask, torch.ones_like(mask)]).to(device))
+    assert_close(batch.last_hidden_state[:1, :13], alone, atol=1e-12)
 
 
-def test_no_future_leakage_through_the_causal_model():
-    model = LongShortForCausalLM(tiny_config(is_decoder=True)).double().eval()  # float64: leaks far above rounding
-    ids = tokens(1, 29)
+def test_no_future_leakage_through_the_causal_model(device):
+    model = LongShortForCausalLM(tiny_config(is_decoder=True)).to(device, torch.float64).eval()  # leaks >> rounding
+    ids = tokens(1, 29).to(device)
     with torch.no_grad():
         base = model(ids).logits
         for t in (3, 8, 17, 28):
@@ -480,9 +483,9 @@ def test_trainer_style_loss_with_num_items_in_batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_forward_and_backward(dtype):
-    model = LongShortForMaskedLM(tiny_config()).eval()
-    ids = tokens()
+def test_half_precision_forward_and_backward(dtype, device):
+    model = LongShortForMaskedLM(tiny_config()).to(device).eval()
+    ids = tokens().to(device)
     with torch.no_grad():
         reference = model(ids).logits
     model.to(dtype)

@@ -15,6 +15,7 @@ from torch import nn
 from ls_timm.conv_layers import ConvBn, StdConv2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d, window_layout
 from ls_timm.vil_ls import VilLs, checkpoint_filter_fn
+from tests.devices import assert_close, cpu64
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"  # produced by the official code (fixtures/README.md)
 
@@ -133,13 +134,14 @@ CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
 
 @pytest.mark.parametrize("strips", [False, True], ids=["blocked", "strips"])
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
-def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, strips):
+def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, strips, device, dtype):
     m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
     _randomise(m)
     m.strip_max_tokens = 10**9 if strips else 0
-    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    m, x = m.to(device, dtype), x.to(device, dtype)
     with torch.no_grad():
-        torch.testing.assert_close(m(x, (H, W)), reference_attention(m, x, (H, W)), atol=2e-5, rtol=1e-4)
+        assert_close(m(x, (H, W)), reference_attention(*cpu64(m, x), (H, W)), atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("w,side,strips", [(2, 14, True), (3, 24, True), (4, 28, False), (2, 15, True),
@@ -151,15 +153,15 @@ def test_layout_choice(w, side, strips):
 
 
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES)
-def test_layouts_give_the_same_gradients(H, W, dim, heads, w, r, g, kwargs):
+def test_layouts_give_the_same_gradients(H, W, dim, heads, w, r, g, kwargs, device):
     """Strips (keys and values as one overlapping strided view) and blocks (gathered keys and values): the same
     gradients for the input and every parameter. In float64: some true gradients are 0 (a dynamic-projection bias,
     constant over the positions, cancels in Eq. 3's softmax over them) while others reach ~1e3, so float32 rounding
     noise would exceed any absolute tolerance that still tests the small ones."""
     m = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs).eval()
     _randomise(m)
-    m.double()
-    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    m.to(device, torch.float64)
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
     grads = []
     for strip_max_tokens in (0, 10**9):
         m.strip_max_tokens = strip_max_tokens
@@ -348,7 +350,7 @@ def test_vil_ls_reproduces_official_fixture(name):
 
 @pytest.mark.parametrize("strips", [True, False])
 @pytest.mark.parametrize("w, r, n", [(1, 0, 7), (2, 2, 9), (3, 1, 12), (4, 3, 13)])
-def test_one_row_map_is_the_1d_attention(w, r, n, strips):
+def test_one_row_map_is_the_1d_attention(w, r, n, strips, device):
     """The 2-D attention on a 1 x n map is the 1-D attention (``ls_hf``) with the same weights, in float64: one
     window rule (``window_extent``) and one projection (``project_rows``) serve both."""
     from ls_hf.long_short_attention import LongShortSelfAttention
@@ -370,5 +372,6 @@ def test_one_row_map_is_the_1d_attention(w, r, n, strips):
                       "dynamic_projection.bias": two_d.dynamic_proj.bias}
         one_d.load_state_dict(state)
         two_d.strip_max_tokens = 10**6 if strips else 0
-        x = torch.randn(2, n, 12, dtype=torch.float64)
+        two_d, one_d = two_d.to(device), one_d.to(device)
+        x = torch.randn(2, n, 12, dtype=torch.float64, device=device)
         torch.testing.assert_close(two_d(x, (1, n)), one_d(x)[0], atol=1e-12, rtol=0)

@@ -72,10 +72,11 @@ def test_pretrained_cfg(name):
 
 
 @pytest.mark.parametrize("name", CVT + VIL)
-def test_forward_backward_and_grad_checkpointing(name):
+def test_forward_backward_and_grad_checkpointing(name, device):
     torch.manual_seed(0)
     model, size = _reduced(name, num_classes=7)
-    x = torch.randn(2, 3, size, size)
+    model.to(device)
+    x = torch.randn(2, 3, size, size, device=device)
     model.train()
     out = model(x)
     assert out.shape == (2, 7) and torch.isfinite(out).all()
@@ -107,11 +108,11 @@ def test_forward_backward_and_grad_checkpointing(name):
 
 
 @pytest.mark.parametrize("name", CVT + VIL)
-def test_features_and_intermediates(name):
+def test_features_and_intermediates(name, device, dtype):
     torch.manual_seed(0)
     model, size = _reduced(name)
-    model.eval()
-    x = torch.randn(1, 3, size, size)
+    model.to(device, dtype).eval()
+    x = torch.randn(1, 3, size, size).to(device, dtype)
     with torch.no_grad():
         final, inter = model.forward_intermediates(x)
         torch.testing.assert_close(final, model.forward_features(x))
@@ -124,7 +125,7 @@ def test_features_and_intermediates(name):
     torch.manual_seed(0)  # the same initial weights
     features, _ = _reduced(name, features_only=True)
     with torch.no_grad():
-        maps = features.eval()(x)
+        maps = features.to(device, dtype).eval()(x)
     assert [m.shape[1] for m in maps] == features.feature_info.channels()
     assert [-(-size // r) for r in features.feature_info.reduction()] == [m.shape[-1] for m in maps]
     for got, want in zip(maps, inter):
@@ -163,14 +164,14 @@ def test_classifier_reset_and_pooling(name):
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
-def test_pooled_features_values(name):
+def test_pooled_features_values(name, device, dtype):
     """What the head pools: CvT-LS 'token' takes the cls token, its 'avg' the mean of the patch tokens only (the
     normed last map of forward_intermediates); ViL-LS 'avg' the mean over its map. The same through reset_classifier
     and create_model(global_pool=...), and the logits are the head on the pooled features."""
     torch.manual_seed(0)
     model, size = _reduced(name, num_classes=0)
-    model.eval()
-    x = torch.randn(2, 3, size, size)
+    model.to(device, dtype).eval()
+    x = torch.randn(2, 3, size, size).to(device, dtype)
     with torch.no_grad():
         features = model.forward_features(x)
         patches = model.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)[0]  # (B, C, H, W)
@@ -186,6 +187,7 @@ def test_pooled_features_values(name):
             torch.testing.assert_close(model.forward_head(features, pre_logits=True), pooled, msg=pool)
             torch.testing.assert_close(model(x), pooled, msg=pool)
             classifier, _ = _reduced(name, num_classes=3, global_pool=pool)
+            classifier.to(device, dtype)
             missing, _ = classifier.load_state_dict(model.state_dict(), strict=False)  # the same backbone
             assert sorted(missing) == ["head.bias", "head.weight"]
             torch.testing.assert_close(classifier.eval()(x), classifier.head(pooled), msg=pool)

@@ -1,0 +1,31 @@
+"""The device and dtype the attention, model and timm tests run in: ``LS_TEST_DEVICE`` (``cpu``, the default, or
+``cuda``) and ``LS_TEST_DTYPE`` (``float64``, the default, ``float32`` or ``bfloat16``), e.g.
+
+    LS_TEST_DEVICE=cuda LS_TEST_DTYPE=bfloat16 python -m pytest tests/test_attention.py
+
+Tests that compare against a reference take ``device`` and ``dtype`` and check with ``tests.devices.assert_close``
+(tolerances suited to the dtype); ``bash run.sh gpu-check`` runs them on CUDA in float32 and bfloat16.
+"""
+
+import pytest
+
+from tests.devices import test_device, test_dtype
+
+
+def pytest_configure(config):
+    try:
+        test_device(), test_dtype()
+    except (ValueError, RuntimeError) as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+@pytest.fixture(scope="session")  # session scope: hypothesis's @given tests may take it
+def device():
+    """The torch.device of ``LS_TEST_DEVICE``."""
+    return test_device()
+
+
+@pytest.fixture(scope="session")
+def dtype():
+    """The floating dtype of ``LS_TEST_DTYPE``: the precision modules and inputs are built in."""
+    return test_dtype()

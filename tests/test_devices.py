@@ -1,0 +1,50 @@
+"""The test device/dtype settings (tests/devices.py) and ``bash run.sh gpu-check`` on a machine without a GPU."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.devices import assert_close, test_device, test_dtype
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_without_a_gpu_says_so_and_succeeds():
+    if shutil.which("nvidia-smi") or torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bash run.sh gpu-check runs the CUDA tests and benchmarks here")
+    env = {**os.environ, "VENV": "/nonexistent"}  # the check comes before any environment is made
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check"], capture_output=True, text=True, env=env,
+                          check=False, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "no GPU found" in done.stdout
+    assert not Path("/nonexistent").exists()
+
+
+def test_settings_come_from_the_environment(monkeypatch, device, dtype):
+    assert (device, dtype) == (test_device(), test_dtype())
+    monkeypatch.setenv("LS_TEST_DEVICE", "cpu")
+    monkeypatch.setenv("LS_TEST_DTYPE", "bfloat16")
+    assert (test_device(), test_dtype()) == (torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv("LS_TEST_DTYPE", "half")
+    with pytest.raises(ValueError, match="LS_TEST_DTYPE must be one of"):
+        test_dtype()
+    monkeypatch.setenv("LS_TEST_DEVICE", "mps")
+    with pytest.raises(ValueError, match="LS_TEST_DEVICE must be cpu or cuda"):
+        test_device()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("LS_TEST_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            test_device()
+
+
+def test_tolerance_follows_the_dtype():
+    """float64 as given; bfloat16 relative to the reference's largest magnitude (8-bit mantissa)."""
+    expected = torch.tensor([100.0, 0.0], dtype=torch.float64)
+    assert_close(expected + 1e-12, expected, atol=1e-10)
+    assert_close((expected + torch.tensor([0.5, 1.0])).bfloat16(), expected, atol=0.0)
+    with pytest.raises(AssertionError):
+        assert_close((expected + 7.0).bfloat16(), expected, atol=0.0)
