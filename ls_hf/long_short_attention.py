@@ -16,7 +16,9 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
-CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)).
+CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). On CPU the
+tiles are built one chunk of groups at a time and again in the backward pass (``_TiledAttention``), so that training
+keeps the keys and values once, not (2w + r) / w times.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -41,7 +43,8 @@ try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.
 except ImportError:
     create_block_mask = flex_attention = None
 
-# The implementations of the joint softmax: Transformers' names ("eager" and "sdpa" run the same SDPA code).
+# The implementations of the joint softmax, Transformers' names: "sdpa" and "eager" both run the fused SDPA kernel,
+# "sdpa" with the window tiles built chunk by chunk on CPU (``_TiledAttention``), "eager" keeping them all.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
@@ -347,7 +350,9 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
-        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
+        attn_implementation: ``"sdpa"``: grouped ``scaled_dot_product_attention``, the tiles built one chunk of
+            groups at a time and again in the backward pass on CPU (``_TiledAttention``); ``"eager"``: the same
+            attention with every tile gathered at once and kept by autograd (the reference path);
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
             dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
             the global tokens' own rows and the cls token's output (dense over the n tokens, no window to mask).
