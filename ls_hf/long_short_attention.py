@@ -16,9 +16,9 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
-CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). On CPU the
-tiles are built one chunk of groups at a time and again in the backward pass (``_TiledAttention``), so that training
-keeps the keys and values once, not (2w + r) / w times.
+CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). In training on
+CPU the tiles are built one chunk of groups at a time and again in the backward pass (``_TiledAttention``), so that
+autograd keeps the keys and values once, not (2w + r) / w times.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -433,12 +433,14 @@ class LongShortSelfAttention(nn.Module):
         name = f"dual_ln_{which}_key" if is_key and hasattr(self, f"dual_ln_{which}_key") else f"dual_ln_{which}"
         return getattr(self, name)(x.flatten(2)).view_as(x)
 
-    def _tiled(self, q: Tensor, v: Tensor, need_weights: bool) -> bool:
+    def _tiled(self, q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> bool:
         """Whether the window tiles go through ``_TiledAttention`` (built chunk by chunk, again in the backward pass):
-        ``"sdpa"`` on CPU with one head dim for queries and values, without attention maps or active attention dropout.
-        Otherwise (and always with ``"eager"``) every tile is gathered at once and autograd keeps them."""
+        ``"sdpa"`` on CPU when gradients are taken, with one head dim for queries and values, without attention maps
+        or active attention dropout. Otherwise (and always with ``"eager"``) every tile is gathered at once, in one
+        kernel call (and autograd keeps them)."""
         return (self.attn_implementation == "sdpa" and _FUSED_CPU is not None and q.device.type == "cpu"
-                and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout))
+                and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout)
+                and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
 
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
@@ -736,7 +738,7 @@ class LongShortSelfAttention(nn.Module):
             return tiles.transpose(2, 3).flatten(0, 1)
 
         q = _pad_seq(q, skip, groups * Q - skip - m)
-        if self._tiled(q, v, need_weights):
+        if self._tiled(q, k, v, need_weights):
             context, prob = _TiledAttention.apply(q, k, v, rows[0], rows[1], index, keep)[:, skip : skip + m], None
         else:  # every group's keys and values gathered in one copy, (B, G, R + S, H, d), which autograd keeps
             keys, values = (_gather(part, x, index) for part, x in zip(rows, (k, v)))
