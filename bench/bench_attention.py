@@ -3,6 +3,8 @@
 One attention module each (query/key/value/output projections included; hidden 768, 12 heads, batch 1):
 
 * ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512);
+* ``long-short-eager``: the same with ``attn_implementation="eager"``: every window tile gathered at once and kept by
+  autograd (the reference path), where ``long-short`` builds them chunk by chunk, again in the backward pass;
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
@@ -53,7 +55,7 @@ from ls_hf.long_short_attention import LongShortSelfAttention, create_block_mask
 
 HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW
-PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window")
+PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-eager")
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
@@ -107,9 +109,9 @@ class LongformerAttention(nn.Module):
 class LongShortAttention(nn.Module):
     """``LongShortSelfAttention`` returning only its output."""
 
-    def __init__(self, hidden: int, heads: int, window: int, rank: int):
+    def __init__(self, hidden: int, heads: int, window: int, rank: int, attn_implementation: str = "sdpa"):
         super().__init__()
-        self.attn = LongShortSelfAttention(hidden, heads, window, rank)
+        self.attn = LongShortSelfAttention(hidden, heads, window, rank, attn_implementation=attn_implementation)
 
     def forward(self, x):
         return self.attn(x)[0]
@@ -134,8 +136,8 @@ class FlexWindowAttention(DenseAttention):
 
 
 def build_peer(peer: str) -> nn.Module:
-    if peer == "long-short":
-        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK)
+    if peer in ("long-short", "long-short-eager"):
+        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK, "eager" if peer == "long-short-eager" else "sdpa")
     if peer in ("sdpa", "eager"):
         return DenseAttention(HIDDEN, HEADS, eager=peer == "eager")
     if peer == "longformer":
@@ -287,10 +289,11 @@ def main(argv=None) -> None:
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
     parser.add_argument("--peers", nargs="+", default=None, choices=PEERS,
-                        help="default: all (flex-window on CUDA only: no FlexAttention backward on CPU)")
+                        help="default: the first four, and flex-window on CUDA (no FlexAttention backward on CPU); "
+                             "long-short-eager is the Long-Short path that keeps every window tile")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)")
     args = parser.parse_args(argv)
-    args.peers = args.peers or [peer for peer in PEERS if args.device == "cuda" or peer != "flex-window"]
+    args.peers = args.peers or [*PEERS[:4], *(["flex-window"] if args.device == "cuda" else [])]
     if args.quick:
         args.max_n = min(args.max_n, 2048)
     args.repeats = args.repeats or (1 if args.quick else 3)

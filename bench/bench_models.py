@@ -88,11 +88,11 @@ def build_mlm(peer: str, n: int, layers: int, vocab: int):
               "type_vocab_size": 1, "layer_norm_eps": 1e-5, "attention_probs_dropout_prob": 0.0}
     if peer == "long-short":
         return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK))
-    if peer == "roberta-sdpa":
-        return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation="sdpa"))
+    if peer in ("roberta-sdpa", "roberta-eager"):  # eager: the n x n scores materialised
+        return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation=peer.removeprefix("roberta-")))
     if peer == "longformer":
         return LongformerForMaskedLM(LongformerConfig(**common, attention_window=LONGFORMER_WINDOW))
-    raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+    raise ValueError(f"peer must be one of {PEERS + ('roberta-eager',)}, got {peer!r}")
 
 
 def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False) -> float:

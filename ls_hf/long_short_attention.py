@@ -16,7 +16,9 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
-CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)).
+CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). In training on
+CPU the tiles are built one chunk of groups at a time and again in the backward pass (``_TiledAttention``), so that
+autograd keeps the keys and values once, not (2w + r) / w times.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -41,7 +43,8 @@ try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.
 except ImportError:
     create_block_mask = flex_attention = None
 
-# The implementations of the joint softmax: Transformers' names ("eager" and "sdpa" run the same SDPA code).
+# The implementations of the joint softmax, Transformers' names: "sdpa" and "eager" both run the fused SDPA kernel,
+# "sdpa" with the window tiles built chunk by chunk on CPU (``_TiledAttention``), "eager" keeping them all.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
@@ -256,12 +259,91 @@ def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
     """For each of G groups, the R ``rows`` then the entries of ``x`` (B, L, ...) at ``index`` (G, S), where index L
-    stands for a zero entry: (B, G * (R + S), ...)."""
-    R = rows.shape[1] if rows is not None else 0
-    zero = x.new_zeros(x.shape[0], 1, *x.shape[2:])
-    src = torch.cat(([rows] if rows is not None else []) + [x, zero], 1)
-    rows_index = torch.arange(R, device=x.device).expand(index.shape[0], R)
-    return src.index_select(1, torch.cat([rows_index, index + R], 1).flatten())
+    stands for a zero entry: (B, G, R + S, ...)."""
+    B, L = x.shape[:2]
+    G, S = index.shape
+    window = x.index_select(1, index.clamp(max=max(L - 1, 0)).flatten()).view(B, G, S, *x.shape[2:])
+    outside = index == L
+    if outside.any():
+        window = window.masked_fill(outside.view(1, G, S, *(1,) * (x.dim() - 2)), 0)
+    if rows is None:
+        return window
+    return torch.cat([rows[:, None].expand(B, G, *rows.shape[1:]), window], 2)
+
+
+# The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
+# is kept for the backward pass (the public function returns only the output). It needs one head dim for q, k and v.
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# The gathered keys and values of one chunk of groups in ``_TiledAttention`` (one group of 256 queries at hidden 768,
+# w = 256, r = 64): larger chunks trade memory for fewer, larger kernel calls.
+TILE_CHUNK_BYTES = 4 * 2**20
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Each group of Q queries attends to its tile, [the R extra rows; its window keys], one chunk of groups at a
+    time, saving only the inputs, the output and the log-sum-exp: the backward pass gathers each chunk's tiles again
+    (a copy) instead of keeping every tile, which would hold (R + S) / Q copies of the keys and values. On the fused
+    CPU kernel (``_FUSED_CPU``), whose backward takes the saved output and log-sum-exp.
+
+    q (B, G*Q, H, d_qk); k, v (B, L, H, d) window keys; rows_k, rows_v (B, R, H, d) or None; index (G, S) into k,
+    with L standing for a zero key; keep (B, G, Q|1, R + S) -> (B, G*Q, H, d_v), in q's dtype.
+    """
+
+    @staticmethod
+    def _chunks(step, q, k, v, rows_k, rows_v, index, bias):
+        """(groups, q, k, v, bias) per chunk of ``step`` groups, heads first: (B*g, H, Q, d), (B*g, H, R + S, d) twice
+        and (B*g, 1, Q|1, R + S)."""
+        G = index.shape[0]
+        for start in range(0, G, step):
+            groups = slice(start, min(start + step, G))
+            tiles = (_gather(rows, x, index[groups]).to(q.dtype).flatten(0, 1).transpose(1, 2)
+                     for rows, x in ((rows_k, k), (rows_v, v)))
+            yield (groups, q.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2), *tiles,
+                   bias[:, groups].flatten(0, 1).unsqueeze(1))
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows_k, rows_v, index, keep):
+        B, _, H, _ = q.shape
+        G = index.shape[0]
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+        out = q.new_empty(B, q.shape[1], H, v.shape[-1])
+        lse = []
+        tile_bytes = B * bias.shape[-1] * H * (k.shape[-1] + v.shape[-1]) * q.element_size()
+        ctx.step = max(1, TILE_CHUNK_BYTES // max(tile_bytes, 1))  # the backward pass takes the same chunks
+        for groups, *chunk in _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias):
+            o, chunk_lse = _FUSED_CPU(*chunk[:3], attn_mask=chunk[3])
+            out.unflatten(1, (G, -1))[:, groups] = o.unflatten(0, (B, -1)).transpose(2, 3)
+            lse.append(chunk_lse)
+        ctx.save_for_backward(q, k, v, rows_k, rows_v, index, bias, out, *lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, rows_k, rows_v, index, bias, out, *lse = ctx.saved_tensors
+        B, L = k.shape[:2]
+        G = index.shape[0]
+        R = 0 if rows_k is None else rows_k.shape[1]
+        grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        grad_rows = [None if rows is None else torch.zeros_like(rows) for rows in (rows_k, rows_v)]
+
+        def heads_first(x, groups):  # (B, G*Q, H, d) -> the chunk's (B*g, H, Q, d), contiguous as the kernel made it
+            return x.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2).contiguous()
+
+        chunks = _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias)
+        for (groups, *chunk), chunk_lse in zip(chunks, lse):
+            grads = _FUSED_CPU_BACKWARD(heads_first(grad_out, groups), *chunk[:3], heads_first(out, groups), chunk_lse,
+                                        0.0, False, attn_mask=chunk[3])
+            grad_q.unflatten(1, (G, -1))[:, groups] = grads[0].unflatten(0, (B, -1)).transpose(2, 3)
+            read = index[groups].clamp(max=max(L - 1, 0)).flatten()  # as ``_gather``: a zero key's gradient is 0
+            for grad, tile_grad, rows_grad in zip((grad_k, grad_v), grads[1:], grad_rows):
+                tile_grad = tile_grad.unflatten(0, (B, -1)).transpose(2, 3)  # (B, g, R + S, H, d)
+                if rows_grad is not None:
+                    rows_grad += tile_grad[:, :, :R].sum(1)
+                grad.index_add_(1, read, tile_grad[:, :, R:].flatten(1, 2).to(grad.dtype))
+        return grad_q, grad_k, grad_v, *grad_rows, None, None
 
 
 class LongShortSelfAttention(nn.Module):
@@ -281,7 +363,9 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
-        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
+        attn_implementation: ``"sdpa"``: grouped ``scaled_dot_product_attention``, the tiles built one chunk of
+            groups at a time and again in the backward pass on CPU (``_TiledAttention``); ``"eager"``: the same
+            attention with every tile gathered at once and kept by autograd (the reference path);
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
             dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
             the global tokens' own rows and the cls token's output (dense over the n tokens, no window to mask).
@@ -355,6 +439,15 @@ class LongShortSelfAttention(nn.Module):
             return x
         name = f"dual_ln_{which}_key" if is_key and hasattr(self, f"dual_ln_{which}_key") else f"dual_ln_{which}"
         return getattr(self, name)(x.flatten(2)).view_as(x)
+
+    def _tiled(self, q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> bool:
+        """Whether the window tiles go through ``_TiledAttention`` (built chunk by chunk, again in the backward pass):
+        ``"sdpa"`` on CPU when gradients are taken, with one head dim for queries and values, without attention maps
+        or active attention dropout. Otherwise (and always with ``"eager"``) every tile is gathered at once, in one
+        kernel call (and autograd keeps them)."""
+        return (self.attn_implementation == "sdpa" and _FUSED_CPU is not None and q.device.type == "cpu"
+                and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout)
+                and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
 
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
@@ -630,11 +723,9 @@ class LongShortSelfAttention(nn.Module):
         Q = q_pos.shape[1]
         k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
 
-        # Keys and values of every group, extra keys first, each gathered in one copy: (B, G * (R + S), H, d).
         rows = (extra.keys, extra.values, extra.valid) if R else (None, None, None)
-        keys, values, key_valid = (_gather(part, x, index) for part, x in zip(rows, (k, v, k_valid)))
-        S = R + index.shape[1]
-        keep = key_valid.view(B, groups, 1, S)
+        keep = _gather(rows[2], k_valid, index).view(B, groups, 1, -1)  # the keys that exist, extra keys first
+        S = keep.shape[-1]
         if L:  # window rule (per query when causal; the tile already bounds a bidirectional window)
             rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
             keep = keep & torch.cat([rule.new_ones(rule.shape[:-1] + (R,)), rule], -1)
@@ -654,15 +745,19 @@ class LongShortSelfAttention(nn.Module):
             return tiles.transpose(2, 3).flatten(0, 1)
 
         q = _pad_seq(q, skip, groups * Q - skip - m)
-        out, prob = self._attend(
-            q.view(B * groups, Q, H, -1).transpose(1, 2),
-            keys.view(B * groups, S, H, -1).transpose(1, 2),
-            values.view(B * groups, S, H, -1).transpose(1, 2),
-            keep.view(B * groups, 1, keep.shape[2], S),
-            need_weights,
-            layout=(to_maps, from_maps),
-        )
-        context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
+        if self._tiled(q, k, v, need_weights):
+            context, prob = _TiledAttention.apply(q, k, v, rows[0], rows[1], index, keep)[:, skip : skip + m], None
+        else:  # every group's keys and values gathered in one copy, (B, G, R + S, H, d), which autograd keeps
+            keys, values = (_gather(part, x, index) for part, x in zip(rows, (k, v)))
+            out, prob = self._attend(
+                q.view(B * groups, Q, H, -1).transpose(1, 2),
+                keys.view(B * groups, S, H, -1).transpose(1, 2),
+                values.view(B * groups, S, H, -1).transpose(1, 2),
+                keep.view(B * groups, 1, keep.shape[2], S),
+                need_weights,
+                layout=(to_maps, from_maps),
+            )
+            context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
         if q_valid is not None:
             context = context * q_valid[:, :, None, None].to(context.dtype)
         return context, prob

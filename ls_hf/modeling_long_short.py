@@ -321,7 +321,8 @@ class LongShortPreTrainedModel(PreTrainedModel):
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
     # "sdpa" (Transformers' default) and "eager" both run the attention on F.scaled_dot_product_attention (an explicit
-    # softmax only when attention weights are asked for); "flex_attention" runs it on FlexAttention with a block mask
+    # softmax only when attention weights are asked for); "sdpa" builds the window tiles chunk by chunk on CPU, again
+    # in the backward pass, "eager" keeps them all (the reference path); "flex_attention" runs it on FlexAttention with a block mask
     # (forward only on CPU; weights and cached decoding steps take the SDPA path). The choice is read when the layers
     # are built. output_attentions=True works in a call under any; Transformers allows config.output_attentions only
     # with eager.

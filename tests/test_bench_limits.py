@@ -1,0 +1,27 @@
+"""The search of ``bench/bench_limits.py`` (doubling, then bisection to 1/8), on predicates with a known limit."""
+
+import pytest
+
+from bench.bench_limits import GRANULE, search
+
+
+@pytest.mark.parametrize("limit, start", [(13000, 4096), (4096, 4096), (40960, 4096), (1500, 4096), (700, 2048)])
+def test_search_brackets_the_limit_within_an_eighth(limit, start):
+    asked = []
+
+    def passes(n):
+        asked.append(n)
+        return n <= limit
+
+    low, high = search(passes, start)
+    assert low <= limit < high
+    assert high - low <= max(low / 8, GRANULE)
+    assert all(n % GRANULE == 0 for n in asked) and len(asked) == len(set(asked))
+
+
+def test_search_stops_at_an_unknown_run():
+    assert search(lambda n: True if n < 16384 else None, 4096) == (8192, None)
+
+
+def test_search_reports_a_start_below_the_smallest_step():
+    assert search(lambda n: False, 1024) == (None, GRANULE)
