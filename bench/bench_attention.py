@@ -55,7 +55,7 @@ from ls_hf.long_short_attention import LongShortSelfAttention, create_block_mask
 
 HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW
-PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-eager")
+PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-recompute")
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
@@ -109,9 +109,9 @@ class LongformerAttention(nn.Module):
 class LongShortAttention(nn.Module):
     """``LongShortSelfAttention`` returning only its output."""
 
-    def __init__(self, hidden: int, heads: int, window: int, rank: int, attn_implementation: str = "sdpa"):
+    def __init__(self, hidden: int, heads: int, window: int, rank: int, recompute_window_tiles: bool = False):
         super().__init__()
-        self.attn = LongShortSelfAttention(hidden, heads, window, rank, attn_implementation=attn_implementation)
+        self.attn = LongShortSelfAttention(hidden, heads, window, rank, recompute_window_tiles=recompute_window_tiles)
 
     def forward(self, x):
         return self.attn(x)[0]
@@ -136,8 +136,8 @@ class FlexWindowAttention(DenseAttention):
 
 
 def build_peer(peer: str) -> nn.Module:
-    if peer in ("long-short", "long-short-eager"):
-        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK, "eager" if peer == "long-short-eager" else "sdpa")
+    if peer in ("long-short", "long-short-recompute"):
+        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK, recompute_window_tiles=peer == "long-short-recompute")
     if peer in ("sdpa", "eager"):
         return DenseAttention(HIDDEN, HEADS, eager=peer == "eager")
     if peer == "longformer":
@@ -290,7 +290,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
     parser.add_argument("--peers", nargs="+", default=None, choices=PEERS,
                         help="default: the first four, and flex-window on CUDA (no FlexAttention backward on CPU); "
-                             "long-short-eager is the Long-Short path that keeps every window tile")
+                             "long-short-recompute is Long-Short with recompute_window_tiles=True")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)")
     args = parser.parse_args(argv)
     args.peers = args.peers or [*PEERS[:4], *(["flex-window"] if args.device == "cuda" else [])]

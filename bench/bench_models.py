@@ -82,12 +82,14 @@ TRAIN_TARGETS = (
 DECODE_TARGET = 1.5  # cached per-token time at the longest context / at the shortest
 
 
-def build_mlm(peer: str, n: int, layers: int, vocab: int):
-    """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows)."""
+def build_mlm(peer: str, n: int, layers: int, vocab: int, recompute_window_tiles: bool = False):
+    """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows);
+    ``recompute_window_tiles`` for Long-Short (``LongShortConfig``)."""
     common = {**BASE, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
               "type_vocab_size": 1, "layer_norm_eps": 1e-5, "attention_probs_dropout_prob": 0.0}
     if peer == "long-short":
-        return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK))
+        return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK,
+                                                    recompute_window_tiles=recompute_window_tiles))
     if peer in ("roberta-sdpa", "roberta-eager"):  # eager: the n x n scores materialised
         return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation=peer.removeprefix("roberta-")))
     if peer == "longformer":

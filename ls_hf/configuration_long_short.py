@@ -36,6 +36,9 @@ class LongShortConfig(PreTrainedConfig):
         global_projections (`bool`, defaults to False): separate query/key/value projections for the global tokens'
             own attention (``global_attention_mask``), as Longformer's ``query_global``/``key_global``/
             ``value_global``; a Longformer conversion sets it. Bidirectional models only.
+        recompute_window_tiles (`bool`, defaults to False): in training on CPU, build the window tiles chunk by chunk
+            and again in the backward pass instead of keeping them (less memory; slower with several threads on a
+            busy CPU; see ``bench/RESULTS.md``).
         sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
             before the first one (the question) global, as Longformer does.
 
@@ -70,6 +73,7 @@ class LongShortConfig(PreTrainedConfig):
     use_dual_ln: bool = True
     qk_head_dim: int | None = None
     global_projections: bool = False
+    recompute_window_tiles: bool = False
     sep_token_id: int | None = 2
 
     def __post_init__(self, **kwargs):
@@ -104,6 +108,7 @@ class LongShortConfig(PreTrainedConfig):
             "attention_dropout": self.attention_probs_dropout_prob,
             "layer_norm_eps": self.layer_norm_eps,
             "global_projections": self.global_projections,
+            "recompute_window_tiles": self.recompute_window_tiles,
             "attn_implementation": self._attn_implementation or "sdpa",
         }
 

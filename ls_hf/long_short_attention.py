@@ -16,9 +16,9 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
 
 The fast path groups queries by window segment and hands each group, with its window keys and the
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
-CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). In training on
-CPU the tiles are built one chunk of groups at a time and again in the backward pass (``_TiledAttention``), so that
-autograd keeps the keys and values once, not (2w + r) / w times.
+CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). With
+``recompute_window_tiles=True``, training on CPU builds the tiles one chunk of groups at a time and again in the
+backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -43,8 +43,7 @@ try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.
 except ImportError:
     create_block_mask = flex_attention = None
 
-# The implementations of the joint softmax, Transformers' names: "sdpa" and "eager" both run the fused SDPA kernel,
-# "sdpa" with the window tiles built chunk by chunk on CPU (``_TiledAttention``), "eager" keeping them all.
+# The implementations of the joint softmax: Transformers' names ("eager" and "sdpa" run the same SDPA code).
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
@@ -363,9 +362,10 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
-        attn_implementation: ``"sdpa"``: grouped ``scaled_dot_product_attention``, the tiles built one chunk of
-            groups at a time and again in the backward pass on CPU (``_TiledAttention``); ``"eager"``: the same
-            attention with every tile gathered at once and kept by autograd (the reference path);
+        recompute_window_tiles: in training on CPU, build the window tiles one chunk of groups at a time and again in
+            the backward pass (``_TiledAttention``) instead of keeping them: less memory (``bench/RESULTS.md``), as
+            fast on one thread, slower with several threads on a busy CPU. Off by default.
+        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
             dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
             the global tokens' own rows and the cls token's output (dense over the n tokens, no window to mask).
@@ -387,10 +387,12 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: float = 1e-5,
         global_projections: bool = False,
         attn_implementation: str = "sdpa",
+        recompute_window_tiles: bool = False,
     ):
         super().__init__()
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
+        self.recompute_window_tiles = recompute_window_tiles
         validate_long_short_args(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -442,11 +444,11 @@ class LongShortSelfAttention(nn.Module):
 
     def _tiled(self, q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> bool:
         """Whether the window tiles go through ``_TiledAttention`` (built chunk by chunk, again in the backward pass):
-        ``"sdpa"`` on CPU when gradients are taken, with one head dim for queries and values, without attention maps
-        or active attention dropout. Otherwise (and always with ``"eager"``) every tile is gathered at once, in one
-        kernel call (and autograd keeps them)."""
-        return (self.attn_implementation == "sdpa" and _FUSED_CPU is not None and q.device.type == "cpu"
-                and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout)
+        with ``recompute_window_tiles`` on CPU when gradients are taken, with one head dim for queries and values,
+        without attention maps or active attention dropout. Otherwise every tile is gathered at once, in one kernel
+        call (and autograd keeps them)."""
+        return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
+                and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout)
                 and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
 
     def _split(self, x: Tensor) -> Tensor:

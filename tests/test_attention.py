@@ -411,19 +411,19 @@ def _graph_names(tensor):
 
 
 def assert_tiled_matches_eager(module, x, cls=None, **kwargs):
-    """The tiled path (``"sdpa"``: tiles built chunk by chunk, one group per chunk here, and again in the backward
-    pass) against ``"eager"`` (every tile gathered at once, plain autograd): outputs and the gradients of the input,
-    the cls token and every parameter agree in float64 to rounding."""
+    """The tiled path (``recompute_window_tiles``: tiles built chunk by chunk, one group per chunk here, and again in
+    the backward pass) against the default (every tile gathered at once, plain autograd): outputs and the gradients of
+    the input, the cls token and every parameter agree in float64 to rounding."""
     weights = None
     results = []
-    for implementation in ("sdpa", "eager"):
-        module.attn_implementation = implementation
+    for recompute in (True, False):
+        module.recompute_window_tiles = recompute
         module.zero_grad()
         inputs = [t.clone().requires_grad_() for t in (x, cls) if t is not None]
         with patch.object(long_short_attention, "TILE_CHUNK_BYTES", 1):
             out, _ = module(inputs[0], cls_hidden=inputs[1] if cls is not None else None, **kwargs)
         tiled = "_TiledAttentionBackward" in _graph_names(out)
-        assert tiled == (implementation == "sdpa" and module.qk_head_dim == module.head_dim)
+        assert tiled == (recompute and module.qk_head_dim == module.head_dim)
         weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(5))
         (out * weights).sum().backward()
         grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
@@ -470,6 +470,30 @@ def test_tiled_path_gradients_match_eager_causal(config, n, batch, mask_kind, pa
     x, _ = inputs(module, batch, n, seed)
     assert_tiled_matches_eager(module, x, attention_mask=make_mask(mask_kind, batch, n, pad, seed))
 
+
+
+def test_config_recompute_window_tiles_reaches_every_layer():
+    """``LongShortConfig(recompute_window_tiles=True)`` trains through ``_TiledAttention`` in every layer, with the
+    default model's loss and gradients (float64)."""
+    from ls_hf import LongShortConfig, LongShortForMaskedLM
+
+    config = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                  window_size=4, projection_rank=2, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        model = LongShortForMaskedLM(LongShortConfig(**config, recompute_window_tiles=recompute)).double().train()
+        assert all(layer.attention.self.recompute_window_tiles == recompute for layer in model.long_short.encoder.layer)
+        loss = model(input_ids=ids, labels=ids).loss
+        assert ("_TiledAttentionBackward" in _graph_names(loss)) == recompute
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_default, grads_default) = results
+    torch.testing.assert_close(loss, loss_default, atol=1e-12, rtol=0)
+    for name in grads_default:
+        torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
 
 # ---------------------------------------------------------------------------------- numerical safety
 @pytest.mark.parametrize("causal", [False, True])
