@@ -477,9 +477,9 @@ def test_config_recompute_window_tiles_reaches_every_layer():
     default model's loss and gradients (float64)."""
     from ls_hf import LongShortConfig, LongShortForMaskedLM
 
-    config = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                  window_size=4, projection_rank=2, max_position_embeddings=40, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)
+    config = {"vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 32, "window_size": 4, "projection_rank": 2, "max_position_embeddings": 40,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
     results = []
     for recompute in (True, False):
