@@ -78,22 +78,14 @@ def heads_and_dims(draw):
 
 
 masks = st.sampled_from(["none", "right", "left", "random"])
+# the bidirectional grid: head layouts, windows, ranks, lengths, batches and padding
+bidirectional_grid = {"dims": heads_and_dims(), "window": st.integers(0, 6), "rank": st.integers(0, 3),
+                      "n": st.integers(1, 20), "batch": st.integers(1, 2), "mask_kind": masks, "pad": st.integers(1, 8)}
 
 
 # ------------------------------------------------------------------------------ oracle (bidirectional)
 @PROPERTY
-@given(
-    dims=heads_and_dims(),
-    window=st.integers(0, 6),
-    rank=st.integers(0, 3),
-    n=st.integers(1, 20),
-    batch=st.integers(1, 2),
-    mask_kind=masks,
-    pad=st.integers(1, 8),
-    with_cls=st.booleans(),
-    output_attentions=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**bidirectional_grid, with_cls=st.booleans(), output_attentions=st.booleans(), seed=st.integers(0, 2**16))
 def test_bidirectional_matches_oracle(dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed,
                                       device, dtype):
     if window == rank == 0:
@@ -438,17 +430,7 @@ def assert_tiled_matches_eager(module, x, cls=None, **kwargs):
 
 
 @PROPERTY
-@given(
-    dims=heads_and_dims(),
-    window=st.integers(0, 6),
-    rank=st.integers(0, 3),
-    n=st.integers(1, 20),
-    batch=st.integers(1, 2),
-    mask_kind=masks,
-    pad=st.integers(1, 8),
-    extra=st.sampled_from(["none", "cls", "global"]),
-    seed=st.integers(0, 2**16),
-)
+@given(**bidirectional_grid, extra=st.sampled_from(["none", "cls", "global"]), seed=st.integers(0, 2**16))
 def test_tiled_path_gradients_match_eager_bidirectional(dims, window, rank, n, batch, mask_kind, pad, extra, seed):
     if window == rank == 0:
         rank = 1
@@ -642,13 +624,7 @@ def assert_global_layout(attn, mask, glob, R):
 
 @PROPERTY
 @given(
-    dims=heads_and_dims(),
-    window=st.integers(0, 6),
-    rank=st.integers(0, 3),
-    n=st.integers(1, 20),
-    batch=st.integers(1, 3),
-    mask_kind=masks,
-    pad=st.integers(1, 8),
+    **{**bidirectional_grid, "batch": st.integers(1, 3)},
     density=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
     global_projections=st.booleans(),
     output_attentions=st.booleans(),

@@ -14,7 +14,16 @@ import ls_hf.long_short_attention as lsa
 from ls_hf import LongShortForCausalLM, LongShortModel
 from ls_hf.long_short_attention import LongShortSelfAttention
 from tests.devices import assert_close
-from tests.test_attention import PROPERTY, causal_configs, decode, global_mask, heads_and_dims, inputs, make, make_mask
+from tests.test_attention import (
+    PROPERTY,
+    bidirectional_grid,
+    causal_configs,
+    decode,
+    global_mask,
+    inputs,
+    make,
+    make_mask,
+)
 from tests.test_modeling import tiny_config, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -36,13 +45,7 @@ def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
 
 @PROPERTY
 @given(
-    dims=heads_and_dims(),
-    window=st.integers(0, 6),
-    rank=st.integers(0, 3),
-    n=st.integers(1, 24),
-    batch=st.integers(1, 2),
-    mask_kind=st.sampled_from(["none", "right", "random"]),
-    pad=st.integers(1, 8),
+    **{**bidirectional_grid, "n": st.integers(1, 24), "mask_kind": st.sampled_from(["none", "right", "random"])},
     extra=st.sampled_from(["none", "cls", "global", "global_projections"]),
     seed=st.integers(0, 2**16),
 )
