@@ -190,8 +190,21 @@ def _segment_rule(q: Tensor, row_segment: Tensor, segment_length: int) -> Tensor
     return row_segment < torch.div(q, segment_length, rounding_mode="floor")
 
 
+class BatchFirstState:
+    """A decoding cache whose tensors (named by ``_tensors``) are batch first, so beam search can reorder them."""
+
+    _tensors: tuple = ()
+
+    def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Apply ``fn`` to every cached tensor (index_select for beam search, repeat_interleave, ...)."""
+        for name in self._tensors:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+
 @dataclass
-class CausalState:
+class CausalState(BatchFirstState):
     """What causal decoding keeps per layer, batch first (so beam search can reorder it).
 
     ``keys``/``values``/``valid``: window keys (after ``LN_L``) of positions ``[seen - L, seen)``, enough for the
@@ -211,13 +224,6 @@ class CausalState:
     _tensors: tuple = field(
         default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending"), repr=False
     )
-
-    def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
-        """Apply ``fn`` to every cached tensor (index_select for beam search, repeat_interleave, ...)."""
-        for name in self._tensors:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
 
 
 class ExtraKeys(NamedTuple):

@@ -32,7 +32,6 @@ single-dot relative imports: it is copied as-is into saved folders as Hub remote
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -47,7 +46,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_long_short import LongShortConfig
-from .long_short_attention import segment_keep, window_keep
+from .long_short_attention import BatchFirstState, segment_keep, window_keep
 from .modeling_long_short import LongShortCacheLayer, LongShortPreTrainedModel, hub_auto_map
 
 __all__ = [
@@ -125,7 +124,7 @@ def sinusoids(distances: Tensor, width: int) -> Tensor:
 
 
 @dataclass
-class XLState:
+class XLState(BatchFirstState):
     """One layer's view of the past, batch first: positions ``[0, seen)`` count from the first memory token.
 
     ``keys``/``values``: window keys/values (after ``LN_L``) of positions ``[seen - L, seen)``, enough for the window
@@ -144,13 +143,6 @@ class XLState:
     _tensors: tuple = field(
         default=("keys", "values", "rows_k", "rows_v", "pending_scores", "pending_k", "pending_v"), repr=False
     )
-
-    def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
-        """Apply ``fn`` to every held tensor (index_select for beam search, repeat_interleave, ...)."""
-        for name in self._tensors:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
 
 
 def _cat(old: Tensor | None, new: Tensor) -> Tensor:
