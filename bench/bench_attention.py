@@ -2,9 +2,10 @@
 
 One attention module each (query/key/value/output projections included; hidden 768, 12 heads, batch 1):
 
-* ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512);
-* ``long-short-eager``: the same with ``attn_implementation="eager"``: every window tile gathered at once and kept by
-  autograd (the reference path), where ``long-short`` builds them chunk by chunk, again in the backward pass;
+* ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512): every window tile gathered
+  at once and kept by autograd;
+* ``long-short-recompute``: the same with ``recompute_window_tiles=True``: tiles built chunk by chunk, again in the
+  backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``);
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
@@ -14,8 +15,9 @@ One attention module each (query/key/value/output projections included; hidden 7
   default.
 
 On CPU every (peer, n) runs in a forked process so that its peak memory is its own: the RSS high-water mark
-(``VmHWM``) minus the RSS before the first step. On CUDA it runs in-process: ``max_memory_allocated`` minus the
-memory allocated before the first step. A peer whose estimated need exceeds free memory is skipped, not run into
+(``VmHWM``) minus the RSS before the first step, and, in a second step, the CPU allocator's own peak of tensor memory
+(``peak_allocated_above``: what RSS shows without glibc's heap keeping freed blocks). On CUDA it runs in-process:
+``max_memory_allocated`` minus the memory allocated before the first step. A peer whose estimated need exceeds free memory is skipped, not run into
 the OOM killer.
 
     python -m bench.bench_attention                 # CPU float32, n = 1024 ... 16384 (a few minutes)
@@ -43,6 +45,7 @@ from bench.common import (
     free_bytes,
     interleaved_times,
     isolated,
+    peak_allocated_above,
     peak_memory_above,
     reset_peak_memory,
     results_path,
@@ -190,7 +193,10 @@ def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
     x, grad = _inputs(n, device, dtype)
     base = reset_peak_memory(device)
     _step(module, x, grad)
-    return {"peak_mem_bytes": peak_memory_above(device, base)}
+    result = {"peak_mem_bytes": peak_memory_above(device, base)}
+    if device == "cpu":
+        result["peak_alloc_bytes"] = peak_allocated_above(lambda: _step(module, x, grad))
+    return result
 
 
 def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -244,10 +250,14 @@ def _cell(row, key, scale, fmt, base=None):
 def tables(rows, peers, ns, memory_label) -> str:
     """Markdown tables: time and memory (ratio to long-short in parentheses), GFLOP/s and the FLOP bound."""
     lines = []
-    for title, key, scale, fmt in (
+    metrics = [
         ("median time, forward + backward (ms); (x) = peer / long-short", "time_s", 1e3, ".1f"),
         (f"{memory_label} (MiB); (x) = peer / long-short", "peak_mem_bytes", 2.0**-20, ".0f"),
-    ):
+    ]
+    if any("peak_alloc_bytes" in row for row in rows):
+        metrics.append(("peak tensor memory, CPU allocator (MiB); (x) = peer / long-short", "peak_alloc_bytes",
+                        2.0**-20, ".0f"))
+    for title, key, scale, fmt in metrics:
         lines += [f"**{title}**", "", "| n | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
         for n in ns:
             base = _get(rows, "long-short", n)

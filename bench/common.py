@@ -39,7 +39,7 @@ def machine() -> dict:
 
 # Environment variables that change the memory allocator. They move CPU timings: glibc's defaults return large freed
 # blocks to the system, so the next pass pays page faults to touch them again (see RESULTS.md, "Allocator").
-ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "TCMALLOC_RELEASE_RATE")
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_THRESHOLD_", "TCMALLOC_RELEASE_RATE")
 
 
 def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
@@ -86,6 +86,28 @@ def reset_peak_rss() -> int:
 def peak_rss_above(base: int) -> int:
     """The RSS high-water mark since ``reset_peak_rss`` minus the ``base`` it returned."""
     return max(_proc_status_bytes("VmHWM") - base, 0)
+
+
+def peak_allocated_above(fn: Callable[[], object]) -> int:
+    """The peak of tensor memory that ``fn()`` allocates on the CPU above what was held before it, counted by the
+    CPU allocator itself (the profiler's allocation events): the CPU analogue of ``torch.cuda.max_memory_allocated``.
+    Unlike RSS it leaves out what the C library's heap keeps of freed blocks."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        stack.extend(node.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    before = allocations[0][2] - allocations[0][1]
+    return max(total for *_, total in allocations) - before
 
 
 def sync(device: str) -> None:

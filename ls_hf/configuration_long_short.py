@@ -36,9 +36,10 @@ class LongShortConfig(PreTrainedConfig):
         global_projections (`bool`, defaults to False): separate query/key/value projections for the global tokens'
             own attention (``global_attention_mask``), as Longformer's ``query_global``/``key_global``/
             ``value_global``; a Longformer conversion sets it. Bidirectional models only.
-        recompute_window_tiles (`bool`, defaults to False): in training on CPU, build the window tiles chunk by chunk
-            and again in the backward pass instead of keeping them (less memory; slower with several threads on a
-            busy CPU; see ``bench/RESULTS.md``).
+        recompute_window_tiles (`bool`, defaults to False): in training on CPU, keep for the backward pass about what
+            fused dense attention keeps: the window tiles are built chunk by chunk and again in the backward pass,
+            ``LN_L`` keeps its output only, and the projection's backward pass allocates less (attention peak about
+            1.2x fused SDPA's instead of 2x; slower with several threads on a busy CPU; see ``bench/RESULTS.md``).
         sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
             before the first one (the question) global, as Longformer does.
 

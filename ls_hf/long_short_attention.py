@@ -18,7 +18,8 @@ The fast path groups queries by window segment and hands each group, with its wi
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
 CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). With
 ``recompute_window_tiles=True``, training on CPU builds the tiles one chunk of groups at a time and again in the
-backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times.
+backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times, and
+``LN_L`` keeps its output only.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -164,20 +165,59 @@ def _window_rule(q: Tensor, k: Tensor, window: int, causal: bool) -> Tensor:
     return (k >= start - ext) & (k < start + window + ext)
 
 
-def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def project_rows(
+    scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None, *, lean_backward: bool = False
+) -> tuple[Tensor, Tensor]:
     """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
     scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``.
 
     scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
     -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
-    finite rows (uniform weights), which the caller marks invalid.
+    finite rows (uniform weights), which the caller marks invalid. ``lean_backward``: through ``_ProjectRows``,
+    whose backward pass allocates fewer (..., r, L) tensors.
     """
+    if lean_backward:
+        return _ProjectRows.apply(scores, keys, values, valid)
+    prob = _projection_weights(scores, valid)
+    return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
+
+
+def _projection_weights(scores: Tensor, valid: Tensor | None) -> Tensor:
+    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, in float32 at least."""
     dtype = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(dtype)
     if valid is not None:
         scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
-    prob = scores.softmax(-1)
-    return (prob @ keys.to(dtype)).to(keys.dtype), (prob @ values.to(dtype)).to(values.dtype)
+    return scores.softmax(-1)
+
+
+class _ProjectRows(torch.autograd.Function):
+    """``project_rows`` (Eq. 3) whose backward pass builds the gradient of ``P`` once, from both ``P K`` and ``P V``,
+    and turns it into the scores' gradient in place (softmax backward, ``P * (dP - sum(P dP))``): one (..., r, L)
+    tensor where autograd would hold four (two matmul gradients, their sum and the softmax's). It saves ``P`` and
+    the keys and values that the window attention keeps anyway."""
+
+    @staticmethod
+    def forward(ctx, scores, keys, values, valid):
+        prob = _projection_weights(scores, valid)
+        ctx.save_for_backward(prob, keys, values, valid)
+        ctx.scores_dtype = scores.dtype
+        return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows_k, grad_rows_v):
+        prob, keys, values, valid = ctx.saved_tensors
+        dtype = prob.dtype
+        grad_prob = grad_rows_k.to(dtype) @ keys.to(dtype).transpose(-1, -2)
+        grad_prob += grad_rows_v.to(dtype) @ values.to(dtype).transpose(-1, -2)
+        grad_scores = grad_prob.sub_(torch.linalg.vecdot(grad_prob, prob).unsqueeze(-1)).mul_(prob)
+        if valid is not None:  # the excluded tokens' scores (their masked_fill) get no gradient
+            grad_scores.masked_fill_(~valid[..., None, None, :], 0)
+        prob_t = prob.transpose(-1, -2)
+        grad_keys = (prob_t @ grad_rows_k.to(dtype)).to(keys.dtype)
+        grad_values = (prob_t @ grad_rows_v.to(dtype)).to(values.dtype)
+        return grad_scores.to(ctx.scores_dtype), grad_keys, grad_values, None
 
 
 def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
@@ -281,7 +321,8 @@ def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 # The gathered keys and values of one chunk of groups in ``_TiledAttention`` (one group of 256 queries at hidden 768,
-# w = 256, r = 64): larger chunks trade memory for fewer, larger kernel calls.
+# w = 256, r = 64), and the rows of one chunk in ``_LayerNormKeepingOutput``'s backward pass: larger chunks trade
+# memory for fewer, larger operations.
 TILE_CHUNK_BYTES = 4 * 2**20
 
 
@@ -313,20 +354,20 @@ class _TiledAttention(torch.autograd.Function):
         G = index.shape[0]
         bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
         out = q.new_empty(B, q.shape[1], H, v.shape[-1])
-        lse = []
+        lse = q.new_empty(B, G, H, q.shape[1] // G, dtype=torch.promote_types(q.dtype, torch.float32))
         tile_bytes = B * bias.shape[-1] * H * (k.shape[-1] + v.shape[-1]) * q.element_size()
         ctx.step = max(1, TILE_CHUNK_BYTES // max(tile_bytes, 1))  # the backward pass takes the same chunks
         for groups, *chunk in _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias):
             o, chunk_lse = _FUSED_CPU(*chunk[:3], attn_mask=chunk[3])
             out.unflatten(1, (G, -1))[:, groups] = o.unflatten(0, (B, -1)).transpose(2, 3)
-            lse.append(chunk_lse)
-        ctx.save_for_backward(q, k, v, rows_k, rows_v, index, bias, out, *lse)
+            lse[:, groups] = chunk_lse.unflatten(0, (B, -1))
+        ctx.save_for_backward(q, k, v, rows_k, rows_v, index, bias, out, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, rows_k, rows_v, index, bias, out, *lse = ctx.saved_tensors
+        q, k, v, rows_k, rows_v, index, bias, out, lse = ctx.saved_tensors
         B, L = k.shape[:2]
         G = index.shape[0]
         R = 0 if rows_k is None else rows_k.shape[1]
@@ -338,9 +379,9 @@ class _TiledAttention(torch.autograd.Function):
             return x.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2).contiguous()
 
         chunks = _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias)
-        for (groups, *chunk), chunk_lse in zip(chunks, lse):
-            grads = _FUSED_CPU_BACKWARD(heads_first(grad_out, groups), *chunk[:3], heads_first(out, groups), chunk_lse,
-                                        0.0, False, attn_mask=chunk[3])
+        for groups, *chunk in chunks:
+            grads = _FUSED_CPU_BACKWARD(heads_first(grad_out, groups), *chunk[:3], heads_first(out, groups),
+                                        lse[:, groups].flatten(0, 1).contiguous(), 0.0, False, attn_mask=chunk[3])
             grad_q.unflatten(1, (G, -1))[:, groups] = grads[0].unflatten(0, (B, -1)).transpose(2, 3)
             read = index[groups].clamp(max=max(L - 1, 0)).flatten()  # as ``_gather``: a zero key's gradient is 0
             for grad, tile_grad, rows_grad in zip((grad_k, grad_v), grads[1:], grad_rows):
@@ -349,6 +390,55 @@ class _TiledAttention(torch.autograd.Function):
                     rows_grad += tile_grad[:, :, :R].sum(1)
                 grad.index_add_(1, read, tile_grad[:, :, R:].flatten(1, 2).to(grad.dtype))
         return grad_q, grad_k, grad_v, *grad_rows, None, None
+
+
+class _LayerNormKeepingOutput(torch.autograd.Function):
+    """LayerNorm over the last dim that saves its output ``y = gamma * x_hat + beta`` and ``1 / sigma`` instead of its
+    input: the backward pass recovers ``x_hat = (y - beta) / gamma``. DualLN's ``LN_L`` output is kept by the window
+    attention and the projection anyway, so the input (one more copy of the keys and values) need not be. The
+    backward pass runs in row chunks of ``TILE_CHUNK_BYTES``, so its temporaries stay small. Needs every
+    ``|gamma| >= LN_MIN_GAMMA`` (``layer_norm_keeping_output`` checks)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        ctx.save_for_backward(y, weight, bias, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        y, weight, bias, rstd = ctx.saved_tensors
+        dtype = torch.promote_types(y.dtype, torch.float32)
+        width = y.shape[-1]
+        y, grad_y, rstd = y.reshape(-1, width), grad_y.reshape(-1, width), rstd.reshape(-1, 1)
+        gamma, beta = weight.to(dtype), bias.to(dtype)
+        grad_x = torch.empty_like(y)
+        grad_weight = torch.zeros(width, dtype=dtype, device=y.device)
+        grad_bias = torch.zeros(width, dtype=dtype, device=y.device)
+        step = max(1, TILE_CHUNK_BYTES // (width * max(y.element_size(), 4)))
+        for rows in range(0, y.shape[0], step):
+            part = slice(rows, rows + step)
+            x_hat = (y[part].to(dtype) - beta).div_(gamma)
+            g = grad_y[part].to(dtype)
+            grad_weight += (g * x_hat).sum(0)
+            grad_bias += g.sum(0)
+            g = g * gamma
+            mean_g = g.mean(-1, keepdim=True)
+            mean_gx = (g * x_hat).mean(-1, keepdim=True)
+            grad_x[part] = g.sub_(mean_g).sub_(x_hat.mul_(mean_gx)).mul_(rstd[part].to(dtype))
+        return grad_x.view_as(ctx.saved_tensors[0]), grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None
+
+
+LN_MIN_GAMMA = 1e-3
+
+
+def layer_norm_keeping_output(x: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """``norm(x)`` through ``_LayerNormKeepingOutput`` when its gains allow recovering ``x_hat`` from the output
+    (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)`` itself."""
+    if norm.weight is None or norm.bias is None or bool((norm.weight.abs() < LN_MIN_GAMMA).any()):
+        return norm(x)
+    return _LayerNormKeepingOutput.apply(x, norm.weight, norm.bias, norm.eps)
 
 
 class LongShortSelfAttention(nn.Module):
@@ -368,8 +458,10 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
-        recompute_window_tiles: in training on CPU, build the window tiles one chunk of groups at a time and again in
-            the backward pass (``_TiledAttention``) instead of keeping them: less memory (``bench/RESULTS.md``), as
+        recompute_window_tiles: in training on CPU, save for the backward pass about what fused dense attention
+            saves (``_memory_lean``): the window tiles are built one chunk of groups at a time and again in the
+            backward pass (``_TiledAttention``), ``LN_L`` keeps its output only (``layer_norm_keeping_output``) and
+            the projection's backward pass allocates less (``_ProjectRows``): less memory (``bench/RESULTS.md``), as
             fast on one thread, slower with several threads on a busy CPU. Off by default.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
@@ -441,26 +533,36 @@ class LongShortSelfAttention(nn.Module):
                 self.dual_ln_global_key = nn.LayerNorm(qk_width, eps=layer_norm_eps)
 
     # ------------------------------------------------------------------ helpers
-    def _dual_ln(self, x: Tensor, which: str, is_key: bool) -> Tensor:
-        """LN_L (``which="local"``) or LN_G (``"global"``) over the full width, (B, L, H, d) -> same."""
+    def _dual_ln(self, x: Tensor, which: str, is_key: bool, keep_output: bool = False) -> Tensor:
+        """LN_L (``which="local"``) or LN_G (``"global"``) over the full width, (B, L, H, d) -> same; with
+        ``keep_output``, saving its output rather than its input for the backward pass
+        (``layer_norm_keeping_output``)."""
         if not self.use_dual_ln:
             return x
         name = f"dual_ln_{which}_key" if is_key and hasattr(self, f"dual_ln_{which}_key") else f"dual_ln_{which}"
-        return getattr(self, name)(x.flatten(2)).view_as(x)
+        norm = getattr(self, name)
+        return (layer_norm_keeping_output(x.flatten(2), norm) if keep_output else norm(x.flatten(2))).view_as(x)
 
-    def _tiled(self, q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> bool:
-        """Whether the window tiles go through ``_TiledAttention`` (built chunk by chunk, again in the backward pass):
-        with ``recompute_window_tiles`` on CPU when gradients are taken, with one head dim for queries and values,
-        without attention maps or active attention dropout. Otherwise every tile is gathered at once, in one kernel
-        call (and autograd keeps them)."""
+    def _memory_lean(self, hidden_states: Tensor, need_weights: bool) -> bool:
+        """Whether this call saves memory for the backward pass (``recompute_window_tiles``): the window tiles go
+        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass) and ``LN_L`` keeps its output
+        only. On CPU when gradients are taken, with one head dim for queries and values, without attention maps or
+        active attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps
+        them)."""
         return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
-                and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and not need_weights and not (self.training and self.attention_dropout)
-                and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+                and hidden_states.device.type == "cpu" and self.qk_head_dim == self.head_dim and not need_weights
+                and not (self.training and self.attention_dropout) and self._takes_grad(hidden_states))
+
+    def _takes_grad(self, hidden_states: Tensor) -> bool:
+        """Whether autograd records this call: gradients enabled, and the input or the weights require them."""
+        return torch.is_grad_enabled() and (hidden_states.requires_grad or self.query.weight.requires_grad)
 
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
-    def _project(self, scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int) -> ExtraKeys:
+    def _project(
+        self, scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int, lean_backward: bool = False
+    ) -> ExtraKeys:
         """Eq. 3 / Eq. 5 (``project_rows``) on each segment of ``segment`` tokens, then ``LN_G``: scores
         (B, S*segment, H, r), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows, segment-major."""
         B, n, H, r = scores.shape
@@ -470,7 +572,8 @@ class LongShortSelfAttention(nn.Module):
             return x.view(B, S, segment, H, -1).transpose(2, 3)
 
         seg_valid = valid.view(B, S, segment)
-        rows = project_rows(heads_first(scores).transpose(-1, -2), heads_first(keys), heads_first(values), seg_valid)
+        rows = project_rows(heads_first(scores).transpose(-1, -2), heads_first(keys), heads_first(values), seg_valid,
+                            lean_backward=lean_backward)
         rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
         return ExtraKeys(
             keys=self._dual_ln(rows_k, "global", is_key=True),
@@ -578,17 +681,18 @@ class LongShortSelfAttention(nn.Module):
                 )
             is_global = (global_attention_mask.to(device=hidden_states.device) > 0) & valid
 
+        lean = self._memory_lean(hidden_states, output_attentions)
         q = self._split(self.query(hidden_states))
-        k = self._dual_ln(self._split(self.key(hidden_states)), "local", is_key=True)
-        v = self._dual_ln(self._split(self.value(hidden_states)), "local", is_key=False)
+        k = self._dual_ln(self._split(self.key(hidden_states)), "local", is_key=True, keep_output=lean)
+        v = self._dual_ln(self._split(self.value(hidden_states)), "local", is_key=False, keep_output=lean)
         scores = self._split(self.dynamic_projection(hidden_states)) if self.projection_rank else None
         if self.causal:
             state = state if state is not None else CausalState()
-            context, attn = self._causal(q, k, v, scores, valid, masked, state, output_attentions)
+            context, attn = self._causal(q, k, v, scores, valid, masked, state, output_attentions, tiled=lean)
         else:
             context, attn = self._bidirectional(
                 hidden_states=hidden_states, q=q, k=k, v=v, scores=scores, valid=valid, masked=masked,
-                cls_hidden=cls_hidden, is_global=is_global, need_weights=output_attentions,
+                cls_hidden=cls_hidden, is_global=is_global, need_weights=output_attentions, tiled=lean,
             )
         return self.output(context.flatten(2)), attn
 
@@ -600,7 +704,8 @@ class LongShortSelfAttention(nn.Module):
             valid=valid,
         )
 
-    def _bidirectional(self, *, hidden_states, q, k, v, scores, valid, masked, cls_hidden, is_global, need_weights):
+    def _bidirectional(self, *, hidden_states, q, k, v, scores, valid, masked, cls_hidden, is_global, need_weights,
+                       tiled):
         B, n = q.shape[:2]
         K = int(is_global.sum(1).max()) if is_global is not None else 0
         local = valid
@@ -614,7 +719,7 @@ class LongShortSelfAttention(nn.Module):
             extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
         if K:
             extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
-        projected = self._project(scores, k, v, local, segment=n) if self.projection_rank else None
+        projected = self._project(scores, k, v, local, segment=n, lean_backward=tiled) if self.projection_rank else None
         if projected is not None:
             extra.append(projected)
         if extra:  # one set: global keys, then projected rows
@@ -632,7 +737,7 @@ class LongShortSelfAttention(nn.Module):
         width = n if self.window_size else 0  # projection only: no window keys
         context, attn = self._attend_groups(
             q=q, q_valid=local if masked or K else None, q_start=0, k=k[:, :width], v=v[:, :width],
-            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights, layout=layout,
+            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights, layout=layout, tiled=tiled,
         )
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
@@ -696,7 +801,8 @@ class LongShortSelfAttention(nn.Module):
         return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
 
     def _attend_groups(
-        self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights, layout=None
+        self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights, layout=None,
+        tiled=False,
     ):
         """Queries at positions ``[q_start, q_start + m)`` attend to [extra keys; window keys] in one softmax.
 
@@ -753,7 +859,7 @@ class LongShortSelfAttention(nn.Module):
             return tiles.transpose(2, 3).flatten(0, 1)
 
         q = _pad_seq(q, skip, groups * Q - skip - m)
-        if self._tiled(q, k, v, need_weights):
+        if tiled:
             context, prob = _TiledAttention.apply(q, k, v, rows[0], rows[1], index, keep)[:, skip : skip + m], None
         else:  # every group's keys and values gathered in one copy, (B, G, R + S, H, d), which autograd keeps
             keys, values = (_gather(part, x, index) for part, x in zip(rows, (k, v)))
@@ -778,8 +884,7 @@ class LongShortSelfAttention(nn.Module):
                 f"{self.attention_dropout} in training mode; set it (attention_probs_dropout_prob) to 0 or use "
                 f'attn_implementation="sdpa".'
             )
-        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.query.weight.requires_grad)
-        if needs_grad and hidden_states.device.type == "cpu":
+        if self._takes_grad(hidden_states) and hidden_states.device.type == "cpu":
             raise NotImplementedError(
                 f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
                 f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
@@ -829,7 +934,7 @@ class LongShortSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=keep)
         return out.transpose(1, 2)
 
-    def _causal(self, q, k, v, scores, valid, masked, state: CausalState, need_weights):
+    def _causal(self, q, k, v, scores, valid, masked, state: CausalState, need_weights, tiled):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
         n = q.shape[1]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
@@ -849,7 +954,8 @@ class LongShortSelfAttention(nn.Module):
             if done > seg_start:
                 span = slice(seg_start - k_start, done - k_start)
                 new_k, new_v, new_valid, _ = self._project(
-                    all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l
+                    all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
+                    lean_backward=tiled,
                 )
                 if rows_k is not None:
                     new_k, new_v, new_valid = (
@@ -862,7 +968,7 @@ class LongShortSelfAttention(nn.Module):
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
         context, attn = self._attend_groups(
             q=q, q_valid=valid if masked else None, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start,
-            extra=extra, need_weights=need_weights,
+            extra=extra, need_weights=need_weights, tiled=tiled,
         )
 
         # Keep the keys of the current and the previous window segment, and the unfinished segment's scores.

@@ -477,6 +477,90 @@ def test_config_recompute_window_tiles_reaches_every_layer():
     for name in grads_default:
         torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
 
+@pytest.mark.parametrize("chunk_bytes", [1, 2**20])
+def test_layer_norm_keeping_output_matches_layer_norm(chunk_bytes):
+    """``LN_L`` saving its output: the output and the gradients of the input, gain and bias are ``nn.LayerNorm``'s
+    (float64), in row chunks or in one; a gain below ``LN_MIN_GAMMA`` falls back to ``nn.LayerNorm`` itself."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(12).double()
+    with torch.no_grad():
+        norm.weight.add_(0.5 * torch.randn(12))
+        norm.bias.add_(torch.randn(12))
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+    weights = torch.randn(3, 5, 12, dtype=torch.float64)
+    for small_gain in (False, True):
+        if small_gain:
+            with torch.no_grad():
+                norm.weight[3] = 0.0
+        results = []
+        for layer in (lambda t: long_short_attention.layer_norm_keeping_output(t, norm), norm):
+            norm.zero_grad()
+            inp = x.clone().requires_grad_()
+            with patch.object(long_short_attention, "TILE_CHUNK_BYTES", chunk_bytes):
+                out = layer(inp)
+                (out * weights).sum().backward()
+            results.append((out.detach(), inp.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
+                            _graph_names(out)))
+        (*lean, names), (*plain, _) = results
+        assert ("_LayerNormKeepingOutputBackward" in names) == (not small_gain)
+        for got, expected in zip(lean, plain):
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("valid_kind", ["none", "partial", "empty_set"])
+def test_project_rows_lean_backward_matches_autograd(valid_kind):
+    """``project_rows(lean_backward=True)`` (``_ProjectRows``): rows and the gradients of scores, keys and values are
+    plain autograd's (float64), excluded tokens and a set with no valid token included."""
+    generator = torch.Generator().manual_seed(0)
+    scores, keys, values = (torch.randn(2, 3, 2, *shape, dtype=torch.float64, generator=generator)
+                            for shape in ((4, 7), (7, 5), (7, 6)))
+    valid = None if valid_kind == "none" else torch.rand(2, 3, 7, generator=generator) > 0.4
+    if valid_kind == "empty_set":
+        valid[1, 2] = False
+    weights = [torch.randn(2, 3, 2, 4, d, dtype=torch.float64, generator=generator) for d in (5, 6)]
+    results = []
+    for lean in (True, False):
+        tensors = [t.clone().requires_grad_() for t in (scores, keys, values)]
+        rows = long_short_attention.project_rows(*tensors, valid, lean_backward=lean)
+        sum((row * weight).sum() for row, weight in zip(rows, weights)).backward()
+        results.append([*(row.detach() for row in rows), *(t.grad for t in tensors)])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+def _saved_storages(fn) -> dict[int, int]:
+    """The distinct storages (data pointer -> elements) that autograd saves for the backward pass while ``fn`` runs."""
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes() // tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return saved
+
+
+def test_recompute_window_tiles_saves_each_token_tensor_once():
+    """With ``recompute_window_tiles`` autograd keeps per token what dense fused attention keeps, the input, the
+    query, the keys, the values and the attention output (``LN_L``'s output stands for the keys and values; its
+    input is not kept), plus the dynamic projection's weights P: no window tile, nothing larger than (n, d). The
+    default path keeps more."""
+    batch, n, hidden, heads, rank = 1, 64, 16, 2, 3
+    module = make(hidden=hidden, heads=heads, window=8, rank=rank).train()
+    x, _ = inputs(module, batch, n)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    token_tensors = {}
+    for recompute in (True, False):
+        module.recompute_window_tiles = recompute
+        saved = _saved_storages(lambda: module(x.clone().requires_grad_()))
+        sizes = sorted(size for ptr, size in saved.items() if ptr not in params and size >= n * heads * rank)
+        token_tensors[recompute] = sizes
+    assert token_tensors[True] == sorted([batch * n * hidden] * 5 + [batch * n * heads * rank])
+    assert sum(token_tensors[False]) > sum(token_tensors[True]) + 2 * batch * n * hidden
+
+
 # ---------------------------------------------------------------------------------- numerical safety
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_autocast_and_fully_padded_rows_are_finite(causal):

@@ -1,6 +1,8 @@
-"""The search of ``bench/bench_limits.py`` (doubling, then bisection to 1/8), on predicates with a known limit."""
+"""The search of ``bench/bench_limits.py`` (doubling, then bisection to 1/8), on predicates with a known limit, and
+the CPU allocator's peak that the benchmarks report beside RSS."""
 
 import pytest
+import torch
 
 from bench.bench_limits import GRANULE, search
 
@@ -25,3 +27,18 @@ def test_search_stops_at_an_unknown_run():
 
 def test_search_reports_a_start_below_the_smallest_step():
     assert search(lambda n: False, 1024) == (None, GRANULE)
+
+
+def test_peak_allocated_counts_the_tensors_alive_together():
+    """The CPU allocator's peak: two 4 MiB tensors alive at once and one more after both are freed peak at 8 MiB
+    (plus small bookkeeping), not 12."""
+    from bench.common import peak_allocated_above
+
+    def work():
+        a = torch.ones(2**20)  # 4 MiB of float32
+        b = a * 2
+        del a, b
+        return torch.zeros(2**20).sum()
+
+    peak = peak_allocated_above(work)
+    assert 8 * 2**20 <= peak < 9 * 2**20
