@@ -138,10 +138,10 @@ def search(passes, start: int) -> tuple[int | None, int | None]:
 
 
 def find_limits(peer: str, memory_budget: int, time_budget: float, start: int, max_seconds: float, threads: int,
-                runs: list[dict]) -> dict:
+                runs: list[dict], budgets: tuple[str, ...] = ("time", "memory")) -> dict:
     """The time search (runs stopped at ``time_budget``, or at twice the memory budget or 60 % of the free memory),
-    then the memory search (runs stopped at ``memory_budget``
-    or ``max_seconds``); every run goes into ``runs``."""
+    then the memory search (runs stopped at ``memory_budget`` or ``max_seconds``), those named in ``budgets``; every
+    run goes into ``runs``."""
 
     def measured(n, max_bytes, seconds):
         for row in runs:  # a finished run answers both questions
@@ -167,14 +167,18 @@ def find_limits(peer: str, memory_budget: int, time_budget: float, start: int, m
             return row["peak_mem_bytes"] <= memory_budget
         return False if row["status"] == "over_memory" else None
 
-    time_low, time_high = search(within_time, start)
-    memory_low, memory_high = search(within_memory, start)
-    return {"peer": peer, "time": {"longest_pass": time_low, "shortest_fail": time_high},
-            "memory": {"longest_pass": memory_low, "shortest_fail": memory_high}}
+    limits = {"peer": peer}
+    for budget, passes in (("time", within_time), ("memory", within_memory)):
+        if budget in budgets:
+            low, high = search(passes, start)
+            limits[budget] = {"longest_pass": low, "shortest_fail": high}
+    return limits
 
 
 def table(limits: list[dict], memory_budget: int, time_budget: float) -> str:
     def cell(found):
+        if found is None:
+            return "not searched"
         low, high = found["longest_pass"], found["shortest_fail"]
         if high is None:
             return f">= {low} (larger not measured)"
@@ -182,7 +186,7 @@ def table(limits: list[dict], memory_budget: int, time_budget: float) -> str:
 
     lines = [f"| peer | longest n within {memory_budget / 2**30:g} GiB | longest n within {time_budget:g} s |",
              "|---|---|---|"]
-    lines += [f"| {row['peer']} | {cell(row['memory'])} | {cell(row['time'])} |" for row in limits]
+    lines += [f"| {row['peer']} | {cell(row.get('memory'))} | {cell(row.get('time'))} |" for row in limits]
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +199,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seconds", type=float, default=900.0,
                         help="a memory-search run still going after this long ends the search (limit unknown above)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch default)")
+    parser.add_argument("--budgets", nargs="+", default=["time", "memory"], choices=("time", "memory"),
+                        help="which limits to search (default both)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/limits_cpu.json)")
     args = parser.parse_args(argv)
     if args.start < GRANULE or args.start % GRANULE:
@@ -204,7 +210,8 @@ def main(argv=None) -> None:
     memory_budget = int(args.memory_gib * 2**30)
     runs, limits = [], []
     for peer in args.peers:
-        limits.append(find_limits(peer, memory_budget, args.seconds, args.start, args.max_seconds, args.threads, runs))
+        limits.append(find_limits(peer, memory_budget, args.seconds, args.start, args.max_seconds, args.threads, runs,
+                                  budgets=tuple(args.budgets)))
     meta = run_meta(
         "bench_limits", argv, measurement_threads=args.threads or torch.get_num_threads(), dtype="fp32",
         config={"layers": 1, "hidden": 768, "heads": 12, "intermediate": 3072, "vocab": VOCAB, "batch": 1,

@@ -42,3 +42,11 @@ def test_peak_allocated_counts_the_tensors_alive_together():
 
     peak = peak_allocated_above(work)
     assert 8 * 2**20 <= peak < 9 * 2**20
+
+
+def test_table_marks_a_budget_not_searched():
+    from bench.bench_limits import table
+
+    limits = [{"peer": "long-short", "time": {"longest_pass": 28160, "shortest_fail": 30720}}]
+    row = table(limits, memory_budget=8 * 2**30, time_budget=30.0).splitlines()[-1]
+    assert row == "| long-short | not searched | 28160 (fails at 30720) |"
