@@ -545,8 +545,8 @@ class LongShortSelfAttention(nn.Module):
 
     def _memory_lean(self, hidden_states: Tensor, need_weights: bool) -> bool:
         """Whether this call saves memory for the backward pass (``recompute_window_tiles``): the window tiles go
-        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass) and ``LN_L`` keeps its output
-        only. On CPU when gradients are taken, with one head dim for queries and values, without attention maps or
+        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass), ``LN_L`` keeps its output
+        only and the projection's backward pass is ``_ProjectRows``. On CPU when gradients are taken, with one head dim for queries and values, without attention maps or
         active attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps
         them)."""
         return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
