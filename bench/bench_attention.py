@@ -17,8 +17,8 @@ One attention module each (query/key/value/output projections included; hidden 7
 On CPU every (peer, n) runs in a forked process so that its peak memory is its own: the RSS high-water mark
 (``VmHWM``) minus the RSS before the first step, and, in a second step, the CPU allocator's own peak of tensor memory
 (``peak_allocated_above``: what RSS shows without glibc's heap keeping freed blocks). On CUDA it runs in-process:
-``max_memory_allocated`` minus the memory allocated before the first step. A peer whose estimated need exceeds free memory is skipped, not run into
-the OOM killer.
+``max_memory_allocated`` minus the memory allocated before the first step. A peer whose estimated need exceeds free
+memory is skipped, not run into the OOM killer.
 
     python -m bench.bench_attention                 # CPU float32, n = 1024 ... 16384 (a few minutes)
     python -m bench.bench_attention --quick         # n = 1024, 2048 (well under a minute)

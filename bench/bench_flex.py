@@ -28,7 +28,7 @@ import timm
 import torch
 
 import ls_timm  # noqa: F401  registers the vision models
-from bench.common import interleaved_times, results_path, run_meta, write_json
+from bench.common import interleaved_times, results_path, run_meta, sync, write_json
 from ls_hf.long_short_attention import LongShortSelfAttention
 
 HIDDEN, HEADS, WINDOW, RANK, SEGMENT = 768, 12, 256, 64, 16
@@ -59,10 +59,10 @@ def build_vision(name: str, img_size: int, device: str) -> dict:
 def compare(peers: dict, x: torch.Tensor, device: str, repeats: int) -> dict:
     """The peers' outputs on x (the round that compiles) and their interleaved times; ratios to the eager SDPA path
     and each output's largest difference from its output, over the largest output."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.inference_mode():
         outputs = {name: module(x) for name, module in peers.items()}  # also compiles for this shape
-        times = interleaved_times({name: (lambda m=module: m(x)) for name, module in peers.items()}, repeats, sync)
+        times = interleaved_times({name: (lambda m=module: m(x)) for name, module in peers.items()}, repeats,
+                                  lambda: sync(device))
     outputs = {name: out[0] if isinstance(out, tuple) else out for name, out in outputs.items()}
     scale = outputs["sdpa"].abs().max().item()
     medians = {name: statistics.median(values) for name, values in times.items()}

@@ -72,6 +72,29 @@ def check_attn_implementation(attn_implementation: str) -> None:
         )
 
 
+def takes_grad(x: Tensor, weight: Tensor) -> bool:
+    """Whether autograd records a module's call on ``x``: gradients enabled, and ``x`` or the module's ``weight``
+    requires them."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+def check_flex_call(x: Tensor, weight: Tensor, *, training: bool, dropout: float, dropout_name: str,
+                    dropout_setting: str) -> None:
+    """Refuse, before any work, what FlexAttention cannot do: attention dropout in training (``dropout``, the
+    module's ``dropout_name``, set by ``dropout_setting``), and backward on CPU (``takes_grad(x, weight)``)."""
+    if training and dropout > 0:
+        raise ValueError(
+            f'attn_implementation="flex_attention" has no attention dropout, but {dropout_name} is {dropout} in '
+            f'training mode; set it ({dropout_setting}) to 0 or use attn_implementation="sdpa".'
+        )
+    if takes_grad(x, weight) and x.device.type == "cpu":
+        raise NotImplementedError(
+            f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
+            f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
+            f"torch.no_grad() / torch.inference_mode()."
+        )
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -551,11 +574,7 @@ class LongShortSelfAttention(nn.Module):
         them)."""
         return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
                 and hidden_states.device.type == "cpu" and self.qk_head_dim == self.head_dim and not need_weights
-                and not (self.training and self.attention_dropout) and self._takes_grad(hidden_states))
-
-    def _takes_grad(self, hidden_states: Tensor) -> bool:
-        """Whether autograd records this call: gradients enabled, and the input or the weights require them."""
-        return torch.is_grad_enabled() and (hidden_states.requires_grad or self.query.weight.requires_grad)
+                and not (self.training and self.attention_dropout) and takes_grad(hidden_states, self.query.weight))
 
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
@@ -653,7 +672,9 @@ class LongShortSelfAttention(nn.Module):
             raise ValueError(f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
                              f"{tuple(attention_mask.shape)}.")
         if self.attn_implementation == "flex_attention" and not output_attentions:
-            self._check_flex(hidden_states)
+            check_flex_call(hidden_states, self.query.weight, training=self.training,
+                            dropout=self.attention_dropout, dropout_name="attention_dropout",
+                            dropout_setting="attention_probs_dropout_prob")
         masked = attention_mask is not None
         if not masked:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)
@@ -875,21 +896,6 @@ class LongShortSelfAttention(nn.Module):
         if q_valid is not None:
             context = context * q_valid[:, :, None, None].to(context.dtype)
         return context, prob
-
-    def _check_flex(self, hidden_states: Tensor) -> None:
-        """Refuse, before any work, what FlexAttention cannot do: attention dropout, and backward on CPU."""
-        if self.training and self.attention_dropout > 0:
-            raise ValueError(
-                f'attn_implementation="flex_attention" has no attention dropout, but attention_dropout is '
-                f"{self.attention_dropout} in training mode; set it (attention_probs_dropout_prob) to 0 or use "
-                f'attn_implementation="sdpa".'
-            )
-        if self._takes_grad(hidden_states) and hidden_states.device.type == "cpu":
-            raise NotImplementedError(
-                f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
-                f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
-                f"torch.no_grad() / torch.inference_mode()."
-            )
 
     def _attend_flex(self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None):
         """``_attend_groups`` (same arguments, no weights) on FlexAttention: the keys are [extra keys; window keys]

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from ls_hf.long_short_attention import (
     _window_rule,
     check_attn_implementation,
+    check_flex_call,
     create_block_mask,
     flex_attention,
     project_rows,
@@ -390,19 +391,6 @@ class LongShortAttention2d(nn.Module):
             out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
-    def _check_flex(self, x: Tensor) -> None:
-        """Refuse, before any work, what FlexAttention cannot do: attention dropout, and backward on CPU."""
-        if self.training and self.attn_drop > 0:
-            raise ValueError(f'attn_implementation="flex_attention" has no attention dropout, but attn_drop is '
-                             f'{self.attn_drop} in training mode; set it (attn_drop_rate) to 0 or use '
-                             f'attn_implementation="sdpa".')
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.proj.weight.requires_grad)
-        if needs_grad and x.device.type == "cpu":
-            raise NotImplementedError(
-                f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
-                f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
-                f"torch.no_grad() / torch.inference_mode().")
-
     def _attend_flex(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
                      feat_size: tuple[int, int]) -> Tensor:
         """``_attend_blocked`` (same arguments) on FlexAttention: the keys are [patches; extra keys], the block mask
@@ -473,7 +461,8 @@ class LongShortAttention2d(nn.Module):
         and the extra rows [projected rows; global tokens].
         """
         if self.attn_implementation == "flex_attention":
-            self._check_flex(x)
+            check_flex_call(x, self.proj.weight, training=self.training, dropout=self.attn_drop,
+                            dropout_name="attn_drop", dropout_setting="attn_drop_rate")
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
