@@ -26,10 +26,13 @@ ATTENTIONS = ("long_short", "window", "full")
 
 
 def batch(generator: torch.Generator, size: int, length: int, vocab_size: int):
-    """``size`` sequences of ``length`` tokens: BOS, random tokens, one marker in ``[length // 2, length)``."""
+    """``size`` sequences of ``length`` tokens: BOS, random tokens, one marker in ``[length // 2, length)``. The
+    labels are balanced, half of each (one more 0 when ``size`` is odd) in random order: with independent labels the
+    batch's surplus of one class pushes W^P's gradient along every token's input, noise that does not shrink with n,
+    while the marker's part of it is about 1/n (see ``recipes/lra/README.md``)."""
     ids = torch.randint(FIRST_RANDOM, vocab_size, (size, length), generator=generator)
     ids[:, 0] = BOS
-    labels = torch.randint(0, 2, (size,), generator=generator)
+    labels = torch.randperm(size, generator=generator) % 2
     where = torch.randint(length // 2, length, (size,), generator=generator)
     ids[torch.arange(size), where] = torch.tensor(MARKERS)[labels]
     return ids, labels
