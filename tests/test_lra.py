@@ -181,6 +181,29 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
     plot([str(tmp_path / "whole"), str(tmp_path / "whole" / "results.json")], str(tmp_path / "d.png"))
     assert (tmp_path / "d.png").stat().st_size > 0
 
+    from recipes.lra.score import main as score
+
+    best, last = score([str(tmp_path / "whole"), "--threads", "1", "--json", str(tmp_path / "scores.json")])
+    assert (best["checkpoint"], best["step"], last["checkpoint"], last["step"]) == (
+        "best.pt", whole["tested_checkpoint_step"], "last.pt", 6)
+    assert best["test"]["accuracy"] == whole["test_accuracy"]
+    assert best["dev"]["accuracy"] == {h["step"]: h["dev_accuracy"] for h in whole["history"]}[best["step"]]
+    assert sum(best["test"]["label_counts"]) == 8 and json.loads((tmp_path / "scores.json").read_text())[0] == best
+    with pytest.raises(SystemExit, match="results.json not found"):
+        score([str(tmp_path / "missing")])
+
+
+def test_label_scores_and_reweighting():
+    """Per-label accuracy, and a split's accuracy under another label mix over the labels it holds."""
+    from recipes.lra.score import label_scores, reweighted
+
+    scores = label_scores(np.array([0, 0, 1, 1, 1, 2]), np.array([0, 1, 1, 1, 0, 2]), num_classes=4)
+    assert scores["label_counts"] == [2, 3, 1, 0]
+    assert scores["label_accuracy"] == [0.5, pytest.approx(2 / 3), 1.0, None]
+    assert scores["accuracy"] == pytest.approx(4 / 6)
+    assert reweighted(scores["label_accuracy"], [1, 1, 0, 5]) == pytest.approx((0.5 + 2 / 3) / 2)
+    assert reweighted(scores["label_accuracy"], scores["label_counts"]) == pytest.approx(scores["accuracy"])
+
 
 def test_flops_count_the_attention():
     """FlopCounterMode sees the fused CPU attention: full attention's score and value products, 4 n^2 d per layer

@@ -131,16 +131,23 @@ class BatchOrder:
 
 
 @torch.no_grad()
-def accuracy(model, examples, batch_size: int, multiple: int) -> float:
-    """Accuracy over a whole split, batches of similar lengths (outputs do not depend on padding)."""
+def predictions(model, examples, batch_size: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, predicted labels) over a whole split, in batches of similar lengths (outputs do not depend on
+    padding)."""
     model.eval()
     order = np.argsort(examples.lengths().max(0), kind="stable")
-    correct = 0
+    labels, predicted = [], []
     for start in range(0, len(order), batch_size):
-        ids, masks, labels = examples.batch(order[start : start + batch_size], multiple)
-        correct += int((model(ids, masks).argmax(-1) == labels).sum())
+        ids, masks, batch_labels = examples.batch(order[start : start + batch_size], multiple)
+        labels.append(batch_labels.numpy())
+        predicted.append(model(ids, masks).argmax(-1).numpy())
     model.train()
-    return correct / len(examples)
+    return np.concatenate(labels), np.concatenate(predicted)
+
+
+def accuracy(model, examples, batch_size: int, multiple: int) -> float:
+    labels, predicted = predictions(model, examples, batch_size, multiple)
+    return float((labels == predicted).mean())
 
 
 def save(obj, path: Path) -> None:
