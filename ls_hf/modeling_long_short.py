@@ -42,6 +42,19 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
 
+# The decoding cache's name as a forward argument, in model outputs and in ``generate``'s model kwargs:
+# ``past_key_values`` up to Transformers 5.23, ``cache`` from 5.24 (which still reads the old name and warns).
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def decoding_cache(cache, past_key_values):
+    """The decoding cache given as ``cache`` (Transformers >= 5.24) or ``past_key_values`` (its earlier name)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("Pass the decoding cache once, as cache=... (named past_key_values before Transformers 5.24), "
+                         "not both.")
+    return cache if cache is not None else past_key_values
+
+
 # RoBERTa checkpoint key -> LongShort key (regex -> replacement, for `from_pretrained(key_mapping=...)`). Every other
 # RoBERTa key keeps its name; the LongShort-only parameters (dynamic_projection, dual_ln_*) are new.
 ROBERTA_KEY_MAPPING = {
@@ -192,9 +205,10 @@ class LongShortLayer(GradientCheckpointingLayer):
         self.intermediate = LongShortIntermediate(config)
         self.output = LongShortOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                global_attention_mask=None, **kwargs):
-        state = past_key_values.layers[self.layer_idx].state if past_key_values is not None else None
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False, global_attention_mask=None,
+                **kwargs):
+        cache = kwargs.get(CACHE_NAME)  # by that name, so that gradient checkpointing can drop it
+        state = cache.layers[self.layer_idx].state if cache is not None else None
         attention_output, _ = self.attention(
             hidden_states, attention_mask, state, output_attentions, global_attention_mask=global_attention_mask
         )
@@ -206,13 +220,13 @@ class LongShortEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([LongShortLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
+    def forward(self, hidden_states, attention_mask=None, cache=None, output_attentions=False,
                 global_attention_mask=None):
         for layer in self.layer:
             # hidden_states positionally, for reentrant gradient checkpointing
             hidden_states = layer(
-                hidden_states, attention_mask, past_key_values=past_key_values, output_attentions=output_attentions,
-                global_attention_mask=global_attention_mask,
+                hidden_states, attention_mask, output_attentions=output_attentions,
+                global_attention_mask=global_attention_mask, **{CACHE_NAME: cache},
             )
         return hidden_states
 
@@ -388,10 +402,11 @@ class LongShortModel(LongShortPreTrainedModel):
     @capture_outputs
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        past_key_values=None, use_cache=None, global_attention_mask=None, **kwargs,
+        cache=None, use_cache=None, global_attention_mask=None, past_key_values=None, **kwargs,
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
-        (B, n, d). With ``past_key_values`` (a ``LongShortCache``) the inputs continue the cached tokens and
+        (B, n, d). With ``cache`` (a ``LongShortCache``; ``past_key_values`` before Transformers 5.24) the inputs
+        continue the cached tokens and
         ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n columns mask the keys.
         Without ``position_ids``, positions follow ``roberta_position_ids``: counted over the real tokens that the
         mask marks (else the ids that are not ``pad_token_id``), the same in a full forward, a cached step and
@@ -399,15 +414,16 @@ class LongShortModel(LongShortPreTrainedModel):
         here, the heads set Longformer's defaults)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
-        if past_key_values is not None and not isinstance(past_key_values, LongShortCache):
+        cache = decoding_cache(cache, past_key_values)
+        if cache is not None and not isinstance(cache, LongShortCache):
             raise ValueError(
-                f"past_key_values must be a LongShortCache (causal LongShort attention keeps windows and projected "
-                f"rows, not full K/V), got {type(past_key_values).__name__}."
+                f"{CACHE_NAME} must be a LongShortCache (causal LongShort attention keeps windows and projected "
+                f"rows, not full K/V), got {type(cache).__name__}."
             )
         use_cache = bool(use_cache) and self.config.is_decoder
-        if use_cache and past_key_values is None:
-            past_key_values = LongShortCache(self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = LongShortCache(self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         batch, n = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         length = past_length + n
         if attention_mask is not None and tuple(attention_mask.shape) not in ((batch, n), (batch, length)):
@@ -448,12 +464,12 @@ class LongShortModel(LongShortPreTrainedModel):
             position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
         )
         hidden_states = self.encoder(
-            hidden_states, attention_mask, past_key_values, output_attentions, global_attention_mask=global_attention_mask
+            hidden_states, attention_mask, cache, output_attentions, global_attention_mask=global_attention_mask
         )
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_NAME: cache if use_cache else None},
         )
 
 
@@ -526,7 +542,7 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     @can_return_tuple
     def forward(
         self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        past_key_values=None, use_cache=None, labels=None, logits_to_keep=0, **kwargs,
+        cache=None, use_cache=None, labels=None, logits_to_keep=0, past_key_values=None, **kwargs,
     ):
         """labels (B, n): the input ids (shifted inside the loss), -100 where no loss is taken. logits_to_keep: an
         int k keeps the last k positions' logits (0 = all), a tensor selects positions."""
@@ -534,7 +550,7 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
             use_cache = False
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, past_key_values=past_key_values,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, cache=decoding_cache(cache, past_key_values),
             use_cache=use_cache, return_dict=True, **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -545,9 +561,9 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -558,8 +574,8 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
                 f"LongShort decodes only with LongShortCache (per layer a window and the projected rows); drop "
                 f"cache_implementation={generation_config.cache_implementation!r}."
             )
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = LongShortCache(self.config)
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+            model_kwargs[CACHE_NAME] = LongShortCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):

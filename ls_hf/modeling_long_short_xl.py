@@ -47,7 +47,13 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import BatchFirstState, segment_keep, window_keep
-from .modeling_long_short import LongShortCacheLayer, LongShortPreTrainedModel, hub_auto_map
+from .modeling_long_short import (
+    CACHE_NAME,
+    LongShortCacheLayer,
+    LongShortPreTrainedModel,
+    decoding_cache,
+    hub_auto_map,
+)
 
 __all__ = [
     "AUTO_CLASSES_XL",
@@ -412,7 +418,7 @@ class LongShortXLModel(LongShortXLPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings = value
 
-    def forward(self, input_ids, memory=None, past_key_values=None, memory_length=None):
+    def forward(self, input_ids, memory=None, cache=None, memory_length=None):
         """input_ids (B, n). memory: per layer (B, L, d) inputs of the L tokens before (L a multiple of l), read when
         the cache is empty. Returns (hidden states (B, n, d), next memory or None when ``memory_length`` is 0)."""
         config = self.config
@@ -427,7 +433,7 @@ class LongShortXLModel(LongShortXLPreTrainedModel):
         h = self.dropout(h)
         next_memory = []
         for i, layer in enumerate(self.layers):
-            cache_layer = past_key_values.layers[i] if past_key_values is not None else None
+            cache_layer = cache.layers[i] if cache is not None else None
             state = cache_layer.state if cache_layer is not None and cache_layer.state.seen else None
             if state is None:
                 state = XLState()
@@ -473,8 +479,8 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, memory=None, memory_length=None, past_key_values=None,
-        use_cache=None, labels=None, shift_labels=None, logits_to_keep=0, **kwargs,
+        self, input_ids=None, attention_mask=None, memory=None, memory_length=None, cache=None,
+        use_cache=None, labels=None, shift_labels=None, logits_to_keep=0, past_key_values=None, **kwargs,
     ):
         """input_ids (B, n); memory: ``memory`` of the previous block's output; memory_length: tokens of memory to
         return (default ``config.memory_length``); labels (B, n): the input ids, shifted inside the loss; or
@@ -486,9 +492,10 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
                              "padding, or score rows of different lengths separately).")
         scoring = labels is not None or shift_labels is not None
         use_cache = bool(self.config.use_cache if use_cache is None else use_cache) and not scoring
-        if use_cache and past_key_values is None:
-            past_key_values = LongShortXLCache(self.config)
-        hidden, next_memory = self.long_short(input_ids, memory, past_key_values, memory_length)
+        cache = decoding_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = LongShortXLCache(self.config)
+        hidden, next_memory = self.long_short(input_ids, memory, cache, memory_length)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep])
         loss = None
@@ -497,7 +504,7 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                       shift_labels=shift_labels, **kwargs)
         return LongShortXLOutput(
-            loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None, memory=next_memory
+            loss=loss, logits=logits, memory=next_memory, **{CACHE_NAME: cache if use_cache else None}
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -505,8 +512,8 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
         if generation_config.cache_implementation is not None:
             raise ValueError(f"LongShortXL decodes only with LongShortXLCache; drop "
                              f"cache_implementation={generation_config.cache_implementation!r}.")
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = LongShortXLCache(self.config)
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+            model_kwargs[CACHE_NAME] = LongShortXLCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from ls_hf import LongShortCache, LongShortForCausalLM
+from ls_hf.modeling_long_short import CACHE_NAME
 
 from .test_modeling import VOCAB, tiny_config, tokens
 
@@ -184,6 +185,20 @@ def test_cache_batch_select_and_repeat_interleave_keep_each_row_with_its_sequenc
     assert_same_cache(cache, cache_of(model, ids[[2, 0]], mask[[2, 0]]))
     cache.batch_repeat_interleave(2)
     assert_same_cache(cache, cache_of(model, ids[[2, 2, 0, 0]], mask[[2, 2, 0, 0]]))
+
+
+def test_the_cache_by_either_name(model):
+    """``cache`` (Transformers >= 5.24) and ``past_key_values`` (its name before) are one argument, and the output
+    holds the cache under the installed version's name; both names at once are refused."""
+    ids = tokens(1, 6)
+    by_new_name, by_old_name = LongShortCache(model.config), LongShortCache(model.config)
+    with torch.no_grad():
+        new = model(ids, cache=by_new_name, use_cache=True)
+        old = model(ids, past_key_values=by_old_name, use_cache=True)
+    assert by_new_name.get_seq_length() == by_old_name.get_seq_length() == 6
+    assert torch.equal(new.logits, old.logits) and getattr(new, CACHE_NAME) is by_new_name
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, cache=by_new_name, past_key_values=by_old_name)
 
 
 def test_a_foreign_cache_is_refused_clearly(model):
