@@ -406,8 +406,8 @@ class LongShortModel(LongShortPreTrainedModel):
     ):
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``cache`` (a ``LongShortCache``; ``past_key_values`` before Transformers 5.24) the inputs
-        continue the cached tokens and
-        ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n columns mask the keys.
+        continue the cached tokens and ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n
+        columns mask the keys.
         Without ``position_ids``, positions follow ``roberta_position_ids``: counted over the real tokens that the
         mask marks (else the ids that are not ``pad_token_id``), the same in a full forward, a cached step and
         ``generate``. global_attention_mask (B, n): 1 for global tokens (bidirectional models only; none by default
@@ -550,7 +550,7 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
             use_cache = False
         outputs = self.long_short(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, cache=decoding_cache(cache, past_key_values),
+            position_ids=position_ids, inputs_embeds=inputs_embeds, cache=cache, past_key_values=past_key_values,
             use_cache=use_cache, return_dict=True, **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
