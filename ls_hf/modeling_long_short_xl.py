@@ -418,9 +418,11 @@ class LongShortXLModel(LongShortXLPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings = value
 
-    def forward(self, input_ids, memory=None, cache=None, memory_length=None):
+    def forward(self, input_ids, memory=None, cache=None, memory_length=None, past_key_values=None):
         """input_ids (B, n). memory: per layer (B, L, d) inputs of the L tokens before (L a multiple of l), read when
-        the cache is empty. Returns (hidden states (B, n, d), next memory or None when ``memory_length`` is 0)."""
+        the cache is empty; cache: a ``LongShortXLCache`` (``past_key_values`` before Transformers 5.24). Returns
+        (hidden states (B, n, d), next memory or None when ``memory_length`` is 0)."""
+        cache = decoding_cache(cache, past_key_values)
         config = self.config
         memory_length = config.memory_length if memory_length is None else memory_length
         check_memory_length(memory_length, config.causal_segment_length, "memory_length")

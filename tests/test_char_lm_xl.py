@@ -125,6 +125,12 @@ def test_cached_decoding_equals_the_full_forward_with_memory(rules):
             steps.append(model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits)
     assert isinstance(out.past_key_values, LongShortXLCache)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+    # the base model takes the cache by either name, as the causal LM does
+    by_new_name, by_old_name = LongShortXLCache(model.config), LongShortXLCache(model.config)
+    with torch.no_grad():
+        new = model.long_short(ids[:, 8:11], memory, cache=by_new_name)[0]
+        old = model.long_short(ids[:, 8:11], memory, past_key_values=by_old_name)[0]
+    assert torch.equal(new, old) and by_new_name.get_seq_length() == by_old_name.get_seq_length() == 8 + 3  # memory too
 
 
 def test_generate_cached_equals_uncached_and_greedy_loop():
