@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 GPU_TESTS=(tests/test_attention.py tests/test_modeling.py tests/test_flex_attention.py tests/test_timm_attention.py
-           tests/test_timm_models.py tests/test_timm_flex_attention.py)
+           tests/test_timm_models.py tests/test_timm_flex_attention.py tests/test_lra.py)
 if [ "${1:-}" = gpu-check ] && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
     echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
     exit 0

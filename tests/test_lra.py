@@ -10,6 +10,7 @@ import torch
 from recipes.lra import data as lra_data
 from recipes.lra.data import LISTOPS_VOCAB, OPERATORS, ListOpsRules, generate_listops, listops
 from recipes.lra.model import LRAClassifier, LRAConfig, from_official
+from recipes.lra.train import machine as train_machine
 from recipes.lra.train import main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -135,6 +136,18 @@ def test_bad_config_names_the_argument():
 
 
 # ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("name, message", [("meta", "must be cpu or cuda"), ("gpu0", "must name a torch device"),
+                                           ("cuda:7", "CUDA device")])
+def test_bad_device_is_refused_before_any_work(tmp_path, capsys, name, message):
+    if name == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a CUDA device 7")
+    with pytest.raises(SystemExit):
+        main(_argv(tmp_path / "run", 6, "--device", name))
+    err = capsys.readouterr().err
+    assert "--device" in err and message in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
+
+
 def _argv(out, steps, *extra):
     return ["--task", "listops", "--output_dir", str(out), "--data_dir", str(out.parent / "data"), "--steps",
             str(steps), "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--eval_batch_size", "8",
@@ -142,12 +155,14 @@ def _argv(out, steps, *extra):
             "--listops_test", "8", "--no_progress", "--threads", "1", *extra]
 
 
-def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
+def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
     """A run stopped after its first evaluation and rerun ends where an uninterrupted one ends; the test split is
     scored once, with the best dev checkpoint."""
     small = {"min_length": 10, "max_length": 60, "max_depth": 4, "max_args": 5}  # short expressions, quick steps
     monkeypatch.setattr("recipes.lra.train.ListOpsRules", lambda **kw: ListOpsRules(**{**small, **kw}))
-    whole = main(_argv(tmp_path / "whole", 6))
+    on = ("--device", str(device))
+    whole = main(_argv(tmp_path / "whole", 6, *on))
+    assert whole["machine"] == train_machine(device)
     assert [h["step"] for h in whole["history"]] == [2, 4, 6]
     assert whole["tested_checkpoint_step"] == max(whole["history"], key=lambda h: h["dev_accuracy"])["step"]
     assert 0 <= whole["test_accuracy"] <= 1
@@ -163,18 +178,18 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "save", stop_after_first_eval)
     with pytest.raises(KeyboardInterrupt):
-        main(_argv(tmp_path / "split", 6))
+        main(_argv(tmp_path / "split", 6, *on))
     monkeypatch.setattr(train, "save", real_save)
-    resumed = main(_argv(tmp_path / "split", 6))
+    resumed = main(_argv(tmp_path / "split", 6, *on))
     assert [h["step"] for h in resumed["history"]] == [2, 4, 6]
     for a, b in zip(whole["history"], resumed["history"]):
         assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     # a finished run is not retrained; other settings in the same folder are refused
-    assert main(_argv(tmp_path / "split", 6))["test_accuracy"] == whole["test_accuracy"]
+    assert main(_argv(tmp_path / "split", 6, *on))["test_accuracy"] == whole["test_accuracy"]
     (tmp_path / "split" / "results.json").unlink()
     with pytest.raises(SystemExit, match="other settings"):
-        main(_argv(tmp_path / "split", 6, "--seed", "1"))
+        main(_argv(tmp_path / "split", 6, *on, "--seed", "1"))
 
     from recipes.lra.plot import plot
 
@@ -183,7 +198,7 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch):
 
     from recipes.lra.score import main as score
 
-    best, last = score([str(tmp_path / "whole"), "--threads", "1", "--json", str(tmp_path / "scores.json")])
+    best, last = score([str(tmp_path / "whole"), *on, "--threads", "1", "--json", str(tmp_path / "scores.json")])
     assert (best["checkpoint"], best["step"], last["checkpoint"], last["step"]) == (
         "best.pt", whole["tested_checkpoint_step"], "last.pt", 6)
     assert best["test"]["accuracy"] == whole["test_accuracy"]

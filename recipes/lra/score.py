@@ -21,13 +21,14 @@ from .train import RUN_KEYS, load_splits, model_config, predictions, resolve
 SCORED_SPLITS = ("dev", "test")
 
 
-def run_settings(run_dir: str | Path, data_dir: str | None = None) -> argparse.Namespace:
-    """The arguments a run was trained with, from its ``results.json``."""
+def run_settings(run_dir: str | Path, data_dir: str | None = None, device: str | None = None) -> argparse.Namespace:
+    """The arguments a run was trained with, from its ``results.json``, on ``device``."""
     path = Path(run_dir) / "results.json"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; RUN_DIR must be a --output_dir of python -m recipes.lra.")
     run = json.loads(path.read_text())["run"]
     argv = ["--output_dir", str(run_dir)] + (["--data_dir", data_dir] if data_dir else [])
+    argv += ["--device", device] if device else []
     for key in RUN_KEYS:
         value = run[key]
         if isinstance(value, bool):
@@ -51,18 +52,20 @@ def reweighted(label_accuracy: list, label_counts: list) -> float:
     return sum(a * c for a, c in pairs) / sum(c for _, c in pairs)
 
 
-def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int = 64) -> list[dict]:
-    """One row per checkpoint (``best.pt``, ``last.pt``) of the run."""
-    args = run_settings(run_dir, data_dir)
+def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int = 64,
+              device: str | None = None) -> list[dict]:
+    """One row per checkpoint (``best.pt``, ``last.pt``) of the run, scored on ``device`` (default: cuda if
+    available)."""
+    args = run_settings(run_dir, data_dir, device)
     splits = load_splits(args)
     config = model_config(args)
-    model = LRAClassifier(config)
+    model = LRAClassifier(config).to(args.device)
     rows = []
     for name in ("best.pt", "last.pt"):
         path = Path(run_dir) / name
         if not path.exists():
             continue
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location=args.device)
         model.load_state_dict(saved["model"])
         step = saved["step"] if "step" in saved else saved["state"]["step"]
         scores = {split: label_scores(*predictions(model, splits[split], batch_size, max(config.window, 1)),
@@ -96,12 +99,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--output_dir of a python -m recipes.lra run")
     p.add_argument("--data_dir", help="the runs' --data_dir, if they were given one")
     p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--device", help="where to score, e.g. cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [row for run_dir in args.run_dirs for row in score_run(run_dir, args.data_dir, args.batch_size)]
+    rows = [row for run_dir in args.run_dirs for row in score_run(run_dir, args.data_dir, args.batch_size, args.device)]
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -69,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="keep '[OP' and ']' tokens (LRA's released pipeline, behind the paper's numbers, drops them)")
     for split, size in zip(SPLITS, (96_000, 2_000, 2_000)):
         p.add_argument(f"--listops_{split}", type=int, default=size, help=f"generated {split} examples")
+    p.add_argument("--device", help="where to train, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
@@ -91,7 +92,25 @@ def resolve(argv=None) -> argparse.Namespace:
         parser().error(f"--data_dir is required for --task {args.task}: the folder with its train/dev/test data")
     if args.threads is not None and args.threads < 1:
         parser().error(f"--threads must be >= 1, got {args.threads}")
+    args.device = resolve_device(args.device, parser())
     return args
+
+
+def resolve_device(name: str | None, parser: argparse.ArgumentParser) -> torch.device:
+    """``--device``, checked before any work: cuda if available when not given."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device must name a torch device such as cpu or cuda, got {name!r}")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: torch finds no CUDA device here; use --device cpu")
+    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if chosen.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {name!r}")
+    return chosen
 
 
 def model_config(args) -> LRAConfig:
@@ -130,17 +149,24 @@ class BatchOrder:
         return np.array([self.perms[e][i] for e, i in zip(epoch, within)])
 
 
+def on_device(batch, device: torch.device):
+    """A batch of :meth:`Examples.batch` (ids and masks per tower, labels) moved to ``device``."""
+    ids, masks, labels = batch
+    return [t.to(device) for t in ids], [t.to(device) for t in masks], labels.to(device)
+
+
 @torch.no_grad()
 def predictions(model, examples, batch_size: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """(labels, predicted labels) over a whole split, in batches of similar lengths (outputs do not depend on
-    padding)."""
+    padding), on the model's device."""
     model.eval()
+    where = next(model.parameters()).device
     order = np.argsort(examples.lengths().max(0), kind="stable")
     labels, predicted = [], []
     for start in range(0, len(order), batch_size):
-        ids, masks, batch_labels = examples.batch(order[start : start + batch_size], multiple)
-        labels.append(batch_labels.numpy())
-        predicted.append(model(ids, masks).argmax(-1).numpy())
+        ids, masks, batch_labels = on_device(examples.batch(order[start : start + batch_size], multiple), where)
+        labels.append(batch_labels.cpu().numpy())
+        predicted.append(model(ids, masks).argmax(-1).cpu().numpy())
     model.train()
     return np.concatenate(labels), np.concatenate(predicted)
 
@@ -156,7 +182,9 @@ def save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def machine() -> str:
+def machine(where: torch.device) -> str:
+    if where.type == "cuda":
+        return f"{torch.cuda.get_device_name(where)}, torch {torch.__version__}"
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
@@ -172,7 +200,7 @@ def main(argv=None):
         if "test_accuracy" in results:
             print(f"{results_path} holds a finished run: test accuracy {results['test_accuracy']:.4f}")
             return results
-    last = torch.load(last_path, weights_only=False) if last_path.exists() else None
+    last = torch.load(last_path, weights_only=False, map_location="cpu") if last_path.exists() else None
     if last is not None and last["run"] != run:
         changed = {k: (last["run"].get(k), v) for k, v in run.items() if last["run"].get(k) != v}
         raise SystemExit(f"error: {out} holds a run with other settings {changed} (saved, given); use another "
@@ -185,7 +213,7 @@ def main(argv=None):
         raise SystemExit(f"error: {err}") from err
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    model = LRAClassifier(config)
+    model = LRAClassifier(config).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
@@ -196,10 +224,12 @@ def main(argv=None):
         optimizer.load_state_dict(last["optimizer"])
         scheduler.load_state_dict(last["scheduler"])
         torch.set_rng_state(last["rng"])
+        if args.device.type == "cuda" and "cuda_rng" in last:
+            torch.cuda.set_rng_state(last["cuda_rng"], args.device)
         state = last["state"]
     multiple = max(config.window, 1)
     order = BatchOrder(len(splits["train"]), args.batch_size, args.seed)
-    info = {"run": run, "model": config.to_dict(), "machine": machine(),
+    info = {"run": run, "model": config.to_dict(), "machine": machine(args.device),
             "parameters": sum(p.numel() for p in model.parameters()),
             "split_sizes": {split: len(ex) for split, ex in splits.items()}}
 
@@ -208,7 +238,7 @@ def main(argv=None):
     losses, tick = [], time.perf_counter()
     model.train()
     while state["step"] < args.steps:
-        ids, masks, labels = splits["train"].batch(order(state["step"]), multiple)
+        ids, masks, labels = on_device(splits["train"].batch(order(state["step"]), multiple), args.device)
         loss = F.cross_entropy(model(ids, masks), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -227,16 +257,18 @@ def main(argv=None):
             if dev > state["best"]["dev_accuracy"]:
                 state["best"] = {"step": state["step"], "dev_accuracy": dev}
                 save({"model": model.state_dict(), "config": config.to_dict(), "step": state["step"]}, best_path)
+            rngs = {"rng": torch.get_rng_state()}
+            if args.device.type == "cuda":
+                rngs["cuda_rng"] = torch.cuda.get_rng_state(args.device)
             save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                  "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "state": state, "run": run},
-                 last_path)
+                  "scheduler": scheduler.state_dict(), **rngs, "state": state, "run": run}, last_path)
             results_path.write_text(json.dumps({**info, **state}, indent=1))
             bar.set_postfix(loss=f"{record['train_loss']:.3f}", dev=f"{dev:.4f}",
                             best=f"{state['best']['dev_accuracy']:.4f}")
             tick = time.perf_counter()
     bar.close()
 
-    model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
+    model.load_state_dict(torch.load(best_path, weights_only=False, map_location=args.device)["model"])
     test = accuracy(model, splits["test"], args.eval_batch_size, multiple)
     results = {**info, **state, "test_accuracy": test, "tested_checkpoint_step": state["best"]["step"],
                "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
