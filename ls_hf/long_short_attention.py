@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.11 anyway)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -52,6 +53,7 @@ __all__ = [
     "ExtraKeys",
     "LongShortSelfAttention",
     "check_attn_implementation",
+    "masked_sdpa",
     "project_rows",
     "segment_keep",
     "validate_long_short_args",
@@ -339,6 +341,21 @@ def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
     return torch.cat([rows[:, None].expand(B, G, *rows.shape[1:]), window], 2)
 
 
+# On CUDA, torch tries cuDNN's attention first for a masked SDPA on recent GPUs, and cuDNN builds an execution plan
+# for every new shape (hundreds of milliseconds each). The shapes here change with every padded length and with every
+# decoding step, so the mask goes to the other fused kernels instead (memory-efficient, else the math fallback).
+SDPA_BACKENDS_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, dropout_p: float = 0.0) -> Tensor:
+    """``F.scaled_dot_product_attention`` of q over the keys where ``keep``, never on cuDNN's backend (CUDA only;
+    see ``SDPA_BACKENDS_WITHOUT_CUDNN``)."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
+    with sdpa_kernel(SDPA_BACKENDS_WITHOUT_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
+
+
 # The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
 # is kept for the backward pass (the public function returns only the output). It needs one head dim for q, k and v.
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -610,9 +627,7 @@ class LongShortSelfAttention(nn.Module):
         gradient taken at them (attribution, ``retain_grad``) is the output's."""
         if not need_weights:
             dropout = self.attention_dropout if self.training else 0.0
-            return F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, dropout_p=dropout
-            ), None
+            return masked_sdpa(q, k.to(q.dtype), v.to(q.dtype), keep, dropout_p=dropout), None
         maps = self._probabilities(q, k, keep)
         maps = layout[0](maps) if layout else maps
         return _weighted(layout[1](maps) if layout else maps, v, q.dtype), maps
@@ -937,7 +952,7 @@ class LongShortSelfAttention(nn.Module):
         keys = torch.cat([self._split(self.key(cls_hidden)), context], 1).transpose(1, 2)
         values = torch.cat([self._split(self.value(cls_hidden)), context], 1).transpose(1, 2)
         keep = torch.cat([valid.new_ones(valid.shape[0], 1), valid], 1)[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=keep)
+        out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
     def _causal(self, q, k, v, scores, valid, masked, state: CausalState, need_weights, tiled):

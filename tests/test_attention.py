@@ -189,6 +189,23 @@ def test_causal_cache_matches_full_forward(config, n, sizes, one_by_one, batch, 
     assert_close(chunked, full, atol=TOL)
 
 
+def test_decoding_never_runs_cudnn_attention(device, dtype):
+    """cuDNN's attention builds an execution plan for every new shape (hundreds of milliseconds on an H100), and a
+    decoding step's keys change shape at every token: the masked attention must run on the other fused kernels."""
+    if device.type != "cuda":
+        pytest.skip("CUDA only: cuDNN's attention is a CUDA backend")
+    module = make(hidden=64, heads=2, window=4, rank=2, segment_length=4, causal=True, device=device, dtype=dtype)
+    x, _ = inputs(module, 2, 24)
+    mask = make_mask("left", 2, 24, 5, device=device)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decoded = decode(module, x, mask, [(0, 9)] + [(t, t + 1) for t in range(9, 24)])
+        full, _ = module(x, mask)
+    assert_close(decoded, full, atol=TOL)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops
+    assert not [op for op in ops if "cudnn" in op.lower()], sorted(ops)
+
+
 def test_causal_state_map_batch_reorders_the_cache():
     """Beam search reorders the cache with ``map_batch``; decoding then continues on the reordered sequences."""
     module = make(window=3, rank=2, segment_length=2, causal=True)

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ls_hf.long_short_attention import LongShortSelfAttention, validate_long_short_args
+from ls_hf.long_short_attention import LongShortSelfAttention, masked_sdpa, validate_long_short_args
 
 ATTENTIONS = ("long_short", "full", "window", "projection")
 
@@ -87,7 +86,7 @@ class DenseSelfAttention(nn.Module):
         q, k, v = (proj(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for proj in (self.query, self.key,
                                                                                           self.value))
         dropout = self.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], dropout_p=dropout)
+        context = masked_sdpa(q, k, v, valid[:, None, None, :], dropout_p=dropout)
         context = context.transpose(1, 2).flatten(2) * valid[:, :, None].to(context.dtype)  # padded rows: bias only
         return self.output(context), None
 
