@@ -36,7 +36,7 @@ case "${1:-}" in
         fi
         for dtype in float32 bfloat16; do
             echo "run.sh gpu-check: tests on CUDA in $dtype"
-            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
                 "${GPU_TESTS[@]}"
         done
         "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \

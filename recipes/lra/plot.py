@@ -1,7 +1,7 @@
 """Dev accuracy against training steps for LRA runs: ``python -m recipes.lra.plot RUN_DIR ... -o dev.png``.
 
-Each RUN_DIR (or its ``results.json``) is one curve, labelled by its attention, (w, r) and seed; a finished run's
-test accuracy joins its label. Works on unfinished runs too (the curve so far).
+Each RUN_DIR (or its ``results.json``) is one curve, labelled by its attention, (w, r) and seed, and coloured by its
+attention; a finished run's test accuracy joins its label. Works on unfinished runs too (the curve so far).
 """
 
 from __future__ import annotations
@@ -28,19 +28,22 @@ def plot(paths: list[str], output: str, title: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    colours = {}
     for path in paths:
         file = Path(path) / "results.json" if Path(path).is_dir() else Path(path)
         if not file.exists():
             raise SystemExit(f"error: {file} does not exist; give run folders (with results.json) or the files.")
         results = json.loads(file.read_text())
         steps = [h["step"] for h in results["history"]]
-        ax.plot(steps, [100 * h["dev_accuracy"] for h in results["history"]], marker=".", label=label(results))
+        colour = colours.setdefault(results["run"]["attention"], f"C{len(colours)}")
+        ax.plot(steps, [100 * h["dev_accuracy"] for h in results["history"]], marker=".", markersize=3, linewidth=1,
+                alpha=0.8, color=colour, label=label(results))
     ax.set_xlabel("training step")
     ax.set_ylabel("dev accuracy (%)")
     ax.set_title(title or f"LRA {results['run']['task']}: dev accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2 if len(paths) > 6 else 1)
     fig.tight_layout()
     fig.savefig(output, dpi=120)
     print(f"wrote {output}")
