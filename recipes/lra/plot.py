@@ -28,7 +28,7 @@ def plot(paths: list[str], output: str, title: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     colours = {}
     for path in paths:
         file = Path(path) / "results.json" if Path(path).is_dir() else Path(path)
@@ -43,7 +43,7 @@ def plot(paths: list[str], output: str, title: str | None = None) -> None:
     ax.set_ylabel("dev accuracy (%)")
     ax.set_title(title or f"LRA {results['run']['task']}: dev accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2 if len(paths) > 6 else 1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     fig.tight_layout()
     fig.savefig(output, dpi=120)
     print(f"wrote {output}")
