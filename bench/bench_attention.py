@@ -54,7 +54,7 @@ from bench.common import (
     write_json,
 )
 from bench.plot import plot_scaling
-from ls_hf.long_short_attention import LongShortSelfAttention, block_mask, flex_attention
+from ls_hf.long_short_attention import LongShortSelfAttention, create_block_mask, flex_attention
 
 HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW
@@ -122,8 +122,7 @@ class LongShortAttention(nn.Module):
 
 class FlexWindowAttention(DenseAttention):
     """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
-    a block mask per length (built compiled at long lengths, as the Long-Short path builds its own) and the compiled
-    kernel."""
+    a block mask per length and the compiled kernel."""
 
     def __init__(self, hidden: int, heads: int, window: int):
         super().__init__(hidden, heads, eager=False)
@@ -134,8 +133,8 @@ class FlexWindowAttention(DenseAttention):
     def attend(self, q, k, v):
         n = q.shape[-2]
         if n not in self.masks:
-            self.masks[n] = block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
-                                       None, n, n, q.device)
+            self.masks[n] = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
+                                              None, None, n, n, device=q.device)
         return self.flex(q, k, v, block_mask=self.masks[n])
 
 

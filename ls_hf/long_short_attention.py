@@ -30,7 +30,6 @@ This file imports nothing from Transformers or timm.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -340,26 +339,6 @@ def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
     if rows is None:
         return window
     return torch.cat([rows[:, None].expand(B, G, *rows.shape[1:]), window], 2)
-
-
-# ``create_block_mask`` evaluates the mask on every (query, key) pair when it runs eagerly: memory and time grow as
-# queries x keys (2.6 GiB and 1.7 s at 16,384 tokens on the CPU). Compiled, it works block by block (0.2 s, no
-# pair-sized tensor) after a one-off compile of a few seconds per shape, worth it from about 4,096 x 4,096 pairs;
-# smaller masks, decoding steps among them, stay eager.
-BLOCK_MASK_COMPILE_PAIRS = 2**24
-
-
-@functools.cache
-def _compiled_create_block_mask() -> Callable:
-    return torch.compile(create_block_mask)
-
-
-def block_mask(keep: Callable, batch: int | None, queries: int, keys: int, device: torch.device):
-    """FlexAttention's block mask of ``keep`` (a mask_mod) for all heads, built compiled above
-    ``BLOCK_MASK_COMPILE_PAIRS`` (query, key) pairs (inside a compiled model, the model's compile builds it)."""
-    large = queries * keys >= BLOCK_MASK_COMPILE_PAIRS and not torch.compiler.is_compiling()
-    build = _compiled_create_block_mask() if large else create_block_mask
-    return build(keep, batch, None, queries, keys, device=device)
 
 
 # On CUDA, torch tries cuDNN's attention first for a masked SDPA on recent GPUs, and cuDNN builds an execution plan
@@ -958,7 +937,7 @@ class LongShortSelfAttention(nn.Module):
                 seen = seen & ((kv_idx >= R) | _segment_rule(t, row_segment, self.segment_length))
             return seen
 
-        mask = block_mask(keep, B, m, R + L, q.device)
+        mask = create_block_mask(keep, B, None, m, R + L, device=q.device)
         # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
         q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
         out = flex_attention(q, keys, values, block_mask=mask)

@@ -46,9 +46,9 @@ from torch import Tensor, nn
 
 from ls_hf.long_short_attention import (
     _window_rule,
-    block_mask,
     check_attn_implementation,
     check_flex_call,
+    create_block_mask,
     flex_attention,
     project_rows,
     window_extent,
@@ -186,7 +186,7 @@ def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device:
         return (kv_idx >= H * W) | in_window
 
     with torch.inference_mode(False):
-        return block_mask(keep, None, H * W, H * W + extra, device)
+        return create_block_mask(keep, None, None, H * W, H * W + extra, device=device)
 
 
 class LongShortAttention2d(nn.Module):
@@ -399,8 +399,8 @@ class LongShortAttention2d(nn.Module):
         kernel that skips the blocks no query sees."""
         B, HW, _ = q.shape
         W, w, X = feat_size[1], self.window_size, keys[1].shape[1]
-        build_mask = flex_block_mask.__wrapped__ if torch.compiler.is_compiling() else flex_block_mask
-        mask = build_mask(tuple(feat_size), w, X, q.device)
+        block_mask = flex_block_mask.__wrapped__ if torch.compiler.is_compiling() else flex_block_mask
+        mask = block_mask(tuple(feat_size), w, X, q.device)
         table = self.relative_position_bias_table
         score_mod = None
         if table is not None:

@@ -157,23 +157,6 @@ def test_compiled_flex_matches_sdpa(causal):
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
 
 
-@pytest.mark.compiled
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_large_block_masks_are_built_compiled(causal, monkeypatch):
-    """Above ``BLOCK_MASK_COMPILE_PAIRS`` (query, key) pairs the block mask is built compiled, block by block, with no
-    pair-sized tensor: the outputs stay those of the SDPA path."""
-    config = {"window": 4, "rank": 2, "causal": causal, "segment_length": 4 if causal else None}
-    sdpa, flex = pair(hidden=8, heads=2, **config)
-    x, _ = inputs(sdpa, 2, 40)
-    mask = make_mask("left" if causal else "right", 2, 40, 7)
-    eager = same_output(sdpa, flex, x, mask)
-    monkeypatch.setattr(lsa, "BLOCK_MASK_COMPILE_PAIRS", 40 * 40)
-    lsa._compiled_create_block_mask.cache_clear()
-    compiled = same_output(sdpa, flex, x, mask)
-    assert lsa._compiled_create_block_mask.cache_info().currsize == 1  # the compiled builder made the masks
-    assert_close(compiled, eager, atol=EXACT)
-
-
 def test_backward_matches_sdpa_where_supported(device):
     """Gradients equal the SDPA path's where FlexAttention has a backward (not on CPU)."""
     if device.type == "cpu":
