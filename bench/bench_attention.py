@@ -122,19 +122,21 @@ class LongShortAttention(nn.Module):
 
 class FlexWindowAttention(DenseAttention):
     """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
-    a block mask per length and the compiled kernel."""
+    a block mask per length and the compiled kernel. The mask is built compiled: built eagerly, ``create_block_mask``
+    evaluates every (query, key) pair (10 GiB at 32,768 tokens), which would dwarf the attention's own memory."""
 
     def __init__(self, hidden: int, heads: int, window: int):
         super().__init__(hidden, heads, eager=False)
         self.window = window
         self.flex = torch.compile(flex_attention, dynamic=False)
+        self.create_block_mask = torch.compile(create_block_mask)
         self.masks = {}
 
     def attend(self, q, k, v):
         n = q.shape[-2]
         if n not in self.masks:
-            self.masks[n] = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
-                                              None, None, n, n, device=q.device)
+            self.masks[n] = self.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
+                                                   None, None, n, n, device=q.device)
         return self.flex(q, k, v, block_mask=self.masks[n])
 
 

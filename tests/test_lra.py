@@ -182,8 +182,9 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
     monkeypatch.setattr(train, "save", real_save)
     resumed = main(_argv(tmp_path / "split", 6, *on))
     assert [h["step"] for h in resumed["history"]] == [2, 4, 6]
+    loss_tol = 1e-6 if device.type == "cpu" else 1e-4  # CUDA's backward sums with atomics, in no fixed order
     for a, b in zip(whole["history"], resumed["history"]):
-        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=loss_tol)
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     # a finished run is not retrained; other settings in the same folder are refused
     assert main(_argv(tmp_path / "split", 6, *on))["test_accuracy"] == whole["test_accuracy"]
