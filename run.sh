@@ -36,8 +36,9 @@ case "${1:-}" in
         fi
         for dtype in float32 bfloat16; do
             echo "run.sh gpu-check: tests on CUDA in $dtype"
+            # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the time
             LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-                "${GPU_TESTS[@]}"
+                -n "${GPU_CHECK_WORKERS:-4}" "${GPU_TESTS[@]}"
         done
         "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \
             --peers long-short sdpa flex-window longformer   # bench/results/attention_cuda_bf16.json
