@@ -81,6 +81,17 @@ def test_listops_deterministic_and_cached(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.npz"))) == 1
 
 
+def test_fresh_listops_leaves_out_the_training_split():
+    """New expressions by the same rules, none of them in the excluded split: a stream that the excluded split came
+    from gives nothing new, another seed gives what was asked for."""
+    train = generate_listops(1, SMALL)["train"]
+    assert len(lra_data.fresh_listops(1, 20, SMALL, exclude=train)) == 0  # the same stream: all in train already
+    fresh = lra_data.fresh_listops(2, 20, SMALL, exclude=train)
+    assert len(fresh) == 20 and fresh.lengths().max() < SMALL.max_length
+    np.testing.assert_array_equal(fresh.labels, generate_listops(2, ListOpsRules(**{**SMALL.__dict__, "train": 1,
+                                                                                    "dev": 1, "test": 20}))["test"].labels)
+
+
 def test_listops_bad_rules():
     with pytest.raises(ValueError, match="--listops_max_depth"):
         ListOpsRules(max_depth=0).check()
@@ -207,6 +218,11 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
     assert sum(best["test"]["label_counts"]) == 8 and json.loads((tmp_path / "scores.json").read_text())[0] == best
     with pytest.raises(SystemExit, match="results.json not found"):
         score([str(tmp_path / "missing")])
+    fresh = score([str(tmp_path / "whole"), *on, "--threads", "1", "--checkpoint", "best", "--fresh", "12",
+                   "--fresh_seed", "5"])
+    assert len(fresh) == 1 and fresh[0]["test"] == best["test"] and sum(fresh[0]["fresh"]["label_counts"]) == 12
+    with pytest.raises(SystemExit, match="--fresh_seed 0 is"):
+        score([str(tmp_path / "whole"), *on, "--fresh", "12", "--fresh_seed", "0"])
 
 
 def test_label_scores_and_reweighting():

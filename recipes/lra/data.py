@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +126,17 @@ def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules) -> dict
     np.savez(tmp, rules=json.dumps(asdict(rules)), **arrays)
     os.replace(tmp, path)
     return splits
+
+
+def fresh_listops(seed: int, size: int, rules: ListOpsRules, exclude: Examples) -> Examples:
+    """Up to ``size`` new expressions by ``rules``, drawn with generator seed ``seed``, leaving out any that
+    ``exclude`` (a run's training split) holds: an independent sample of the distribution its test split is one of."""
+    drawn = generate_listops(seed, replace(rules, train=1, dev=1, test=size))["test"]
+    seen = {exclude.tokens[a:b].tobytes() for a, b in zip(exclude.offsets[0, :-1], exclude.offsets[0, 1:])}
+    keep = [i for i, (a, b) in enumerate(zip(drawn.offsets[0, :-1], drawn.offsets[0, 1:]))
+            if drawn.tokens[a:b].tobytes() not in seen]
+    sequences = [drawn.tokens[drawn.offsets[0, i] : drawn.offsets[0, i + 1]].tolist() for i in keep]
+    return Examples.build([sequences], drawn.labels[keep])
 
 
 # --------------------------------------------------------------------------------------------- examples

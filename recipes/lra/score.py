@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data import fresh_listops
 from .model import LRAClassifier
-from .train import RUN_KEYS, load_splits, model_config, predictions, resolve
+from .train import RUN_KEYS, listops_rules, load_splits, model_config, predictions, resolve
 
 SCORED_SPLITS = ("dev", "test")
+CHECKPOINTS = ("best.pt", "last.pt")
 
 
 def run_settings(run_dir: str | Path, data_dir: str | None = None, device: str | None = None) -> argparse.Namespace:
@@ -53,15 +55,22 @@ def reweighted(label_accuracy: list, label_counts: list) -> float:
 
 
 def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int = 64,
-              device: str | None = None) -> list[dict]:
-    """One row per checkpoint (``best.pt``, ``last.pt``) of the run, scored on ``device`` (default: cuda if
-    available)."""
+              device: str | None = None, fresh: int = 0, fresh_seed: int = 1,
+              checkpoints: tuple[str, ...] = CHECKPOINTS) -> list[dict]:
+    """One row per checkpoint (of ``best.pt``, ``last.pt``) of the run, scored on ``device`` (default: cuda if
+    available); with ``fresh``, also on that many new ListOps expressions (``fresh_listops``)."""
     args = run_settings(run_dir, data_dir, device)
+    if fresh and args.task != "listops":
+        raise SystemExit(f"error: --fresh draws new ListOps expressions; {run_dir} is a {args.task} run.")
+    if fresh and fresh_seed == args.data_seed:
+        raise SystemExit(f"error: --fresh_seed {fresh_seed} is {run_dir}'s --data_seed: give another generator seed.")
     splits = load_splits(args)
+    if fresh:
+        splits["fresh"] = fresh_listops(fresh_seed, fresh, listops_rules(args), exclude=splits["train"])
     config = model_config(args)
     model = LRAClassifier(config).to(args.device)
     rows = []
-    for name in ("best.pt", "last.pt"):
+    for name in checkpoints:
         path = Path(run_dir) / name
         if not path.exists():
             continue
@@ -69,7 +78,7 @@ def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int 
         model.load_state_dict(saved["model"])
         step = saved["step"] if "step" in saved else saved["state"]["step"]
         scores = {split: label_scores(*predictions(model, splits[split], batch_size, max(config.window, 1)),
-                                      config.num_classes) for split in SCORED_SPLITS}
+                                      config.num_classes) for split in SCORED_SPLITS + ("fresh",) if split in splits}
         dev, test = scores["dev"], scores["test"]
         rows.append({"run": str(run_dir), "checkpoint": name, "step": step, **scores,
                      "dev_with_test_labels": reweighted(dev["label_accuracy"], test["label_counts"]),
@@ -78,12 +87,14 @@ def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | checkpoint (step) | dev | test | dev with test's labels | test with dev's labels |",
-             "|---|---|---|---|---|---|"]
+    fresh = f" fresh ({sum(rows[0]['fresh']['label_counts'])}) |" if "fresh" in rows[0] else ""
+    lines = [f"| run | checkpoint (step) | dev | test | dev with test's labels | test with dev's labels |{fresh}",
+             "|---|---|---|---|---|---|" + ("---|" if fresh else "")]
     lines += [f"| {r['run']} | {r['checkpoint']} ({r['step']}) | {100 * r['dev']['accuracy']:.2f} | "
               f"{100 * r['test']['accuracy']:.2f} | {100 * r['dev_with_test_labels']:.2f} | "
-              f"{100 * r['test_with_dev_labels']:.2f} |" for r in rows]
-    for split in SCORED_SPLITS:
+              f"{100 * r['test_with_dev_labels']:.2f} |" + (f" {100 * r['fresh']['accuracy']:.2f} |" if fresh else "")
+              for r in rows]
+    for split in SCORED_SPLITS + (("fresh",) if fresh else ()):
         lines.append(f"\n{split}: examples per label, then accuracy (%) per label")
         for run in dict.fromkeys(r["run"] for r in rows):
             mine = [r for r in rows if r["run"] == run]
@@ -101,11 +112,19 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--device", help="where to score, e.g. cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--checkpoint", choices=("best", "last", "both"), default="both", help="which ones to score")
+    p.add_argument("--fresh", type=int, default=0, metavar="N",
+                   help="ListOps: also score N new expressions by the runs' rules, none from their training split")
+    p.add_argument("--fresh_seed", type=int, default=1, help="--fresh: generator seed (not the runs' --data_seed)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.fresh < 0:
+        p.error(f"--fresh must be >= 0, got {args.fresh}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [row for run_dir in args.run_dirs for row in score_run(run_dir, args.data_dir, args.batch_size, args.device)]
+    checkpoints = CHECKPOINTS if args.checkpoint == "both" else (f"{args.checkpoint}.pt",)
+    rows = [row for run_dir in args.run_dirs for row in score_run(run_dir, args.data_dir, args.batch_size, args.device,
+                                                           args.fresh, args.fresh_seed, checkpoints)]
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -120,10 +120,14 @@ def model_config(args) -> LRAConfig:
                      attention_dropout=args.attention_dropout, dual=args.task == "retrieval")
 
 
+def listops_rules(args) -> ListOpsRules:
+    return ListOpsRules(train=args.listops_train, dev=args.listops_dev, test=args.listops_test,
+                        brackets=args.listops_brackets)
+
+
 def load_splits(args):
     if args.task == "listops":
-        rules = ListOpsRules(train=args.listops_train, dev=args.listops_dev, test=args.listops_test,
-                             brackets=args.listops_brackets)
+        rules = listops_rules(args)
         data_dir = args.data_dir or Path(args.output_dir).resolve().parent / "data"
         splits = listops(data_dir, args.data_seed, rules)
     else:
