@@ -55,6 +55,16 @@ def decoding_cache(cache, past_key_values):
     return cache if cache is not None else past_key_values
 
 
+def prepare_own_cache(generation_config, model_kwargs, make_cache, refusal: str) -> None:
+    """``generate``'s cache for a model that decodes only with its own cache type: ``make_cache()`` unless the caller
+    passed a cache or turned caching off. Any ``cache_implementation`` is refused with ``refusal`` (the other cache
+    types hold full K/V)."""
+    if generation_config.cache_implementation is not None:
+        raise ValueError(f"{refusal}; drop cache_implementation={generation_config.cache_implementation!r}.")
+    if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+        model_kwargs[CACHE_NAME] = make_cache()
+
+
 # RoBERTa checkpoint key -> LongShort key (regex -> replacement, for `from_pretrained(key_mapping=...)`). Every other
 # RoBERTa key keeps its name; the LongShort-only parameters (dynamic_projection, dual_ln_*) are new.
 ROBERTA_KEY_MAPPING = {
@@ -569,13 +579,8 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Decode with a ``LongShortCache`` unless the caller passed a cache or turned caching off; refuse any
         ``cache_implementation`` (the other cache types hold full K/V)."""
-        if generation_config.cache_implementation is not None:
-            raise ValueError(
-                f"LongShort decodes only with LongShortCache (per layer a window and the projected rows); drop "
-                f"cache_implementation={generation_config.cache_implementation!r}."
-            )
-        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
-            model_kwargs[CACHE_NAME] = LongShortCache(self.config)
+        prepare_own_cache(generation_config, model_kwargs, lambda: LongShortCache(self.config),
+                          "LongShort decodes only with LongShortCache (per layer a window and the projected rows)")
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):

@@ -53,6 +53,7 @@ from .modeling_long_short import (
     LongShortPreTrainedModel,
     decoding_cache,
     hub_auto_map,
+    prepare_own_cache,
 )
 
 __all__ = [
@@ -511,11 +512,8 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Decode with a ``LongShortXLCache``; refuse any ``cache_implementation`` (those hold full K/V)."""
-        if generation_config.cache_implementation is not None:
-            raise ValueError(f"LongShortXL decodes only with LongShortXLCache; drop "
-                             f"cache_implementation={generation_config.cache_implementation!r}.")
-        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
-            model_kwargs[CACHE_NAME] = LongShortXLCache(self.config)
+        prepare_own_cache(generation_config, model_kwargs, lambda: LongShortXLCache(self.config),
+                          "LongShortXL decodes only with LongShortXLCache")
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
