@@ -2,16 +2,24 @@
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo   runs the main job on built-in small data
 #   bash run.sh test   runs the test suite
-#   bash run.sh gpu-check   on a CUDA machine: the attention, model and timm tests on CUDA (float32, bfloat16), then
-#                      bench_attention (bf16, n up to 65,536) and bench_models on CUDA, JSON under bench/results/;
-#                      without a GPU it says so and exits 0
+#   bash run.sh gpu-check [tests|bench]   on a CUDA machine: the attention, model and timm tests on CUDA (float32,
+#                      bfloat16; every test's outcome logged as it finishes, in GPU_CHECK_LOG_DIR, default
+#                      bench/results/), then bench_attention (bf16, n up to 65,536) and bench_models on CUDA, JSON under
+#                      bench/results/; 'tests' or 'bench' runs one half; without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 GPU_TESTS=(tests/test_attention.py tests/test_modeling.py tests/test_flex_attention.py tests/test_timm_attention.py
            tests/test_timm_models.py tests/test_timm_flex_attention.py tests/test_lra.py)
-if [ "${1:-}" = gpu-check ] && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
-    echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
-    exit 0
+if [ "${1:-}" = gpu-check ]; then
+    part="${2:-all}"
+    if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ]; then
+        echo "usage: bash run.sh gpu-check [tests|bench] (both when omitted), got '$part'" >&2
+        exit 2
+    fi
+    if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+        echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
+        exit 0
+    fi
 fi
 VENV="${VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -34,16 +42,26 @@ case "${1:-}" in
                  "torch (pip install torch --index-url https://download.pytorch.org/whl/cu128, say)." >&2
             exit 1
         fi
-        for dtype in float32 bfloat16; do
-            echo "run.sh gpu-check: tests on CUDA in $dtype"
-            # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the time
-            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-                -n "${GPU_CHECK_WORKERS:-4}" "${GPU_TESTS[@]}"
-        done
+        if [ "$part" != bench ]; then
+            log_dir="${GPU_CHECK_LOG_DIR:-bench/results}"
+            mkdir -p "$log_dir"
+            status=0
+            for dtype in float32 bfloat16; do
+                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log_dir/gpu_check_tests_$dtype.log"
+                # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the
+                # time. -v writes each test's outcome as it finishes, so a run cut short still names its failures.
+                LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -v -p no:cacheprovider \
+                    --durations=15 -n "${GPU_CHECK_WORKERS:-4}" "${GPU_TESTS[@]}" > "$log_dir/gpu_check_tests_$dtype.log" \
+                    2>&1 || status=1
+                grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$log_dir/gpu_check_tests_$dtype.log" || true
+            done
+            [ "$part" = tests ] && exit "$status"
+        fi
         "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \
             --peers long-short sdpa flex-window longformer   # bench/results/attention_cuda_bf16.json
         "$VENV/bin/python" -m bench.bench_models --device cuda --dtype bf16 --lengths 4096 16384 \
             --layers 2   # bench/results/models_cuda_bf16.json
+        exit "${status:-0}"
         ;;
     *) echo "usage: bash run.sh demo|test|gpu-check [args]" >&2; exit 2 ;;
 esac
