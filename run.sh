@@ -8,8 +8,6 @@
 #                      bench/results/; 'tests' or 'bench' runs one half; without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
-GPU_TESTS=(tests/test_attention.py tests/test_modeling.py tests/test_flex_attention.py tests/test_timm_attention.py
-           tests/test_timm_models.py tests/test_timm_flex_attention.py tests/test_lra.py)
 if [ "${1:-}" = gpu-check ]; then
     part="${2:-all}"
     if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ]; then
@@ -47,13 +45,13 @@ case "${1:-}" in
             mkdir -p "$log_dir"
             status=0
             for dtype in float32 bfloat16; do
-                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log_dir/gpu_check_tests_$dtype.log"
+                log="$log_dir/gpu_check_tests_$dtype.log"
+                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log"
                 # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the
                 # time. -v writes each test's outcome as it finishes, so a run cut short still names its failures.
                 LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -v -p no:cacheprovider \
-                    --durations=15 -n "${GPU_CHECK_WORKERS:-4}" "${GPU_TESTS[@]}" > "$log_dir/gpu_check_tests_$dtype.log" \
-                    2>&1 || status=1
-                grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$log_dir/gpu_check_tests_$dtype.log" || true
+                    --durations=15 -n "${GPU_CHECK_WORKERS:-4}" @tests/device_tests.txt > "$log" 2>&1 || status=1
+                grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$log" || true
             done
             [ "$part" = tests ] && exit "$status"
         fi
