@@ -24,6 +24,23 @@ def test_gpu_check_without_a_gpu_says_so_and_succeeds():
     assert not Path("/nonexistent").exists()
 
 
+def test_gpu_check_refuses_an_unknown_part_before_anything_runs():
+    env = {**os.environ, "VENV": "/nonexistent"}
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check", "benchmarks"], capture_output=True, text=True,
+                          env=env, check=False, timeout=60)
+    assert done.returncode == 2
+    assert "gpu-check [tests|bench]" in done.stderr and "'benchmarks'" in done.stderr
+    assert not Path("/nonexistent").exists()
+
+
+def test_device_test_list_names_existing_test_files():
+    listed = (ROOT / "tests" / "device_tests.txt").read_text().split()
+    assert listed and len(set(listed)) == len(listed)
+    for name in listed:
+        assert (ROOT / name).is_file() and Path(name).name.startswith("test_"), name
+    assert "tests/test_attention.py" in listed
+
+
 def test_settings_come_from_the_environment(monkeypatch, device, dtype):
     assert (device, dtype) == (test_device(), test_dtype())
     monkeypatch.setenv("LS_TEST_DEVICE", "cpu")
