@@ -19,7 +19,7 @@ projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask:
 CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). With
 ``recompute_window_tiles=True``, training on CPU builds the tiles one chunk of groups at a time and again in the
 backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times, and
-``LN_L`` keeps its output only.
+``LN_L`` is written over its input and keeps its output only.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -216,32 +216,50 @@ def _projection_weights(scores: Tensor, valid: Tensor | None) -> Tensor:
     return scores.softmax(-1)
 
 
+def _projection_weights_in_one_tensor(scores: Tensor, valid: Tensor | None) -> Tensor:
+    """``_projection_weights`` (Eq. 3's P) built in a single new tensor, in the scores' own layout: a copy of the
+    scores, masked and turned into the softmax in place, so that no other tensor of their size is made or freed."""
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    prob = scores.to(dtype, copy=True)
+    if valid is not None:
+        prob.masked_fill_(~valid[..., None, None, :], torch.finfo(dtype).min)
+    prob.sub_(prob.amax(-1, keepdim=True)).exp_()
+    return prob.div_(prob.sum(-1, keepdim=True))
+
+
 class _ProjectRows(torch.autograd.Function):
-    """``project_rows`` (Eq. 3) whose backward pass builds the gradient of ``P`` once, from both ``P K`` and ``P V``,
-    and turns it into the scores' gradient in place (softmax backward, ``P * (dP - sum(P dP))``): one (..., r, L)
-    tensor where autograd would hold four (two matmul gradients, their sum and the softmax's). It saves ``P`` and
-    the keys and values that the window attention keeps anyway."""
+    """``project_rows`` (Eq. 3) with the fewest (..., r, L) tensors: the forward pass builds P in one
+    (``_projection_weights_in_one_tensor``); the backward pass builds the gradient of P once, from both ``P K`` and
+    ``P V``, and turns it into the scores' gradient in place (softmax backward, ``P * (dP - sum_L(P dP))``), where
+    autograd would hold four. ``sum_L(P dP)`` comes from the rows themselves, ``g_K . (P K) + g_V . (P V)`` over the
+    features, with no (r, L) product. It saves ``P``, the keys and values that the window attention keeps anyway,
+    and the r projected rows."""
 
     @staticmethod
     def forward(ctx, scores, keys, values, valid):
-        prob = _projection_weights(scores, valid)
-        ctx.save_for_backward(prob, keys, values, valid)
+        prob = _projection_weights_in_one_tensor(scores, valid)
+        rows_k, rows_v = prob @ keys.to(prob.dtype), prob @ values.to(prob.dtype)
+        ctx.save_for_backward(prob, keys, values, valid, rows_k, rows_v)
         ctx.scores_dtype = scores.dtype
-        return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
+        return rows_k.to(keys.dtype), rows_v.to(values.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows_k, grad_rows_v):
-        prob, keys, values, valid = ctx.saved_tensors
+        prob, keys, values, valid, rows_k, rows_v = ctx.saved_tensors
         dtype = prob.dtype
-        grad_prob = grad_rows_k.to(dtype) @ keys.to(dtype).transpose(-1, -2)
-        grad_prob += grad_rows_v.to(dtype) @ values.to(dtype).transpose(-1, -2)
-        grad_scores = grad_prob.sub_(torch.linalg.vecdot(grad_prob, prob).unsqueeze(-1)).mul_(prob)
+        grad_rows_k, grad_rows_v = grad_rows_k.to(dtype), grad_rows_v.to(dtype)
+        row_dot = torch.linalg.vecdot(grad_rows_k, rows_k) + torch.linalg.vecdot(grad_rows_v, rows_v)
+        grad_prob = grad_rows_k @ keys.to(dtype).transpose(-1, -2)
+        r, length = grad_prob.shape[-2:]
+        grad_prob.view(-1, r, length).baddbmm_(grad_rows_v.reshape(-1, r, grad_rows_v.shape[-1]),
+                                               values.to(dtype).transpose(-1, -2).reshape(-1, values.shape[-1], length))
+        grad_scores = grad_prob.sub_(row_dot.unsqueeze(-1)).mul_(prob)
         if valid is not None:  # the excluded tokens' scores (their masked_fill) get no gradient
             grad_scores.masked_fill_(~valid[..., None, None, :], 0)
         prob_t = prob.transpose(-1, -2)
-        grad_keys = (prob_t @ grad_rows_k.to(dtype)).to(keys.dtype)
-        grad_values = (prob_t @ grad_rows_v.to(dtype)).to(values.dtype)
+        grad_keys = (prob_t @ grad_rows_k).to(keys.dtype)
+        grad_values = (prob_t @ grad_rows_v).to(values.dtype)
         return grad_scores.to(ctx.scores_dtype), grad_keys, grad_values, None
 
 
@@ -361,7 +379,7 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, dropout_p: float 
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 # The gathered keys and values of one chunk of groups in ``_TiledAttention`` (one group of 256 queries at hidden 768,
-# w = 256, r = 64), and the rows of one chunk in ``_LayerNormKeepingOutput``'s backward pass: larger chunks trade
+# w = 256, r = 64), and the rows of one chunk in ``_LayerNormInPlace``'s passes: larger chunks trade
 # memory for fewer, larger operations.
 TILE_CHUNK_BYTES = 4 * 2**20
 
@@ -432,18 +450,27 @@ class _TiledAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, *grad_rows, None, None
 
 
-class _LayerNormKeepingOutput(torch.autograd.Function):
-    """LayerNorm over the last dim that saves its output ``y = gamma * x_hat + beta`` and ``1 / sigma`` instead of its
-    input: the backward pass recovers ``x_hat = (y - beta) / gamma``. DualLN's ``LN_L`` output is kept by the window
-    attention and the projection anyway, so the input (one more copy of the keys and values) need not be. The
-    backward pass runs in row chunks of ``TILE_CHUNK_BYTES``, so its temporaries stay small. Needs every
-    ``|gamma| >= LN_MIN_GAMMA`` (``layer_norm_keeping_output`` checks)."""
+class _LayerNormInPlace(torch.autograd.Function):
+    """LayerNorm over the last dim, written over its input (which nothing else may need: a Linear's fresh output), row
+    chunk by row chunk (``TILE_CHUNK_BYTES``): no tensor of the input's size is made or freed. It saves its output
+    ``y = gamma * x_hat + beta`` and ``1 / sigma``, and the backward pass recovers ``x_hat = (y - beta) / gamma``:
+    DualLN's ``LN_L`` output is kept by the window attention and the projection anyway, so the input (one more copy
+    of the keys and values) is not. The backward pass runs in row chunks too, so its temporaries stay small. Needs a
+    contiguous input and every ``|gamma| >= LN_MIN_GAMMA`` (``layer_norm_in_place`` checks)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
-        ctx.save_for_backward(y, weight, bias, rstd)
-        return y
+        width = x.shape[-1]
+        rows = x.view(-1, width)
+        rstd = torch.empty(rows.shape[0], 1, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        step = max(1, TILE_CHUNK_BYTES // (width * max(x.element_size(), 4)))
+        for start in range(0, rows.shape[0], step):
+            part = slice(start, start + step)
+            y, _, rstd[part] = torch.native_layer_norm(rows[part], (width,), weight, bias, eps)
+            rows[part] = y
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias, rstd)
+        return x
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -473,12 +500,14 @@ class _LayerNormKeepingOutput(torch.autograd.Function):
 LN_MIN_GAMMA = 1e-3
 
 
-def layer_norm_keeping_output(x: Tensor, norm: nn.LayerNorm) -> Tensor:
-    """``norm(x)`` through ``_LayerNormKeepingOutput`` when its gains allow recovering ``x_hat`` from the output
-    (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)`` itself."""
-    if norm.weight is None or norm.bias is None or bool((norm.weight.abs() < LN_MIN_GAMMA).any()):
+def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """``norm(x)`` written over ``x`` (``_LayerNormInPlace``) when ``x`` is contiguous and the gains allow recovering
+    ``x_hat`` from the output (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)``. The
+    caller's ``x`` must be needed by nothing else."""
+    if (not x.is_contiguous() or norm.weight is None or norm.bias is None
+            or bool((norm.weight.abs() < LN_MIN_GAMMA).any())):
         return norm(x)
-    return _LayerNormKeepingOutput.apply(x, norm.weight, norm.bias, norm.eps)
+    return _LayerNormInPlace.apply(x, norm.weight, norm.bias, norm.eps)
 
 
 class LongShortSelfAttention(nn.Module):
@@ -500,8 +529,9 @@ class LongShortSelfAttention(nn.Module):
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
         recompute_window_tiles: in training on CPU, save for the backward pass about what fused dense attention
             saves (``_memory_lean``): the window tiles are built one chunk of groups at a time and again in the
-            backward pass (``_TiledAttention``), ``LN_L`` keeps its output only (``layer_norm_keeping_output``) and
-            the projection's backward pass allocates less (``_ProjectRows``): less memory (``bench/RESULTS.md``), as
+            backward pass (``_TiledAttention``), ``LN_L`` is written over its input and keeps its output only
+            (``layer_norm_in_place``), and the projection allocates less (``_ProjectRows``): less memory
+            (``bench/RESULTS.md``), as
             fast on one thread, slower with several threads on a busy CPU. Off by default.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
@@ -573,22 +603,32 @@ class LongShortSelfAttention(nn.Module):
                 self.dual_ln_global_key = nn.LayerNorm(qk_width, eps=layer_norm_eps)
 
     # ------------------------------------------------------------------ helpers
-    def _dual_ln(self, x: Tensor, which: str, is_key: bool, keep_output: bool = False) -> Tensor:
-        """LN_L (``which="local"``) or LN_G (``"global"``) over the full width, (B, L, H, d) -> same; with
-        ``keep_output``, saving its output rather than its input for the backward pass
-        (``layer_norm_keeping_output``)."""
+    def _dual_ln(self, x: Tensor, which: str, is_key: bool, in_place: bool = False) -> Tensor:
+        """LN_L (``which="local"``) or LN_G (``"global"``) over the full width of x (..., H * d); ``in_place``:
+        written over x, which nothing else needs, saving its output rather than its input for the backward pass
+        (``layer_norm_in_place``)."""
         if not self.use_dual_ln:
             return x
         name = f"dual_ln_{which}_key" if is_key and hasattr(self, f"dual_ln_{which}_key") else f"dual_ln_{which}"
         norm = getattr(self, name)
-        return (layer_norm_keeping_output(x.flatten(2), norm) if keep_output else norm(x.flatten(2))).view_as(x)
+        return layer_norm_in_place(x, norm) if in_place else norm(x)
+
+    def _local_keys_values(self, hidden_states: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
+        """``LN_L(x W_K)`` and ``LN_L(x W_V)`` (Eq. 7), (B, n, H, d). ``lean``: each LayerNorm is written over its
+        Linear's output, computed on the (B n) rows so that the output is a tensor of its own rather than a view."""
+        B, n, _ = hidden_states.shape
+        rows = hidden_states.flatten(0, 1) if lean else hidden_states
+        return tuple(
+            self._split(self._dual_ln(linear(rows), "local", is_key=is_key, in_place=lean).view(B, n, -1))
+            for linear, is_key in ((self.key, True), (self.value, False))
+        )
 
     def _memory_lean(self, hidden_states: Tensor, need_weights: bool) -> bool:
         """Whether this call saves memory for the backward pass (``recompute_window_tiles``): the window tiles go
-        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass), ``LN_L`` keeps its output
-        only and the projection's backward pass is ``_ProjectRows``. On CPU when gradients are taken, with one head dim for queries and values, without attention maps or
-        active attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps
-        them)."""
+        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass), ``LN_L`` is written over the
+        Linears' outputs and keeps its output only (``layer_norm_in_place``) and the projection is ``_ProjectRows``.
+        On CPU when gradients are taken, with one head dim for queries and values, without attention maps or active
+        attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps them)."""
         return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
                 and hidden_states.device.type == "cpu" and self.qk_head_dim == self.head_dim and not need_weights
                 and not (self.training and self.attention_dropout) and takes_grad(hidden_states, self.query.weight))
@@ -612,8 +652,8 @@ class LongShortSelfAttention(nn.Module):
                             lean_backward=lean_backward)
         rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
         return ExtraKeys(
-            keys=self._dual_ln(rows_k, "global", is_key=True),
-            values=self._dual_ln(rows_v, "global", is_key=False),
+            keys=self._split(self._dual_ln(rows_k.flatten(2), "global", is_key=True)),
+            values=self._split(self._dual_ln(rows_v.flatten(2), "global", is_key=False)),
             valid=seg_valid.any(-1).repeat_interleave(r, dim=1),
         )
 
@@ -719,8 +759,7 @@ class LongShortSelfAttention(nn.Module):
 
         lean = self._memory_lean(hidden_states, output_attentions)
         q = self._split(self.query(hidden_states))
-        k = self._dual_ln(self._split(self.key(hidden_states)), "local", is_key=True, keep_output=lean)
-        v = self._dual_ln(self._split(self.value(hidden_states)), "local", is_key=False, keep_output=lean)
+        k, v = self._local_keys_values(hidden_states, lean)
         scores = self._split(self.dynamic_projection(hidden_states)) if self.projection_rank else None
         if self.causal:
             state = state if state is not None else CausalState()
@@ -735,8 +774,8 @@ class LongShortSelfAttention(nn.Module):
     def _global_keys(self, hidden: Tensor, valid: Tensor) -> ExtraKeys:
         """Global tokens (B, k, d) as every token sees them: ``LN_G`` of their raw key/value (official LRA cls)."""
         return ExtraKeys(
-            keys=self._dual_ln(self._split(self.key(hidden)), "global", is_key=True),
-            values=self._dual_ln(self._split(self.value(hidden)), "global", is_key=False),
+            keys=self._split(self._dual_ln(self.key(hidden), "global", is_key=True)),
+            values=self._split(self._dual_ln(self.value(hidden), "global", is_key=False)),
             valid=valid,
         )
 
@@ -795,8 +834,8 @@ class LongShortSelfAttention(nn.Module):
         if hasattr(self, "global_query"):
             hidden_states = _take(hidden_states, order)
             q_g = self._split(self.global_query(hidden_states[:, n - K :]))
-            k = self._dual_ln(self._split(self.global_key(hidden_states)), "local", is_key=True)
-            v = self._dual_ln(self._split(self.global_value(hidden_states)), "local", is_key=False)
+            k = self._split(self._dual_ln(self.global_key(hidden_states), "local", is_key=True))
+            v = self._split(self._dual_ln(self.global_value(hidden_states), "local", is_key=False))
         else:
             q_g = q[:, n - K :]
         R = projected.keys.shape[1] if projected is not None else 0

@@ -495,9 +495,10 @@ def test_config_recompute_window_tiles_reaches_every_layer():
         torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2**20])
-def test_layer_norm_keeping_output_matches_layer_norm(chunk_bytes):
-    """``LN_L`` saving its output: the output and the gradients of the input, gain and bias are ``nn.LayerNorm``'s
-    (float64), in row chunks or in one; a gain below ``LN_MIN_GAMMA`` falls back to ``nn.LayerNorm`` itself."""
+def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
+    """``LN_L`` written over its input and saving its output: the output and the gradients of the input, gain and
+    bias are ``nn.LayerNorm``'s (float64), in row chunks or in one, and the output is the input's own storage; a gain
+    below ``LN_MIN_GAMMA`` or a non-contiguous input falls back to ``nn.LayerNorm`` itself."""
     torch.manual_seed(0)
     norm = torch.nn.LayerNorm(12).double()
     with torch.no_grad():
@@ -505,21 +506,22 @@ def test_layer_norm_keeping_output_matches_layer_norm(chunk_bytes):
         norm.bias.add_(torch.randn(12))
     x = torch.randn(3, 5, 12, dtype=torch.float64)
     weights = torch.randn(3, 5, 12, dtype=torch.float64)
-    for small_gain in (False, True):
-        if small_gain:
+    for fallback in (None, "small_gain", "strided"):
+        if fallback == "small_gain":
             with torch.no_grad():
                 norm.weight[3] = 0.0
         results = []
-        for layer in (lambda t: long_short_attention.layer_norm_keeping_output(t, norm), norm):
+        for in_place in (True, False):
             norm.zero_grad()
             inp = x.clone().requires_grad_()
+            fresh = inp * 1.0 if fallback != "strided" else (inp * 1.0).transpose(0, 1)  # a tensor nothing else needs
             with patch.object(long_short_attention, "TILE_CHUNK_BYTES", chunk_bytes):
-                out = layer(inp)
-                (out * weights).sum().backward()
+                out = long_short_attention.layer_norm_in_place(fresh, norm) if in_place else norm(fresh)
+                (out * (weights if fallback != "strided" else weights.transpose(0, 1))).sum().backward()
             results.append((out.detach(), inp.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
-                            _graph_names(out)))
-        (*lean, names), (*plain, _) = results
-        assert ("_LayerNormKeepingOutputBackward" in names) == (not small_gain)
+                            _graph_names(out), out.data_ptr() == fresh.data_ptr()))
+        (*lean, names, same_storage), (*plain, _, _) = results
+        assert ("_LayerNormInPlaceBackward" in names) == same_storage == (fallback is None)
         for got, expected in zip(lean, plain):
             torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
