@@ -18,8 +18,9 @@ The fast path groups queries by window segment and hands each group, with its wi
 projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
 CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). With
 ``recompute_window_tiles=True``, training on CPU builds the tiles one chunk of groups at a time and again in the
-backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times, and
-``LN_L`` is written over its input and keeps its output only.
+backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times,
+``LN_L`` is written over its input and keeps its output only, and the projection (``_DynamicProjection``) keeps
+neither its scores nor P.
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
 quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
 once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
@@ -191,76 +192,116 @@ def _window_rule(q: Tensor, k: Tensor, window: int, causal: bool) -> Tensor:
 
 
 def project_rows(
-    scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None, *, lean_backward: bool = False
+    scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
     scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``.
 
     scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
     -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
-    finite rows (uniform weights), which the caller marks invalid. ``lean_backward``: through ``_ProjectRows``,
-    whose backward pass allocates fewer (..., r, L) tensors.
+    finite rows (uniform weights), which the caller marks invalid.
     """
-    if lean_backward:
-        return _ProjectRows.apply(scores, keys, values, valid)
     prob = _projection_weights(scores, valid)
     return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
 
 
-def _projection_weights(scores: Tensor, valid: Tensor | None) -> Tensor:
-    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, in float32 at least."""
+def _projection_weights(scores: Tensor, valid: Tensor | None, *, in_place: bool = False) -> Tensor:
+    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, in float32 at least.
+    ``in_place``: built in a single new contiguous tensor (a copy of the scores, masked and turned into the softmax
+    in place), which autograd cannot differentiate."""
     dtype = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(dtype)
-    if valid is not None:
-        scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
-    return scores.softmax(-1)
-
-
-def _projection_weights_in_one_tensor(scores: Tensor, valid: Tensor | None) -> Tensor:
-    """``_projection_weights`` (Eq. 3's P) built in a single new tensor, in the scores' own layout: a copy of the
-    scores, masked and turned into the softmax in place, so that no other tensor of their size is made or freed."""
-    dtype = torch.promote_types(scores.dtype, torch.float32)
-    prob = scores.to(dtype, copy=True)
+    if not in_place:
+        scores = scores.to(dtype)
+        if valid is not None:
+            scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
+        return scores.softmax(-1)
+    prob = scores.to(dtype, memory_format=torch.contiguous_format, copy=True)
     if valid is not None:
         prob.masked_fill_(~valid[..., None, None, :], torch.finfo(dtype).min)
     prob.sub_(prob.amax(-1, keepdim=True)).exp_()
     return prob.div_(prob.sum(-1, keepdim=True))
 
 
-class _ProjectRows(torch.autograd.Function):
-    """``project_rows`` (Eq. 3) with the fewest (..., r, L) tensors: the forward pass builds P in one
-    (``_projection_weights_in_one_tensor``); the backward pass builds the gradient of P once, from both ``P K`` and
-    ``P V``, and turns it into the scores' gradient in place (softmax backward, ``P * (dP - sum_L(P dP))``), where
-    autograd would hold four. ``sum_L(P dP)`` comes from the rows themselves, ``g_K . (P K) + g_V . (P V)`` over the
-    features, with no (r, L) product. It saves ``P``, the keys and values that the window attention keeps anyway,
-    and the r projected rows."""
+class _DynamicProjection(torch.autograd.Function):
+    """``project_rows`` (Eq. 3) on the scores ``X W^P + b`` computed here, a chunk of heads at a time
+    (``TILE_CHUNK_BYTES``), so that neither the scores nor P of all heads is ever made: it saves the inputs (the layer
+    input, the keys and values that the window attention keeps anyway) and the r rows, and the backward pass builds
+    each chunk's P again. There the gradient of P comes from both ``P K`` and ``P V``, the softmax backward
+    ``P * (dP - sum_L(P dP))`` takes ``sum_L(P dP)`` from the rows (``g_K . (P K) + g_V . (P V)`` over the features,
+    no (r, L) product), and the scores' gradient goes straight into those of X, W^P and b.
+
+    hidden (..., L, D), weight (H r, D), bias (H r) or None, keys (..., H, L, d_k), values (..., H, L, d_v),
+    valid (..., L) or None -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values.
+    """
 
     @staticmethod
-    def forward(ctx, scores, keys, values, valid):
-        prob = _projection_weights_in_one_tensor(scores, valid)
-        rows_k, rows_v = prob @ keys.to(prob.dtype), prob @ values.to(prob.dtype)
-        ctx.save_for_backward(prob, keys, values, valid, rows_k, rows_v)
-        ctx.scores_dtype = scores.dtype
+    def _head_chunks(ctx, hidden):
+        """(heads, their columns of W^P) per chunk, sized so that the backward pass's four P-sized temporaries (P, its
+        gradient and two products) take at most ``TILE_CHUNK_BYTES``."""
+        rank = ctx.rank
+        step = max(1, TILE_CHUNK_BYTES // max(4 * hidden[..., 0].numel() * rank * 4, 1))
+        for start in range(0, ctx.heads, step):
+            chunk = slice(start, min(start + step, ctx.heads))
+            yield chunk, slice(chunk.start * rank, chunk.stop * rank)
+
+    @staticmethod
+    def _weights(ctx, hidden, weight, bias, valid):
+        """P of one chunk of heads, (..., g, r, L), contiguous, in float32 at least; the scores are computed under the
+        forward pass's autocast state, so that the backward pass builds the same P."""
+        with torch.autocast(hidden.device.type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
+            scores = F.linear(hidden, weight, bias)
+        return _projection_weights(scores.unflatten(-1, (-1, ctx.rank)).movedim(-3, -1), valid, in_place=True)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, keys, values, valid):
+        device = hidden.device.type
+        ctx.heads, ctx.rank = keys.shape[-3], weight.shape[0] // keys.shape[-3]
+        ctx.autocast, ctx.autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        rows_k = keys.new_empty(*keys.shape[:-2], ctx.rank, keys.shape[-1], dtype=dtype)
+        rows_v = values.new_empty(*rows_k.shape[:-1], values.shape[-1], dtype=dtype)
+        for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
+            prob = _DynamicProjection._weights(ctx, hidden, weight[columns], bias if bias is None else bias[columns],
+                                               valid)
+            rows_k[..., chunk, :, :] = prob @ keys[..., chunk, :, :].to(dtype)
+            rows_v[..., chunk, :, :] = prob @ values[..., chunk, :, :].to(dtype)
+        ctx.save_for_backward(hidden, weight, bias, keys, values, valid, rows_k, rows_v)
         return rows_k.to(keys.dtype), rows_v.to(values.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows_k, grad_rows_v):
-        prob, keys, values, valid, rows_k, rows_v = ctx.saved_tensors
-        dtype = prob.dtype
+        hidden, weight, bias, keys, values, valid, rows_k, rows_v = ctx.saved_tensors
+        dtype = rows_k.dtype
         grad_rows_k, grad_rows_v = grad_rows_k.to(dtype), grad_rows_v.to(dtype)
         row_dot = torch.linalg.vecdot(grad_rows_k, rows_k) + torch.linalg.vecdot(grad_rows_v, rows_v)
-        grad_prob = grad_rows_k @ keys.to(dtype).transpose(-1, -2)
-        r, length = grad_prob.shape[-2:]
-        grad_prob.view(-1, r, length).baddbmm_(grad_rows_v.reshape(-1, r, grad_rows_v.shape[-1]),
-                                               values.to(dtype).transpose(-1, -2).reshape(-1, values.shape[-1], length))
-        grad_scores = grad_prob.sub_(row_dot.unsqueeze(-1)).mul_(prob)
-        if valid is not None:  # the excluded tokens' scores (their masked_fill) get no gradient
-            grad_scores.masked_fill_(~valid[..., None, None, :], 0)
-        prob_t = prob.transpose(-1, -2)
-        grad_keys = (prob_t @ grad_rows_k).to(keys.dtype)
-        grad_values = (prob_t @ grad_rows_v).to(values.dtype)
-        return grad_scores.to(ctx.scores_dtype), grad_keys, grad_values, None
+        inputs = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+        grad_inputs = torch.zeros_like(inputs) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        grad_bias = None if bias is None else torch.empty(bias.shape, dtype=dtype, device=bias.device)
+        grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
+        for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
+            prob = _DynamicProjection._weights(ctx, hidden, weight[columns], bias if bias is None else bias[columns],
+                                               valid)
+            g_k, g_v = grad_rows_k[..., chunk, :, :], grad_rows_v[..., chunk, :, :]
+            grad_scores = g_k @ keys[..., chunk, :, :].to(dtype).transpose(-1, -2)
+            grad_scores += g_v @ values[..., chunk, :, :].to(dtype).transpose(-1, -2)
+            grad_scores.sub_(row_dot[..., chunk, :, None]).mul_(prob)
+            if valid is not None:  # the excluded tokens' scores (masked) get no gradient
+                grad_scores.masked_fill_(~valid[..., None, None, :], 0)
+            grad_keys[..., chunk, :, :] = prob.transpose(-1, -2) @ g_k
+            grad_values[..., chunk, :, :] = prob.transpose(-1, -2) @ g_v
+            del prob  # before the scores' gradient is laid out as rows (a copy)
+            grad_scores = grad_scores.movedim(-1, -3).reshape(-1, columns.stop - columns.start)  # (..., L, g r)
+            if grad_inputs is not None:
+                grad_inputs.addmm_(grad_scores, weight[columns].to(dtype))
+            grad_weight[columns] = grad_scores.T @ inputs
+            if grad_bias is not None:
+                grad_bias[columns] = grad_scores.sum(0)
+            del grad_scores  # before the next chunk's P
+        return (None if grad_inputs is None else grad_inputs.view(hidden.shape).to(hidden.dtype),
+                grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype), grad_keys,
+                grad_values, None)
 
 
 def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
@@ -292,7 +333,8 @@ class CausalState(BatchFirstState):
 
     ``keys``/``values``/``valid``: window keys (after ``LN_L``) of positions ``[seen - L, seen)``, enough for the
     segment of the next token and the one before it. ``rows_*``: projected rows of every finished segment of
-    ``l`` tokens (after ``LN_G``). ``pending``: ``X W^P`` scores of the unfinished segment. A decoding step
+    ``l`` tokens (after ``LN_G``). ``pending``: the inputs X of the unfinished segment (its scores ``X W^P``
+    are computed when it is complete). A decoding step
     therefore costs O(w + r * seen / l).
     """
 
@@ -303,7 +345,7 @@ class CausalState(BatchFirstState):
     rows_k: Tensor | None = None  # (B, N, H, d_qk)
     rows_v: Tensor | None = None  # (B, N, H, d_v)
     rows_valid: Tensor | None = None  # (B, N) bool
-    pending: Tensor | None = None  # (B, p, H, r)
+    pending: Tensor | None = None  # (B, p, D)
     _tensors: tuple = field(
         default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending"), repr=False
     )
@@ -379,8 +421,8 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, dropout_p: float 
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 # The gathered keys and values of one chunk of groups in ``_TiledAttention`` (one group of 256 queries at hidden 768,
-# w = 256, r = 64), and the rows of one chunk in ``_LayerNormInPlace``'s passes: larger chunks trade
-# memory for fewer, larger operations.
+# w = 256, r = 64), the rows of one chunk in ``_LayerNormInPlace``'s passes and the P of one chunk of heads in
+# ``_DynamicProjection``'s: larger chunks trade memory for fewer, larger operations.
 TILE_CHUNK_BYTES = 4 * 2**20
 
 
@@ -530,9 +572,9 @@ class LongShortSelfAttention(nn.Module):
         recompute_window_tiles: in training on CPU, save for the backward pass about what fused dense attention
             saves (``_memory_lean``): the window tiles are built one chunk of groups at a time and again in the
             backward pass (``_TiledAttention``), ``LN_L`` is written over its input and keeps its output only
-            (``layer_norm_in_place``), and the projection allocates less (``_ProjectRows``): less memory
-            (``bench/RESULTS.md``), as
-            fast on one thread, slower with several threads on a busy CPU. Off by default.
+            (``layer_norm_in_place``), and the projection's scores and weights P are built a few heads at a time,
+            and again in the backward pass (``_DynamicProjection``): less memory (``bench/RESULTS.md``), as fast on
+            one thread, slower with several threads on a busy CPU. Off by default.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
             ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
             dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
@@ -626,7 +668,8 @@ class LongShortSelfAttention(nn.Module):
     def _memory_lean(self, hidden_states: Tensor, need_weights: bool) -> bool:
         """Whether this call saves memory for the backward pass (``recompute_window_tiles``): the window tiles go
         through ``_TiledAttention`` (built chunk by chunk, again in the backward pass), ``LN_L`` is written over the
-        Linears' outputs and keeps its output only (``layer_norm_in_place``) and the projection is ``_ProjectRows``.
+        Linears' outputs and keeps its output only (``layer_norm_in_place``) and the projection is
+        ``_DynamicProjection``.
         On CPU when gradients are taken, with one head dim for queries and values, without attention maps or active
         attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps them)."""
         return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
@@ -636,20 +679,25 @@ class LongShortSelfAttention(nn.Module):
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
-    def _project(
-        self, scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int, lean_backward: bool = False
-    ) -> ExtraKeys:
-        """Eq. 3 / Eq. 5 (``project_rows``) on each segment of ``segment`` tokens, then ``LN_G``: scores
-        (B, S*segment, H, r), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows, segment-major."""
-        B, n, H, r = scores.shape
-        S = n // segment
+    def _project(self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int,
+                 lean: bool = False) -> ExtraKeys:
+        """Eq. 3 / Eq. 5 (``project_rows`` on the scores ``X W^P``) on each segment of ``segment`` tokens, then
+        ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows,
+        segment-major. ``lean``: through ``_DynamicProjection``, which never holds the scores or P of all heads."""
+        B, n, H = keys.shape[:3]
+        r, S = self.projection_rank, n // segment
 
         def heads_first(x):  # (B, n, H, c) -> (B, S, H, segment, c)
             return x.view(B, S, segment, H, -1).transpose(2, 3)
 
         seg_valid = valid.view(B, S, segment)
-        rows = project_rows(heads_first(scores).transpose(-1, -2), heads_first(keys), heads_first(values), seg_valid,
-                            lean_backward=lean_backward)
+        if lean:
+            rows = _DynamicProjection.apply(hidden.unflatten(1, (S, segment)), self.dynamic_projection.weight,
+                                            self.dynamic_projection.bias, heads_first(keys), heads_first(values),
+                                            seg_valid)
+        else:
+            scores = heads_first(self._split(self.dynamic_projection(hidden))).transpose(-1, -2)
+            rows = project_rows(scores, heads_first(keys), heads_first(values), seg_valid)
         rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
         return ExtraKeys(
             keys=self._split(self._dual_ln(rows_k.flatten(2), "global", is_key=True)),
@@ -760,13 +808,12 @@ class LongShortSelfAttention(nn.Module):
         lean = self._memory_lean(hidden_states, output_attentions)
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, lean)
-        scores = self._split(self.dynamic_projection(hidden_states)) if self.projection_rank else None
         if self.causal:
             state = state if state is not None else CausalState()
-            context, attn = self._causal(q, k, v, scores, valid, masked, state, output_attentions, tiled=lean)
+            context, attn = self._causal(q, k, v, hidden_states, valid, masked, state, output_attentions, tiled=lean)
         else:
             context, attn = self._bidirectional(
-                hidden_states=hidden_states, q=q, k=k, v=v, scores=scores, valid=valid, masked=masked,
+                hidden_states=hidden_states, q=q, k=k, v=v, valid=valid, masked=masked,
                 cls_hidden=cls_hidden, is_global=is_global, need_weights=output_attentions, tiled=lean,
             )
         return self.output(context.flatten(2)), attn
@@ -779,22 +826,21 @@ class LongShortSelfAttention(nn.Module):
             valid=valid,
         )
 
-    def _bidirectional(self, *, hidden_states, q, k, v, scores, valid, masked, cls_hidden, is_global, need_weights,
-                       tiled):
+    def _bidirectional(self, *, hidden_states, q, k, v, valid, masked, cls_hidden, is_global, need_weights, tiled):
         B, n = q.shape[:2]
         K = int(is_global.sum(1).max()) if is_global is not None else 0
-        local = valid
+        local, projection_inputs = valid, hidden_states
         if K:  # the other tokens first, in their order, then the global ones (the window and projection skip them)
             order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
             q, k, v, valid, is_global = (_take(x, order) for x in (q, k, v, valid, is_global))
-            scores = _take(scores, order) if scores is not None else None
+            projection_inputs = _take(hidden_states, order) if self.projection_rank else None
             local = valid & ~is_global
         extra = []  # global tokens' keys first, then the projected rows
         if cls_hidden is not None:
             extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
         if K:
             extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
-        projected = self._project(scores, k, v, local, segment=n, lean_backward=tiled) if self.projection_rank else None
+        projected = self._project(projection_inputs, k, v, local, segment=n, lean=tiled) if self.projection_rank else None
         if projected is not None:
             extra.append(projected)
         if extra:  # one set: global keys, then projected rows
@@ -994,7 +1040,7 @@ class LongShortSelfAttention(nn.Module):
         out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
-    def _causal(self, q, k, v, scores, valid, masked, state: CausalState, need_weights, tiled):
+    def _causal(self, q, k, v, hidden, valid, masked, state: CausalState, need_weights, tiled):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
         n = q.shape[1]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
@@ -1009,20 +1055,20 @@ class LongShortSelfAttention(nn.Module):
         # Projected rows: the finished segments' plus those of the segments that the new tokens complete.
         rows_k, rows_v, rows_valid, pending = state.rows_k, state.rows_v, state.rows_valid, None
         if r:
-            all_scores = torch.cat([state.pending, scores], 1) if state.pending is not None else scores
+            all_hidden = torch.cat([state.pending, hidden], 1) if state.pending is not None else hidden
             seg_start, done = (p0 // l) * l, (end // l) * l
             if done > seg_start:
                 span = slice(seg_start - k_start, done - k_start)
                 new_k, new_v, new_valid, _ = self._project(
-                    all_scores[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
-                    lean_backward=tiled,
+                    all_hidden[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
+                    lean=tiled,
                 )
                 if rows_k is not None:
                     new_k, new_v, new_valid = (
                         torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))
                     )
                 rows_k, rows_v, rows_valid = new_k, new_v, new_valid
-            pending = all_scores[:, done - seg_start :]
+            pending = all_hidden[:, done - seg_start :]
         extra = None
         if rows_k is not None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
@@ -1031,7 +1077,7 @@ class LongShortSelfAttention(nn.Module):
             extra=extra, need_weights=need_weights, tiled=tiled,
         )
 
-        # Keep the keys of the current and the previous window segment, and the unfinished segment's scores.
+        # Keep the keys of the current and the previous window segment, and the unfinished segment's inputs.
         keep_from = max(0, (end // w - 1) * w)
         state.keys, state.values, state.valid = (t[:, keep_from - k_start :] for t in (k_all, v_all, valid_all))
         state.rows_k, state.rows_v, state.rows_valid, state.pending = rows_k, rows_v, rows_valid, pending
