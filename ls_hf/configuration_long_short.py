@@ -38,8 +38,9 @@ class LongShortConfig(PreTrainedConfig):
             ``value_global``; a Longformer conversion sets it. Bidirectional models only.
         recompute_window_tiles (`bool`, defaults to False): in training on CPU, keep for the backward pass about what
             fused dense attention keeps: the window tiles are built chunk by chunk and again in the backward pass,
-            ``LN_L`` keeps its output only, and the projection's backward pass allocates less (attention peak about
-            1.2x fused SDPA's instead of 2x; slower with several threads on a busy CPU; see ``bench/RESULTS.md``).
+            ``LN_L`` keeps its output only, and the projection's scores and P are built a head at a time and again in
+            the backward pass (attention peak 1.03-1.07x fused SDPA's in tensors instead of 2.1x; slower with several
+            threads on a busy CPU; see ``bench/RESULTS.md``).
         sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
             before the first one (the question) global, as Longformer does.
 
