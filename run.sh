@@ -2,16 +2,22 @@
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo   runs the main job on built-in small data
 #   bash run.sh test   runs the test suite
-#   bash run.sh gpu-check [tests|bench]   on a CUDA machine: the attention, model and timm tests on CUDA (float32,
-#                      bfloat16; every test's outcome logged as it finishes, in GPU_CHECK_LOG_DIR, default
-#                      bench/results/), then bench_attention (bf16, n up to 65,536) and bench_models on CUDA, JSON under
-#                      bench/results/; 'tests' or 'bench' runs one half; without a GPU it says so and exits 0
+#   bash run.sh gpu-check [tests [float32|bfloat16]|bench]   on a CUDA machine: the attention, model and timm tests
+#                      on CUDA (float32, bfloat16; every test's outcome logged as it finishes, in GPU_CHECK_LOG_DIR,
+#                      default bench/results/), then bench_attention (bf16, n up to 65,536) and bench_models on CUDA,
+#                      JSON under bench/results/; 'tests' or 'bench' runs one half, 'tests <dtype>' one precision of
+#                      the tests; without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = gpu-check ]; then
-    part="${2:-all}"
+    part="${2:-all}" dtypes="${3:-float32 bfloat16}"
+    usage="usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench] (all when omitted)"
     if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ]; then
-        echo "usage: bash run.sh gpu-check [tests|bench] (both when omitted), got '$part'" >&2
+        echo "$usage, got '$part'" >&2
+        exit 2
+    fi
+    if [ -n "${3:-}" ] && { [ "$part" != tests ] || { [ "$3" != float32 ] && [ "$3" != bfloat16 ]; }; }; then
+        echo "$usage: a precision follows 'tests' and is float32 or bfloat16, got '$part $3'" >&2
         exit 2
     fi
     if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
@@ -44,7 +50,7 @@ case "${1:-}" in
             log_dir="${GPU_CHECK_LOG_DIR:-bench/results}"
             mkdir -p "$log_dir"
             status=0
-            for dtype in float32 bfloat16; do
+            for dtype in $dtypes; do
                 log="$log_dir/gpu_check_tests_$dtype.log"
                 echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log"
                 # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the

@@ -24,12 +24,14 @@ def test_gpu_check_without_a_gpu_says_so_and_succeeds():
     assert not Path("/nonexistent").exists()
 
 
-def test_gpu_check_refuses_an_unknown_part_before_anything_runs():
+@pytest.mark.parametrize("args", [["benchmarks"], ["tests", "float16"], ["bench", "bfloat16"]])
+def test_gpu_check_refuses_unknown_arguments_before_anything_runs(args):
+    """An unknown part, an unknown precision, or a precision after anything but 'tests': usage error, exit 2."""
     env = {**os.environ, "VENV": "/nonexistent"}
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check", "benchmarks"], capture_output=True, text=True,
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check", *args], capture_output=True, text=True,
                           env=env, check=False, timeout=60)
     assert done.returncode == 2
-    assert "gpu-check [tests|bench]" in done.stderr and "'benchmarks'" in done.stderr
+    assert "gpu-check [tests [float32|bfloat16]|bench]" in done.stderr and f"'{' '.join(args)}'" in done.stderr
     assert not Path("/nonexistent").exists()
 
 
