@@ -177,8 +177,8 @@ def test_cache_batch_operations_follow_the_beams(model):
 
 def test_cache_batch_select_and_repeat_interleave_keep_each_row_with_its_sequence(model):
     """Contrastive search selects rows and beam search repeats them: the cache must become the one that the selected
-    (repeated) rows build, every tensor (window, projected rows, their validity, pending scores) included."""
-    ids, mask = padded_batch()  # w=4, l=3: window keys of positions 4-9, 3 segments of rows and 1 pending score
+    (repeated) rows build, every tensor (window, projected rows, their validity, pending inputs) included."""
+    ids, mask = padded_batch()  # w=4, l=3: window keys of positions 4-9, 3 segments of rows and 1 pending input
     cache = cache_of(model, ids, mask)
     assert all(getattr(cache.layers[0].state, name) is not None for name in STATE_TENSORS)
     cache.batch_select_indices(torch.tensor([2, 0]))
