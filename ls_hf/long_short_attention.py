@@ -245,11 +245,12 @@ class _DynamicProjection(torch.autograd.Function):
             yield chunk, slice(chunk.start * rank, chunk.stop * rank)
 
     @staticmethod
-    def _weights(ctx, hidden, weight, bias, valid):
-        """P of one chunk of heads, (..., g, r, L), contiguous, in float32 at least; the scores are computed under the
-        forward pass's autocast state, so that the backward pass builds the same P."""
+    def _weights(ctx, hidden, weight, bias, valid, columns):
+        """P of the chunk of heads whose ``columns`` of W^P are given, (..., g, r, L), contiguous, in float32 at
+        least; the scores are computed under the forward pass's autocast state, so that the backward pass builds the
+        same P."""
         with torch.autocast(hidden.device.type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
-            scores = F.linear(hidden, weight, bias)
+            scores = F.linear(hidden, weight[columns], None if bias is None else bias[columns])
         return _projection_weights(scores.unflatten(-1, (-1, ctx.rank)).movedim(-3, -1), valid, in_place=True)
 
     @staticmethod
@@ -261,8 +262,7 @@ class _DynamicProjection(torch.autograd.Function):
         rows_k = keys.new_empty(*keys.shape[:-2], ctx.rank, keys.shape[-1], dtype=dtype)
         rows_v = values.new_empty(*rows_k.shape[:-1], values.shape[-1], dtype=dtype)
         for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
-            prob = _DynamicProjection._weights(ctx, hidden, weight[columns], bias if bias is None else bias[columns],
-                                               valid)
+            prob = _DynamicProjection._weights(ctx, hidden, weight, bias, valid, columns)
             rows_k[..., chunk, :, :] = prob @ keys[..., chunk, :, :].to(dtype)
             rows_v[..., chunk, :, :] = prob @ values[..., chunk, :, :].to(dtype)
         ctx.save_for_backward(hidden, weight, bias, keys, values, valid, rows_k, rows_v)
@@ -281,8 +281,7 @@ class _DynamicProjection(torch.autograd.Function):
         grad_bias = None if bias is None else torch.empty(bias.shape, dtype=dtype, device=bias.device)
         grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
         for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
-            prob = _DynamicProjection._weights(ctx, hidden, weight[columns], bias if bias is None else bias[columns],
-                                               valid)
+            prob = _DynamicProjection._weights(ctx, hidden, weight, bias, valid, columns)
             g_k, g_v = grad_rows_k[..., chunk, :, :], grad_rows_v[..., chunk, :, :]
             grad_scores = g_k @ keys[..., chunk, :, :].to(dtype).transpose(-1, -2)
             grad_scores += g_v @ values[..., chunk, :, :].to(dtype).transpose(-1, -2)
@@ -333,9 +332,8 @@ class CausalState(BatchFirstState):
 
     ``keys``/``values``/``valid``: window keys (after ``LN_L``) of positions ``[seen - L, seen)``, enough for the
     segment of the next token and the one before it. ``rows_*``: projected rows of every finished segment of
-    ``l`` tokens (after ``LN_G``). ``pending``: the inputs X of the unfinished segment (its scores ``X W^P``
-    are computed when it is complete). A decoding step
-    therefore costs O(w + r * seen / l).
+    ``l`` tokens (after ``LN_G``). ``pending``: the inputs X of the unfinished segment (its scores ``X W^P`` are
+    computed when it is complete). A decoding step therefore costs O(w + r * seen / l).
     """
 
     seen: int = 0
