@@ -239,7 +239,8 @@ class _DynamicProjection(torch.autograd.Function):
         """(heads, their columns of W^P) per chunk, sized so that the backward pass's four P-sized temporaries (P, its
         gradient and two products) take at most ``TILE_CHUNK_BYTES``."""
         rank = ctx.rank
-        step = max(1, TILE_CHUNK_BYTES // max(4 * hidden[..., 0].numel() * rank * 4, 1))
+        p_bytes = hidden[..., 0].numel() * rank * max(hidden.element_size(), 4)  # one head's P, float32 at least
+        step = max(1, TILE_CHUNK_BYTES // max(4 * p_bytes, 1))
         for start in range(0, ctx.heads, step):
             chunk = slice(start, min(start + step, ctx.heads))
             yield chunk, slice(chunk.start * rank, chunk.stop * rank)
