@@ -252,44 +252,85 @@ def test_flops_count_the_attention():
 # ---------------------------------------------------------------------------------- synthetic long range
 @pytest.mark.parametrize("size", [16, 7])
 def test_synthetic_batch(size):
-    """BOS first, exactly one marker, in the second half, naming the label; half of each label (one more 0 when the
-    size is odd), in an order that changes from batch to batch."""
-    from recipes.lra.synthetic import BOS, FIRST_RANDOM, MARKERS, batch
+    """BOS first, exactly one marker, from --marker_from on, naming the label; balanced labels: half of each (one
+    more 0 when the size is odd), in an order that changes from batch to batch; random ids below --vocab_size."""
+    from recipes.lra.synthetic import BOS, FIRST_RANDOM, MARKERS, Task
 
     generator = torch.Generator().manual_seed(0)
-    ids, labels = batch(generator, size, 64, 32)
-    assert (ids[:, 0] == BOS).all() and ((ids >= FIRST_RANDOM) | (ids == BOS) | (ids == MARKERS[0])
-                                         | (ids == MARKERS[1])).all()
-    is_marker = (ids == MARKERS[0]) | (ids == MARKERS[1])
-    assert (is_marker.sum(1) == 1).all() and not is_marker[:, :32].any()
-    assert (ids[is_marker] == torch.tensor(MARKERS)[labels]).all()
-    assert int((labels == 0).sum()) == (size + 1) // 2
-    assert any(not torch.equal(batch(generator, size, 64, 32)[1], labels) for _ in range(5))
+    for task in (Task(64), Task(64, vocab_size=9, marker_from=0.75)):
+        ids, labels = task.batch(generator, size)
+        is_marker = (ids == MARKERS[0]) | (ids == MARKERS[1])
+        assert (ids[:, 0] == BOS).all() and (ids[:, 1:][~is_marker[:, 1:]] >= FIRST_RANDOM).all()
+        assert ids.max() < task.vocab_size and (ids == task.vocab_size - 1).any()
+        assert (is_marker.sum(1) == 1).all() and not is_marker[:, : int(64 * task.marker_from)].any()
+        assert (ids[is_marker] == torch.tensor(MARKERS)[labels]).all()
+        assert int((labels == 0).sum()) == (size + 1) // 2
+        assert any(not torch.equal(task.batch(generator, size)[1], labels) for _ in range(5))
+    independent = torch.stack([Task(64, labels="independent").batch(generator, size)[1] for _ in range(50)])
+    assert (independent.sum(1) != size // 2).any() and 0.4 < independent.float().mean() < 0.6
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [({"length": 1}, "--length"), ({"vocab_size": 4}, "--vocab_size"), ({"labels": "equal"}, "--labels"),
+     ({"marker_from": 1.0}, "--marker_from"), ({"marker_from": 0.01, "length": 64}, "--marker_from")],
+)
+def test_synthetic_task_settings_are_checked(setting, message):
+    from recipes.lra.synthetic import Task
+
+    with pytest.raises(ValueError, match=message):
+        Task(**setting)
+
+
+def test_synthetic_run_settings_are_checked_before_any_work(tmp_path, capsys):
+    from recipes.lra.synthetic import Task, main, train
+
+    for setting, message in (({"eval_every": 0}, "--eval_every"), ({"target": 1.5}, "--target")):
+        with pytest.raises(ValueError, match=message):
+            train("long_short", Task(64), 2, checkpoint=tmp_path / "run.pt", **setting)
+    with pytest.raises(SystemExit):
+        main(["--length", "64", "--steps", "1", "--json", str(tmp_path / "missing" / "result.json")])
+    assert "--json" in capsys.readouterr().err
+    assert not (tmp_path / "run.pt").exists() and not (tmp_path / "missing").exists()
+
+
+def test_synthetic_checkpoint_resumes_the_same_run(tmp_path):
+    """A run saved at step 4 and resumed to step 6 is the uninterrupted run; another run's checkpoint is refused."""
+    from recipes.lra.synthetic import Task, train
+
+    task, checkpoint = Task(128, vocab_size=16), tmp_path / "run.pt"
+    whole = train("long_short", task, 6, eval_every=2, eval_size=16)
+    train("long_short", task, 4, eval_every=2, eval_size=16, checkpoint=checkpoint)
+    resumed = train("long_short", task, 6, eval_every=2, eval_size=16, checkpoint=checkpoint)
+    assert [(h["step"], h["loss"], h["accuracy"]) for h in resumed["history"]] == [
+        (h["step"], h["loss"], h["accuracy"]) for h in whole["history"]]
+    with pytest.raises(ValueError, match="--checkpoint"):
+        train("long_short", Task(128, vocab_size=17), 6, eval_every=2, eval_size=16, checkpoint=checkpoint)
 
 
 def test_synthetic_only_the_projection_reaches_the_second_half():
     """Without global tokens the first token's logits do not depend on the second half through a 2-layer window of
     w = 16; with the dynamic projection (r = 8) they do, and so they do when the first token is global."""
-    from recipes.lra.synthetic import batch, build, logits
+    from recipes.lra.synthetic import Task, build, logits
 
-    ids, _ = batch(torch.Generator().manual_seed(0), 2, 512, 32)
+    ids, _ = Task(512).batch(torch.Generator().manual_seed(0), 2)
     changed = ids.clone()
     changed[:, 256:] = torch.randint(4, 32, (2, 256), generator=torch.Generator().manual_seed(1))
     for attention, global_first_token, reaches in (
         ("window", False, False), ("long_short", False, True), ("window", True, True)
     ):
-        model = build(attention, 512).eval()
+        model = build(attention, Task(512)).eval()
         with torch.no_grad():
             delta = (logits(model, ids, global_first_token) - logits(model, changed, global_first_token)).abs().max()
         assert (delta.item() > 1e-4) == reaches, (attention, global_first_token, delta)
 
 
 def test_synthetic_long_range_is_learned():
-    """Long-Short learns the marker of the second half at n = 512 (only its projected rows can carry it): seed 0
-    reaches 1.0 by step 100 (about 12 s of one core); 600 steps leave room for other machines."""
-    from recipes.lra.synthetic import train
+    """Long-Short learns the marker of the second half at n = 512 with no global token (only its projected rows can
+    carry it): seed 0 reaches 1.0 by step 100 (about 12 s of one core); 600 steps leave room for other machines."""
+    from recipes.lra.synthetic import Task, train
 
-    result = train("long_short", 512, 600, eval_every=50, eval_size=256, target=0.9)
+    result = train("long_short", Task(512), 600, eval_every=50, eval_size=256, target=0.9)
     assert result["best_accuracy"] >= 0.9, result["history"]
 
 
