@@ -166,17 +166,24 @@ def _argv(out, steps, *extra):
             "--listops_test", "8", "--no_progress", "--threads", "1", *extra]
 
 
-def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
+def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device, capsys):
     """A run stopped after its first evaluation and rerun ends where an uninterrupted one ends; the test split is
-    scored once, with the best dev checkpoint."""
+    scored once, with the best dev checkpoint (ties in dev accuracy go to the lower dev loss). The data generation
+    and every evaluation print a line, also with --no_progress."""
     small = {"min_length": 10, "max_length": 60, "max_depth": 4, "max_args": 5}  # short expressions, quick steps
     monkeypatch.setattr("recipes.lra.train.ListOpsRules", lambda **kw: ListOpsRules(**{**small, **kw}))
     on = ("--device", str(device))
     whole = main(_argv(tmp_path / "whole", 6, *on))
+    out = capsys.readouterr().out
+    assert "Generating 24 / 8 / 8 ListOps expressions" in out
+    assert all(f"step {step}/6: train loss" in out for step in (2, 4, 6))
     assert whole["machine"] == train_machine(device)
     assert [h["step"] for h in whole["history"]] == [2, 4, 6]
-    assert whole["tested_checkpoint_step"] == max(whole["history"], key=lambda h: h["dev_accuracy"])["step"]
+    best = max(whole["history"], key=lambda h: (h["dev_accuracy"], -h["dev_loss"]))
+    assert whole["tested_checkpoint_step"] == best["step"] and whole["best"]["dev_loss"] == best["dev_loss"]
     assert 0 <= whole["test_accuracy"] <= 1
+    for name in ("best.pt", "last.pt"):  # plain data: readable without unpickling arbitrary objects
+        torch.load(tmp_path / "whole" / name, weights_only=True)
 
     from recipes.lra import train
 
@@ -197,8 +204,10 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
     for a, b in zip(whole["history"], resumed["history"]):
         assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=loss_tol)
     assert resumed["test_accuracy"] == whole["test_accuracy"]
-    # a finished run is not retrained; other settings in the same folder are refused
+    # a finished run is not retrained; other settings in the same folder are refused, finished or not
     assert main(_argv(tmp_path / "split", 6, *on))["test_accuracy"] == whole["test_accuracy"]
+    with pytest.raises(SystemExit, match="other settings.*'attention': \\('long_short', 'full'\\)"):
+        main(_argv(tmp_path / "split", 6, *on, "--attention", "full"))
     (tmp_path / "split" / "results.json").unlink()
     with pytest.raises(SystemExit, match="other settings"):
         main(_argv(tmp_path / "split", 6, *on, "--seed", "1"))
@@ -223,6 +232,42 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device):
     assert len(fresh) == 1 and fresh[0]["test"] == best["test"] and sum(fresh[0]["fresh"]["label_counts"]) == 12
     with pytest.raises(SystemExit, match="--fresh_seed 0 is"):
         score([str(tmp_path / "whole"), *on, "--fresh", "12", "--fresh_seed", "0"])
+
+
+def test_best_checkpoint_ties_go_to_the_lower_dev_loss():
+    from recipes.lra.train import better
+
+    best = {"step": 2, "dev_accuracy": 1.0, "dev_loss": 0.654}
+    assert better({"dev_accuracy": 1.0, "dev_loss": 0.049}, best)
+    assert not better({"dev_accuracy": 1.0, "dev_loss": 0.7}, best)
+    assert not better({"dev_accuracy": 0.9, "dev_loss": 0.001}, best)
+    assert better({"dev_accuracy": 0.0, "dev_loss": 9.0}, {"step": None, "dev_accuracy": -1.0})
+
+
+def test_checkpoints_that_would_run_code_are_refused(tmp_path, monkeypatch):
+    """``torch.load(weights_only=True)``: a checkpoint whose unpickling would call a function (here: create a file)
+    is refused with a clear message, and the function never runs, in training (resume) and in scoring."""
+    marker = tmp_path / "code_ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return Path.touch, (marker,)
+
+    small = {"min_length": 10, "max_length": 60, "max_depth": 4, "max_args": 5}
+    monkeypatch.setattr("recipes.lra.train.ListOpsRules", lambda **kw: ListOpsRules(**{**small, **kw}))
+    run = tmp_path / "run"
+    main(_argv(run, 4))
+    from recipes.lra.score import main as score
+
+    for name in ("best.pt", "last.pt"):
+        saved = torch.load(run / name, weights_only=True)
+        torch.save({**saved, "model": RunsCode()}, run / name)
+    with pytest.raises(SystemExit, match="objects other than tensors and plain data"):
+        score([str(run), "--threads", "1"])
+    (run / "results.json").unlink()  # unfinished: the rerun reads last.pt to resume
+    with pytest.raises(SystemExit, match="objects other than tensors and plain data"):
+        main(_argv(run, 4))
+    assert not marker.exists()
 
 
 def test_label_scores_and_reweighting():
@@ -347,10 +392,18 @@ def test_text_and_retrieval_files(tmp_path):
     tower end to end."""
     text = _write_jsonl(tmp_path / "text", {s: [{"text": "héllo", "label": 1}, {"text": "a" * 50, "label": 0}]
                                             for s in ("train", "dev", "test")})
-    splits = lra_data.load_user_data("text", text, max_length=16)
+    splits = lra_data.load_user_data("text", text, max_length=16, num_classes=2)
     ex = splits["dev"]
     assert list(ex.tokens[ex.offsets[0, 0] : ex.offsets[0, 1]]) == [b + 1 for b in "héllo".encode()]
     assert ex.lengths()[0, 1] == 16 and list(ex.labels) == [1, 0]
+
+    reviews = _write_jsonl(tmp_path / "reviews", {s: [{"text": f"review {i}", "label": ["neg", "pos"][i % 2]}
+                                                      for i in range(8)] for s in ("train", "dev", "test")})
+    assert list(lra_data.load_user_data("text", reviews, 16, num_classes=2)["dev"].labels[:4]) == [0, 1, 0, 1]
+    result = main(["--task", "text", "--data_dir", str(reviews), "--output_dir", str(tmp_path / "text_run"),
+                   "--steps", "4", "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--max_length", "32",
+                   "--window_size", "4", "--projection_rank", "2", "--no_progress", "--threads", "1"])
+    assert 0 <= result["test_accuracy"] <= 1
 
     pairs = [{"text1": f"doc {i}", "text2": f"other {i % 2}", "label": i % 2} for i in range(8)]
     retrieval = _write_jsonl(tmp_path / "retrieval", {s: pairs for s in ("train", "dev", "test")})
@@ -370,19 +423,26 @@ def test_image_dataset_folder(tmp_path):
                                        features=datasets.Features({"image": datasets.Image(),
                                                                    "label": datasets.Value("int64")}))
     datasets.DatasetDict({s: split for s in ("train", "dev", "test")}).save_to_disk(tmp_path / "cifar")
-    ex = lra_data.load_user_data("image", tmp_path / "cifar", max_length=16)["test"]
+    ex = lra_data.load_user_data("image", tmp_path / "cifar", max_length=16, num_classes=10)["test"]
     grey = np.asarray(Image.fromarray(rgb[1]).convert("L"), dtype=np.int64).reshape(-1)
     np.testing.assert_array_equal(ex.tokens[ex.offsets[0, 1] : ex.offsets[0, 2]], grey + 1)
     with pytest.raises(ValueError, match="--max_length"):
-        lra_data.load_user_data("image", tmp_path / "cifar", max_length=8)
+        lra_data.load_user_data("image", tmp_path / "cifar", max_length=8, num_classes=10)
 
 
 def test_user_data_errors(tmp_path):
     with pytest.raises(ValueError, match="--data_dir"):
-        lra_data.load_user_data("text", tmp_path / "missing", 16)
+        lra_data.load_user_data("text", tmp_path / "missing", 16, 2)
     folder = _write_jsonl(tmp_path / "bad", {s: [{"body": "x", "label": 0}] for s in ("train", "dev")})
     with pytest.raises(ValueError, match="test"):
-        lra_data.load_user_data("text", folder, 16)
+        lra_data.load_user_data("text", folder, 16, 2)
     _write_jsonl(folder, {"test": [{"body": "x", "label": 0}]})
     with pytest.raises(ValueError, match="lacks the column"):
-        lra_data.load_user_data("text", folder, 16)
+        lra_data.load_user_data("text", folder, 16, 2)
+    _write_jsonl(folder, {"train": [{"text": "x", "label": "neg"}, {"text": "y", "label": "pos"}],
+                          "dev": [{"text": "x", "label": "neutral"}], "test": [{"text": "x", "label": "pos"}]})
+    with pytest.raises(ValueError, match=r"the dev split has the label\(s\) \['neutral'\]"):
+        lra_data.load_user_data("text", folder, 16, 2)
+    _write_jsonl(folder, {split: [{"text": "x", "label": 2}] for split in ("train", "dev", "test")})
+    with pytest.raises(ValueError, match="class ids 0 .. 1"):
+        lra_data.load_user_data("text", folder, 16, 2)

@@ -15,11 +15,13 @@ import hashlib
 import json
 import os
 import random
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 SPLITS = ("train", "dev", "test")
 
@@ -84,23 +86,27 @@ def _tree(rng: random.Random, depth: int, rules: ListOpsRules, out: list[int], l
     return digit
 
 
-def generate_listops(seed: int, rules: ListOpsRules) -> dict[str, Examples]:
-    """``train``/``dev``/``test`` of distinct ListOps expressions (LRA: distinct trees, split after generation)."""
+def generate_listops(seed: int, rules: ListOpsRules, progress: bool = False) -> dict[str, Examples]:
+    """``train``/``dev``/``test`` of distinct ListOps expressions (LRA: distinct trees, split after generation);
+    ``progress``: a progress bar of the expressions kept."""
     rules.check()
     rng = random.Random(seed)
     seen, kept = set(), []
     total = rules.train + rules.dev + rules.test
-    while len(kept) < total:
-        out = []
-        try:
-            value = _tree(rng, 1, rules, out, rules.max_length)
-        except _TooLong:
-            continue
-        if rules.min_length < len(out) < rules.max_length:
-            key = bytes(out)
-            if key not in seen:
-                seen.add(key)
-                kept.append((out, value))
+    with tqdm(total=total, desc="generating ListOps", unit=" expressions", disable=not progress,
+              file=sys.stdout) as bar:
+        while len(kept) < total:
+            out = []
+            try:
+                value = _tree(rng, 1, rules, out, rules.max_length)
+            except _TooLong:
+                continue
+            if rules.min_length < len(out) < rules.max_length:
+                key = bytes(out)
+                if key not in seen:
+                    seen.add(key)
+                    kept.append((out, value))
+                    bar.update(1)
     close = len(LISTOPS_VOCAB) - 1
     splits, start = {}, 0
     for split, size in zip(SPLITS, (rules.train, rules.dev, rules.test)):
@@ -111,15 +117,19 @@ def generate_listops(seed: int, rules: ListOpsRules) -> dict[str, Examples]:
     return splits
 
 
-def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules) -> dict[str, Examples]:
-    """The generated splits, read from ``data_dir`` if this seed and these rules were generated before."""
+def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules, progress: bool = False
+            ) -> dict[str, Examples]:
+    """The generated splits, read from ``data_dir`` if this seed and these rules were generated before. Generating
+    says so on stdout (``progress``: with a progress bar)."""
     rules.check()
     key = hashlib.sha1(json.dumps(asdict(rules), sort_keys=True).encode()).hexdigest()[:10]
     path = Path(data_dir) / f"listops_seed{seed}_{key}.npz"
     if path.exists():
         with np.load(path) as npz:
             return {split: Examples.from_arrays(npz, split) for split in SPLITS}
-    splits = generate_listops(seed, rules)
+    print(f"Generating {rules.train:,} / {rules.dev:,} / {rules.test:,} ListOps expressions (data seed {seed}) into "
+          f"{path}; later runs with this seed and these rules read them from there.", flush=True)
+    splits = generate_listops(seed, rules, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
     arrays = {f"{split}.{name}": value for split, ex in splits.items() for name, value in ex.arrays().items()}
@@ -215,9 +225,35 @@ def _pixels(image, max_length: int) -> list[int]:
     return (grey + 1).tolist()
 
 
-def load_user_data(task: str, data_path: str | os.PathLike, max_length: int) -> dict[str, Examples]:
+def class_ids(labels: dict[str, list], num_classes: int, where: str) -> dict[str, np.ndarray]:
+    """Each split's labels as class ids: integer labels as they are (0 .. ``num_classes`` - 1); any other values
+    (e.g. "neg"/"pos") numbered in the sorted order of the training split's values, as
+    ``recipes.finetune_classification`` numbers them. A ``ValueError`` names a label that does not fit."""
+    if all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for split in labels.values()
+           for value in split):
+        for split, values in labels.items():
+            wrong = [value for value in values if not 0 <= value < num_classes]
+            if wrong:
+                raise ValueError(f"{where}: the {split} split has the label {wrong[0]}; integer labels are class ids "
+                                 f"0 .. {num_classes - 1} for this task.")
+        return {split: np.asarray(values, dtype=np.int64) for split, values in labels.items()}
+    classes = sorted(set(labels["train"]), key=str)
+    if len(classes) > num_classes:
+        raise ValueError(f"{where}: the train split holds {len(classes)} label values {classes[:12]}, more than the "
+                         f"task's {num_classes} classes.")
+    ids = {value: i for i, value in enumerate(classes)}
+    for split, values in labels.items():
+        unknown = sorted(set(values) - set(ids), key=str)
+        if unknown:
+            raise ValueError(f"{where}: the {split} split has the label(s) {unknown[:5]}, which the train split does "
+                             f"not (labels: {classes}).")
+    return {split: np.asarray([ids[value] for value in values], dtype=np.int64) for split, values in labels.items()}
+
+
+def load_user_data(task: str, data_path: str | os.PathLike, max_length: int, num_classes: int
+                   ) -> dict[str, Examples]:
     """Text/Retrieval/Image splits from a ``save_to_disk`` folder or ``{train,dev,test}.<ext>`` files in
-    ``data_path``, with columns ``text`` | ``text1``, ``text2`` | ``image`` and an integer ``label``."""
+    ``data_path``, with columns ``text`` | ``text1``, ``text2`` | ``image`` and ``label`` (``class_ids``)."""
     import datasets
 
     path = Path(data_path)
@@ -243,14 +279,12 @@ def load_user_data(task: str, data_path: str | os.PathLike, max_length: int) -> 
     columns = COLUMNS[task] + ("label",)
     if missing:
         raise ValueError(f"--data_dir {str(path)!r} lacks the split(s) {missing}; it needs {list(SPLITS)}.")
-    encode = _pixels if task == "image" else _bytes
-    splits = {}
     for split in SPLITS:
         absent = [c for c in columns if c not in data[split].column_names]
         if absent:
             raise ValueError(f"--data_dir {str(path)!r}: the {split} split lacks the column(s) {absent}; the "
                              f"{task} task reads {list(columns)}.")
-        table = data[split]
-        seqs = [[encode(value, max_length) for value in table[column]] for column in COLUMNS[task]]
-        splits[split] = Examples.build(seqs, table["label"])
-    return splits
+    labels = class_ids({split: data[split]["label"] for split in SPLITS}, num_classes, f"--data_dir {str(path)!r}")
+    encode = _pixels if task == "image" else _bytes
+    return {split: Examples.build([[encode(value, max_length) for value in data[split][column]]
+                                   for column in COLUMNS[task]], labels[split]) for split in SPLITS}

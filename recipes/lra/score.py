@@ -17,7 +17,7 @@ import torch
 
 from .data import fresh_listops
 from .model import LRAClassifier
-from .train import RUN_KEYS, listops_rules, load_splits, model_config, predictions, resolve
+from .train import RUN_KEYS, listops_rules, load, load_splits, model_config, predictions, resolve
 
 SCORED_SPLITS = ("dev", "test")
 CHECKPOINTS = ("best.pt", "last.pt")
@@ -74,11 +74,13 @@ def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int 
         path = Path(run_dir) / name
         if not path.exists():
             continue
-        saved = torch.load(path, weights_only=False, map_location=args.device)
+        saved = load(path, args.device)
         model.load_state_dict(saved["model"])
         step = saved["step"] if "step" in saved else saved["state"]["step"]
-        scores = {split: label_scores(*predictions(model, splits[split], batch_size, max(config.window, 1)),
-                                      config.num_classes) for split in SCORED_SPLITS + ("fresh",) if split in splits}
+        scores = {}
+        for split in (split for split in SCORED_SPLITS + ("fresh",) if split in splits):
+            labels, logits = predictions(model, splits[split], batch_size, max(config.window, 1))
+            scores[split] = label_scores(labels, logits.argmax(-1), config.num_classes)
         dev, test = scores["dev"], scores["test"]
         rows.append({"run": str(run_dir), "checkpoint": name, "step": step, **scores,
                      "dev_with_test_labels": reweighted(dev["label_accuracy"], test["label_counts"]),

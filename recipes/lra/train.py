@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import pickle
 import platform
 import sys
 import time
@@ -129,9 +131,9 @@ def load_splits(args):
     if args.task == "listops":
         rules = listops_rules(args)
         data_dir = args.data_dir or Path(args.output_dir).resolve().parent / "data"
-        splits = listops(data_dir, args.data_seed, rules)
+        splits = listops(data_dir, args.data_seed, rules, progress=not args.no_progress)
     else:
-        splits = load_user_data(args.task, args.data_dir, args.max_length)
+        splits = load_user_data(args.task, args.data_dir, args.max_length, TASKS[args.task]["num_classes"])
     too_long = int(max(ex.lengths().max() for ex in splits.values()))
     if too_long > args.max_length:
         raise ValueError(f"a sequence has {too_long} tokens, more than --max_length {args.max_length}; raise it.")
@@ -161,29 +163,59 @@ def on_device(batch, device: torch.device):
 
 @torch.no_grad()
 def predictions(model, examples, batch_size: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, predicted labels) over a whole split, in batches of similar lengths (outputs do not depend on
-    padding), on the model's device."""
+    """(labels, logits) over a whole split, in batches of similar lengths (outputs do not depend on padding), on the
+    model's device."""
     model.eval()
     where = next(model.parameters()).device
     order = np.argsort(examples.lengths().max(0), kind="stable")
-    labels, predicted = [], []
+    labels, logits = [], []
     for start in range(0, len(order), batch_size):
         ids, masks, batch_labels = on_device(examples.batch(order[start : start + batch_size], multiple), where)
         labels.append(batch_labels.cpu().numpy())
-        predicted.append(model(ids, masks).argmax(-1).cpu().numpy())
+        logits.append(model(ids, masks).float().cpu().numpy())
     model.train()
-    return np.concatenate(labels), np.concatenate(predicted)
+    return np.concatenate(labels), np.concatenate(logits)
 
 
-def accuracy(model, examples, batch_size: int, multiple: int) -> float:
-    labels, predicted = predictions(model, examples, batch_size, multiple)
-    return float((labels == predicted).mean())
+def evaluate(model, examples, batch_size: int, multiple: int) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over a whole split."""
+    labels, logits = predictions(model, examples, batch_size, multiple)
+    loss = F.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels))
+    return float((logits.argmax(-1) == labels).mean()), float(loss)
+
+
+def better(record: dict, best: dict) -> bool:
+    """Whether an evaluation beats the best so far: a higher dev accuracy, or the same accuracy with a lower dev
+    loss (before the first evaluation, and in runs saved before the loss was recorded, the best has no loss)."""
+    return (record["dev_accuracy"], -record["dev_loss"]) > (best["dev_accuracy"], -best.get("dev_loss", math.inf))
 
 
 def save(obj, path: Path) -> None:
+    """``torch.save`` through a temporary file. ``obj`` holds tensors, numbers, strings and containers only, what
+    ``torch.load(weights_only=True)`` reads."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def load(path: Path, device: torch.device | str) -> dict:
+    """A checkpoint of this recipe, read with ``torch.load(weights_only=True)``: tensors and plain data only, so a
+    file from elsewhere cannot run code. A file holding anything else exits with a message saying so."""
+    try:
+        return torch.load(path, weights_only=True, map_location=device)
+    except pickle.UnpicklingError as err:
+        raise SystemExit(f"error: {path} holds objects other than tensors and plain data ({str(err).splitlines()[0]})"
+                         f"; this recipe writes no such checkpoint and does not load it. Remove it, or use another "
+                         f"folder.") from err
+
+
+def saved_settings(results: dict | None, last: dict | None) -> dict | None:
+    """The settings of the run already in an output folder: those of ``results.json`` (written at every evaluation
+    and at the end), else those of ``last.pt``."""
+    for saved in (results, last):
+        if saved is not None and "run" in saved:
+            return saved["run"]
+    return None
 
 
 def machine(where: torch.device) -> str:
@@ -199,25 +231,29 @@ def main(argv=None):
     out = Path(args.output_dir)
     results_path, last_path, best_path = out / "results.json", out / "last.pt", out / "best.pt"
     run = {key: getattr(args, key) for key in RUN_KEYS}
-    if results_path.exists():
-        results = json.loads(results_path.read_text())
-        if "test_accuracy" in results:
-            print(f"{results_path} holds a finished run: test accuracy {results['test_accuracy']:.4f}")
-            return results
-    last = torch.load(last_path, weights_only=False, map_location="cpu") if last_path.exists() else None
-    if last is not None and last["run"] != run:
-        changed = {k: (last["run"].get(k), v) for k, v in run.items() if last["run"].get(k) != v}
+    results = json.loads(results_path.read_text()) if results_path.exists() else None
+    last = load(last_path, "cpu") if last_path.exists() else None
+    saved = saved_settings(results, last)
+    if saved is not None and saved != run:
+        changed = {k: (saved.get(k), v) for k, v in run.items() if saved.get(k) != v}
         raise SystemExit(f"error: {out} holds a run with other settings {changed} (saved, given); use another "
                          f"--output_dir or the saved settings.")
+    if results is not None and "test_accuracy" in results:
+        print(f"{results_path} holds a finished run with these settings: test accuracy {results['test_accuracy']:.4f}")
+        return results
 
     try:
-        splits = load_splits(args)
         config = model_config(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    model = LRAClassifier(config).to(args.device)
+    model = LRAClassifier(config)
+    try:
+        splits = load_splits(args)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
@@ -253,13 +289,14 @@ def main(argv=None):
         bar.update(1)
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             state["train_seconds"] += time.perf_counter() - tick
-            dev = accuracy(model, splits["dev"], args.eval_batch_size, multiple)
+            dev, dev_loss = evaluate(model, splits["dev"], args.eval_batch_size, multiple)
             record = {"step": state["step"], "train_loss": float(np.mean(losses)), "dev_accuracy": dev,
-                      "lr": scheduler.get_last_lr()[0], "train_seconds": round(state["train_seconds"], 1)}
+                      "dev_loss": dev_loss, "lr": scheduler.get_last_lr()[0],
+                      "train_seconds": round(state["train_seconds"], 1)}
             state["history"].append(record)
             losses = []
-            if dev > state["best"]["dev_accuracy"]:
-                state["best"] = {"step": state["step"], "dev_accuracy": dev}
+            if better(record, state["best"]):
+                state["best"] = {"step": state["step"], "dev_accuracy": dev, "dev_loss": dev_loss}
                 save({"model": model.state_dict(), "config": config.to_dict(), "step": state["step"]}, best_path)
             rngs = {"rng": torch.get_rng_state()}
             if args.device.type == "cuda":
@@ -269,11 +306,14 @@ def main(argv=None):
             results_path.write_text(json.dumps({**info, **state}, indent=1))
             bar.set_postfix(loss=f"{record['train_loss']:.3f}", dev=f"{dev:.4f}",
                             best=f"{state['best']['dev_accuracy']:.4f}")
+            bar.write(f"step {state['step']}/{args.steps}: train loss {record['train_loss']:.4f}, dev accuracy "
+                      f"{dev:.4f}, dev loss {dev_loss:.4f}; best dev accuracy {state['best']['dev_accuracy']:.4f} at "
+                      f"step {state['best']['step']}", file=sys.stdout)
             tick = time.perf_counter()
     bar.close()
 
-    model.load_state_dict(torch.load(best_path, weights_only=False, map_location=args.device)["model"])
-    test = accuracy(model, splits["test"], args.eval_batch_size, multiple)
+    model.load_state_dict(load(best_path, args.device)["model"])
+    test, _ = evaluate(model, splits["test"], args.eval_batch_size, multiple)
     results = {**info, **state, "test_accuracy": test, "tested_checkpoint_step": state["best"]["step"],
                "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     results_path.write_text(json.dumps(results, indent=1))
