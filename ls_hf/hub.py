@@ -12,8 +12,14 @@ from .modeling_long_short_xl import LongShortXLPreTrainedModel
 __all__ = ["REMOTE_CODE_FILES", "REMOTE_CODE_FILES_XL", "is_local_path", "save_for_hub"]
 
 # The files a folder needs to load with trust_remote_code=True where ls_hf is not installed.
-REMOTE_CODE_FILES = ("configuration_long_short.py", "modeling_long_short.py", "long_short_attention.py")
-# LongShortXLForCausalLM's folders also need its own file (which imports the three above).
+REMOTE_CODE_FILES = (
+    "configuration_long_short.py",
+    "modeling_long_short.py",
+    "long_short_attention.py",
+    "long_short_kernels.py",
+    "long_short_rules.py",
+)
+# LongShortXLForCausalLM's folders also need its own file (which imports those above).
 REMOTE_CODE_FILES_XL = (*REMOTE_CODE_FILES, "modeling_long_short_xl.py")
 
 
@@ -42,8 +48,9 @@ def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overw
     first and moved into place at the end, so a failure leaves neither a half-written nor a missing folder.
     ``folder`` must not exist or be empty, unless ``overwrite`` (then it is replaced). Returns ``Path(folder)``.
     """
-    if not isinstance(model, LongShortPreTrainedModel):
-        raise TypeError(f"model must be a LongShort model (LongShortPreTrainedModel), got {type(model).__name__}.")
+    if not isinstance(model, (LongShortPreTrainedModel, LongShortXLPreTrainedModel)):
+        raise TypeError(f"model must be a LongShort model (LongShortPreTrainedModel or LongShortXLPreTrainedModel), "
+                        f"got {type(model).__name__}.")
     folder = Path(folder).expanduser()
     if folder.exists() and not overwrite and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{str(folder)!r} already exists and is not an empty directory; pick a new path or pass "

@@ -14,18 +14,22 @@ One softmax per query over two key/value sets (paper Sec. 3.2-3.4, Eq. 3-7):
 * global tokens (bidirectional, Longformer's ``global_attention_mask``): every token sees their keys, and they
   attend to every token, in the same softmax; see ``LongShortSelfAttention.forward``.
 
-The fast path groups queries by window segment and hands each group, with its window keys and the
-projected rows, to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and
-CUDA, softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)). With
-``recompute_window_tiles=True``, training on CPU builds the tiles one chunk of groups at a time and again in the
-backward pass (``_TiledAttention``), so that autograd keeps the keys and values once, not (2w + r) / w times,
-``LN_L`` is written over its input and keeps its output only, and the projection (``_DynamicProjection``) keeps
-neither its scores nor P.
+Visibility is defined once, as functions of token positions (``long_short_rules``); the rest is layout. ``forward``
+picks once how the joint softmax runs (``LongShortSelfAttention._backend``), and ``BACKENDS`` maps that choice to a
+method that takes the queries and their two key sets (``JointInputs``):
+
+* ``"sdpa"`` (the default): queries grouped by window segment, each group handed with its window keys and the
+  projected rows to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and CUDA,
+  softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)).
+* ``"lean"`` (``recompute_window_tiles=True``, training on CPU): the same groups through the kernels of
+  ``long_short_kernels``, which keep for the backward pass about what fused dense attention keeps.
+* ``"flex"`` (``attn_implementation="flex_attention"``): FlexAttention over the keys [extra keys; tokens] with the
+  visibility as a block mask, gathering nothing (compile the module for its fused kernel).
+* ``"maps"`` (``output_attentions=True``): the explicit softmax, whose probabilities are returned and used.
+
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
-quadratic with the small factor r / l (the official causal models use r=1, l=16). Visibility is defined
-once, as functions of token positions (``window_keep``, ``segment_keep``); the grouping is only a layout.
-``attn_implementation="flex_attention"`` instead hands FlexAttention the keys [extra keys; tokens] and that same
-visibility as a block mask, gathering nothing (``_attend_flex``; compile the module for its fused kernel).
+quadratic with the small factor r / l (the official causal models use r=1, l=16). A causal call with a
+``CausalState`` is a prefill or a decoding step: fewer than ``w`` new queries see the cached window as one tile.
 This file imports nothing from Transformers or timm.
 """
 
@@ -39,279 +43,31 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.11 anyway)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:
-    create_block_mask = flex_attention = None
+from .long_short_kernels import (
+    FUSED_CPU,
+    DynamicProjection,
+    TiledAttention,
+    gather_tiles,
+    layer_norm_in_place,
+)
+from .long_short_rules import (
+    check_attn_implementation,
+    check_flex_call,
+    create_block_mask,
+    flex_attention,
+    masked_sdpa,
+    project_rows,
+    segment_keep,
+    segment_rule,
+    takes_grad,
+    validate_long_short_args,
+    window_extent,
+    window_keep,
+    window_rule,
+)
 
-# The implementations of the joint softmax: Transformers' names ("eager" and "sdpa" run the same SDPA code).
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
-FLEX_ATTENTION_MIN_TORCH = "2.6"
-__all__ = [
-    "CausalState",
-    "ExtraKeys",
-    "LongShortSelfAttention",
-    "check_attn_implementation",
-    "masked_sdpa",
-    "project_rows",
-    "segment_keep",
-    "validate_long_short_args",
-    "window_extent",
-    "window_keep",
-]
-
-
-def check_attn_implementation(attn_implementation: str) -> None:
-    """Refuse an unknown ``attn_implementation`` (``ValueError``), or ``"flex_attention"`` on a torch without
-    FlexAttention (``ImportError`` naming the minimum version), before any work."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}.")
-    if attn_implementation == "flex_attention" and flex_attention is None:
-        raise ImportError(
-            f'attn_implementation="flex_attention" needs torch.nn.attention.flex_attention (torch >= '
-            f'{FLEX_ATTENTION_MIN_TORCH}), which torch {torch.__version__} lacks; upgrade torch or use "sdpa".'
-        )
-
-
-def takes_grad(x: Tensor, weight: Tensor) -> bool:
-    """Whether autograd records a module's call on ``x``: gradients enabled, and ``x`` or the module's ``weight``
-    requires them."""
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-
-
-def check_flex_call(x: Tensor, weight: Tensor, *, training: bool, dropout: float, dropout_name: str,
-                    dropout_setting: str) -> None:
-    """Refuse, before any work, what FlexAttention cannot do: attention dropout in training (``dropout``, the
-    module's ``dropout_name``, set by ``dropout_setting``), and backward on CPU (``takes_grad(x, weight)``)."""
-    if training and dropout > 0:
-        raise ValueError(
-            f'attn_implementation="flex_attention" has no attention dropout, but {dropout_name} is {dropout} in '
-            f'training mode; set it ({dropout_setting}) to 0 or use attn_implementation="sdpa".'
-        )
-    if takes_grad(x, weight) and x.device.type == "cpu":
-        raise NotImplementedError(
-            f'attn_implementation="flex_attention" runs forward only on CPU (torch {torch.__version__} has no '
-            f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
-            f"torch.no_grad() / torch.inference_mode()."
-        )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def validate_long_short_args(
-    *,
-    hidden_size: int,
-    num_heads: int,
-    window_size: int,
-    projection_rank: int,
-    causal: bool = False,
-    segment_length: int | None = None,
-    qk_head_dim: int | None = None,
-    attention_dropout: float = 0.0,
-    names: dict | None = None,
-) -> None:
-    """Raise ``ValueError`` naming the offending parameter (``names`` maps ours to the caller's field names)."""
-    names = names or {}
-
-    def name(key):
-        return names.get(key, key)
-
-    for key, value, low in (
-        ("hidden_size", hidden_size, 1),
-        ("num_heads", num_heads, 1),
-        ("window_size", window_size, 0),
-        ("projection_rank", projection_rank, 0),
-    ):
-        if not _is_int(value) or value < low:
-            raise ValueError(f"{name(key)} must be an integer >= {low}, got {value!r}.")
-    if hidden_size % num_heads:
-        raise ValueError(
-            f"{name('hidden_size')} ({hidden_size}) must be divisible by {name('num_heads')} ({num_heads}); "
-            f"pick a head count that divides it."
-        )
-    if qk_head_dim is not None and (not _is_int(qk_head_dim) or qk_head_dim < 1):
-        raise ValueError(f"{name('qk_head_dim')} must be None or an integer >= 1, got {qk_head_dim!r}.")
-    if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
-            or not 0 <= attention_dropout < 1:
-        raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; "
-                         f"got {attention_dropout!r}.")
-    if not causal:
-        if segment_length is not None:
-            raise ValueError(
-                f"{name('segment_length')} (l={segment_length}) only applies to causal attention (Eq. 5); pass "
-                f"causal=True or leave it out."
-            )
-        if window_size == 0 and projection_rank == 0:
-            raise ValueError(
-                f"{name('window_size')} and {name('projection_rank')} are both 0, so no query sees any key; "
-                f"set at least one of them to a positive integer."
-            )
-        return
-    if window_size < 1:
-        raise ValueError(
-            f"{name('window_size')} must be >= 1 in causal mode (a token must see itself and its recent past), "
-            f"got {window_size}."
-        )
-    if projection_rank > 0:
-        if not _is_int(segment_length) or segment_length < 1:
-            raise ValueError(f"{name('segment_length')} must be an integer >= 1, got {segment_length!r}.")
-        if segment_length > window_size:
-            raise ValueError(
-                f"{name('segment_length')} (l={segment_length}) must be at most {name('window_size')} "
-                f"(w={window_size}): the window must cover the tokens of the current segment that are not yet "
-                f"projected (paper Appendix D). Lower l or raise w."
-            )
-
-
-def window_extent(window: int) -> int:
-    """Keys ``e = max(w // 2, 1)`` that a bidirectional segment of ``w`` queries sees on each side beyond itself (span
-    2w for even w, as the official LRA and ImageNet code); 1-D here and per axis in ``ls_timm``."""
-    return max(window // 2, 1)
-
-
-def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tensor:
-    """Whether the query at ``q_pos[..., i]`` sees the window key at ``k_pos[..., j]``; shape (..., Q, K).
-
-    Bidirectional: keys ``[s - e, s + w + e)`` with ``s = (t // w) * w`` and ``e = window_extent(w)``.
-    Causal: keys ``[s - w, t]`` (Appendix D, Fig. 5). Keys outside the sequence are removed by the caller.
-    """
-    return _window_rule(q_pos.unsqueeze(-1), k_pos.unsqueeze(-2), window, causal)
-
-
-def _window_rule(q: Tensor, k: Tensor, window: int, causal: bool) -> Tensor:
-    """``window_keep`` on broadcast query and key positions (elementwise, as FlexAttention's mask_mod needs it)."""
-    start = torch.div(q, window, rounding_mode="floor") * window
-    if causal:
-        return (k >= start - window) & (k <= q)
-    ext = window_extent(window)
-    return (k >= start - ext) & (k < start + window + ext)
-
-
-def project_rows(
-    scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
-    scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``.
-
-    scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
-    -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
-    finite rows (uniform weights), which the caller marks invalid.
-    """
-    prob = _projection_weights(scores, valid)
-    return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
-
-
-def _projection_weights(scores: Tensor, valid: Tensor | None, *, in_place: bool = False) -> Tensor:
-    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, in float32 at least.
-    ``in_place``: built in a single new contiguous tensor (a copy of the scores, masked and turned into the softmax
-    in place), which autograd cannot differentiate."""
-    dtype = torch.promote_types(scores.dtype, torch.float32)
-    if not in_place:
-        scores = scores.to(dtype)
-        if valid is not None:
-            scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
-        return scores.softmax(-1)
-    prob = scores.to(dtype, memory_format=torch.contiguous_format, copy=True)
-    if valid is not None:
-        prob.masked_fill_(~valid[..., None, None, :], torch.finfo(dtype).min)
-    prob.sub_(prob.amax(-1, keepdim=True)).exp_()
-    return prob.div_(prob.sum(-1, keepdim=True))
-
-
-class _DynamicProjection(torch.autograd.Function):
-    """``project_rows`` (Eq. 3) on the scores ``X W^P + b`` computed here, a chunk of heads at a time
-    (``TILE_CHUNK_BYTES``), so that neither the scores nor P of all heads is ever made: it saves the inputs (the layer
-    input, the keys and values that the window attention keeps anyway) and the r rows, and the backward pass builds
-    each chunk's P again. There the gradient of P comes from both ``P K`` and ``P V``, the softmax backward
-    ``P * (dP - sum_L(P dP))`` takes ``sum_L(P dP)`` from the rows (``g_K . (P K) + g_V . (P V)`` over the features,
-    no (r, L) product), and the scores' gradient goes straight into those of X, W^P and b.
-
-    hidden (..., L, D), weight (H r, D), bias (H r) or None, keys (..., H, L, d_k), values (..., H, L, d_v),
-    valid (..., L) or None -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values.
-    """
-
-    @staticmethod
-    def _head_chunks(ctx, hidden):
-        """(heads, their columns of W^P) per chunk, sized so that the backward pass's four P-sized temporaries (P, its
-        gradient and two products) take at most ``TILE_CHUNK_BYTES``."""
-        rank = ctx.rank
-        p_bytes = hidden[..., 0].numel() * rank * max(hidden.element_size(), 4)  # one head's P, float32 at least
-        step = max(1, TILE_CHUNK_BYTES // max(4 * p_bytes, 1))
-        for start in range(0, ctx.heads, step):
-            chunk = slice(start, min(start + step, ctx.heads))
-            yield chunk, slice(chunk.start * rank, chunk.stop * rank)
-
-    @staticmethod
-    def _weights(ctx, hidden, weight, bias, valid, columns):
-        """P of the chunk of heads whose ``columns`` of W^P are given, (..., g, r, L), contiguous, in float32 at
-        least; the scores are computed under the forward pass's autocast state, so that the backward pass builds the
-        same P."""
-        with torch.autocast(hidden.device.type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
-            scores = F.linear(hidden, weight[columns], None if bias is None else bias[columns])
-        return _projection_weights(scores.unflatten(-1, (-1, ctx.rank)).movedim(-3, -1), valid, in_place=True)
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, keys, values, valid):
-        device = hidden.device.type
-        ctx.heads, ctx.rank = keys.shape[-3], weight.shape[0] // keys.shape[-3]
-        ctx.autocast, ctx.autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        rows_k = keys.new_empty(*keys.shape[:-2], ctx.rank, keys.shape[-1], dtype=dtype)
-        rows_v = values.new_empty(*rows_k.shape[:-1], values.shape[-1], dtype=dtype)
-        for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
-            prob = _DynamicProjection._weights(ctx, hidden, weight, bias, valid, columns)
-            rows_k[..., chunk, :, :] = prob @ keys[..., chunk, :, :].to(dtype)
-            rows_v[..., chunk, :, :] = prob @ values[..., chunk, :, :].to(dtype)
-        ctx.save_for_backward(hidden, weight, bias, keys, values, valid, rows_k, rows_v)
-        return rows_k.to(keys.dtype), rows_v.to(values.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_rows_k, grad_rows_v):
-        hidden, weight, bias, keys, values, valid, rows_k, rows_v = ctx.saved_tensors
-        dtype = rows_k.dtype
-        grad_rows_k, grad_rows_v = grad_rows_k.to(dtype), grad_rows_v.to(dtype)
-        row_dot = torch.linalg.vecdot(grad_rows_k, rows_k) + torch.linalg.vecdot(grad_rows_v, rows_v)
-        inputs = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-        grad_inputs = torch.zeros_like(inputs) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-        grad_bias = None if bias is None else torch.empty(bias.shape, dtype=dtype, device=bias.device)
-        grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
-        for chunk, columns in _DynamicProjection._head_chunks(ctx, hidden):
-            prob = _DynamicProjection._weights(ctx, hidden, weight, bias, valid, columns)
-            g_k, g_v = grad_rows_k[..., chunk, :, :], grad_rows_v[..., chunk, :, :]
-            grad_scores = g_k @ keys[..., chunk, :, :].to(dtype).transpose(-1, -2)
-            grad_scores += g_v @ values[..., chunk, :, :].to(dtype).transpose(-1, -2)
-            grad_scores.sub_(row_dot[..., chunk, :, None]).mul_(prob)
-            if valid is not None:  # the excluded tokens' scores (masked) get no gradient
-                grad_scores.masked_fill_(~valid[..., None, None, :], 0)
-            grad_keys[..., chunk, :, :] = prob.transpose(-1, -2) @ g_k
-            grad_values[..., chunk, :, :] = prob.transpose(-1, -2) @ g_v
-            del prob  # before the scores' gradient is laid out as rows (a copy)
-            grad_scores = grad_scores.movedim(-1, -3).reshape(-1, columns.stop - columns.start)  # (..., L, g r)
-            if grad_inputs is not None:
-                grad_inputs.addmm_(grad_scores, weight[columns].to(dtype))
-            grad_weight[columns] = grad_scores.T @ inputs
-            if grad_bias is not None:
-                grad_bias[columns] = grad_scores.sum(0)
-            del grad_scores  # before the next chunk's P
-        return (None if grad_inputs is None else grad_inputs.view(hidden.shape).to(hidden.dtype),
-                grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype), grad_keys,
-                grad_values, None)
-
-
-def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
-    """Causal Eq. 5: the query at position t sees the projected rows of segments ``s < t // l``; (..., Q, R)."""
-    return _segment_rule(q_pos.unsqueeze(-1), row_segment.unsqueeze(-2), segment_length)
-
-
-def _segment_rule(q: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
-    """``segment_keep`` on broadcast query positions and row segments (elementwise)."""
-    return row_segment < torch.div(q, segment_length, rounding_mode="floor")
+__all__ = ["BACKENDS", "BatchFirstState", "CausalState", "ExtraKeys", "JointInputs", "LongShortSelfAttention"]
 
 
 class BatchFirstState:
@@ -386,169 +142,33 @@ def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
     return (maps.to(v.dtype) @ v.to(dtype)).to(dtype)
 
 
-def _gather(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
-    """For each of G groups, the R ``rows`` then the entries of ``x`` (B, L, ...) at ``index`` (G, S), where index L
-    stands for a zero entry: (B, G, R + S, ...)."""
-    B, L = x.shape[:2]
-    G, S = index.shape
-    window = x.index_select(1, index.clamp(max=max(L - 1, 0)).flatten()).view(B, G, S, *x.shape[2:])
-    outside = index == L
-    if outside.any():
-        window = window.masked_fill(outside.view(1, G, S, *(1,) * (x.dim() - 2)), 0)
-    if rows is None:
-        return window
-    return torch.cat([rows[:, None].expand(B, G, *rows.shape[1:]), window], 2)
+
+class JointInputs(NamedTuple):
+    """What every backend takes: queries at positions ``[q_start, q_start + m)`` and the two key sets of their one
+    softmax (Eq. 6), the window keys of positions ``[k_start, k_start + L)`` and the ``extra`` keys (global tokens'
+    and projected rows)."""
+
+    q: Tensor  # (B, m, H, d_qk)
+    q_start: int
+    k: Tensor  # (B, L, H, d_qk)
+    v: Tensor  # (B, L, H, d_v)
+    k_valid: Tensor  # (B, L) bool
+    k_start: int
+    extra: ExtraKeys | None
 
 
-# On CUDA, torch tries cuDNN's attention first for a masked SDPA on recent GPUs, and cuDNN builds an execution plan
-# for every new shape (hundreds of milliseconds each). The shapes here change with every padded length and with every
-# decoding step, so the mask goes to the other fused kernels instead (memory-efficient, else the math fallback).
-SDPA_BACKENDS_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+class Tiles(NamedTuple):
+    """The grouped layout of ``JointInputs``: G groups of Q queries (the first ``skip`` slots padding), each seeing its
+    tile [R extra keys; S - R window keys at ``index`` into the window keys, L standing for a zero key]."""
+
+    groups: int
+    size: int  # Q
+    skip: int
+    index: Tensor  # (G, S - R)
+    keep: Tensor  # (B, G, Q|1, S) bool, extra keys first
 
 
-def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, dropout_p: float = 0.0) -> Tensor:
-    """``F.scaled_dot_product_attention`` of q over the keys where ``keep``, never on cuDNN's backend (CUDA only;
-    see ``SDPA_BACKENDS_WITHOUT_CUDNN``)."""
-    if q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
-    with sdpa_kernel(SDPA_BACKENDS_WITHOUT_CUDNN):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
-
-
-# The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
-# is kept for the backward pass (the public function returns only the output). It needs one head dim for q, k and v.
-_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-# The gathered keys and values of one chunk of groups in ``_TiledAttention`` (one group of 256 queries at hidden 768,
-# w = 256, r = 64), the rows of one chunk in ``_LayerNormInPlace``'s passes and the P of one chunk of heads in
-# ``_DynamicProjection``'s: larger chunks trade memory for fewer, larger operations.
-TILE_CHUNK_BYTES = 4 * 2**20
-
-
-class _TiledAttention(torch.autograd.Function):
-    """Each group of Q queries attends to its tile, [the R extra rows; its window keys], one chunk of groups at a
-    time, saving only the inputs, the output and the log-sum-exp: the backward pass gathers each chunk's tiles again
-    (a copy) instead of keeping every tile, which would hold (R + S) / Q copies of the keys and values. On the fused
-    CPU kernel (``_FUSED_CPU``), whose backward takes the saved output and log-sum-exp.
-
-    q (B, G*Q, H, d_qk); k, v (B, L, H, d) window keys; rows_k, rows_v (B, R, H, d) or None; index (G, S) into k,
-    with L standing for a zero key; keep (B, G, Q|1, R + S) -> (B, G*Q, H, d_v), in q's dtype.
-    """
-
-    @staticmethod
-    def _chunks(step, q, k, v, rows_k, rows_v, index, bias):
-        """(groups, q, k, v, bias) per chunk of ``step`` groups, heads first: (B*g, H, Q, d), (B*g, H, R + S, d) twice
-        and (B*g, 1, Q|1, R + S)."""
-        G = index.shape[0]
-        for start in range(0, G, step):
-            groups = slice(start, min(start + step, G))
-            tiles = (_gather(rows, x, index[groups]).to(q.dtype).flatten(0, 1).transpose(1, 2)
-                     for rows, x in ((rows_k, k), (rows_v, v)))
-            yield (groups, q.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2), *tiles,
-                   bias[:, groups].flatten(0, 1).unsqueeze(1))
-
-    @staticmethod
-    def forward(ctx, q, k, v, rows_k, rows_v, index, keep):
-        B, _, H, _ = q.shape
-        G = index.shape[0]
-        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
-        out = q.new_empty(B, q.shape[1], H, v.shape[-1])
-        lse = q.new_empty(B, G, H, q.shape[1] // G, dtype=torch.promote_types(q.dtype, torch.float32))
-        tile_bytes = B * bias.shape[-1] * H * (k.shape[-1] + v.shape[-1]) * q.element_size()
-        ctx.step = max(1, TILE_CHUNK_BYTES // max(tile_bytes, 1))  # the backward pass takes the same chunks
-        for groups, *chunk in _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias):
-            o, chunk_lse = _FUSED_CPU(*chunk[:3], attn_mask=chunk[3])
-            out.unflatten(1, (G, -1))[:, groups] = o.unflatten(0, (B, -1)).transpose(2, 3)
-            lse[:, groups] = chunk_lse.unflatten(0, (B, -1))
-        ctx.save_for_backward(q, k, v, rows_k, rows_v, index, bias, out, lse)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, rows_k, rows_v, index, bias, out, lse = ctx.saved_tensors
-        B, L = k.shape[:2]
-        G = index.shape[0]
-        R = 0 if rows_k is None else rows_k.shape[1]
-        grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        grad_rows = [None if rows is None else torch.zeros_like(rows) for rows in (rows_k, rows_v)]
-
-        def heads_first(x, groups):  # (B, G*Q, H, d) -> the chunk's (B*g, H, Q, d), contiguous as the kernel made it
-            return x.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2).contiguous()
-
-        chunks = _TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias)
-        for groups, *chunk in chunks:
-            grads = _FUSED_CPU_BACKWARD(heads_first(grad_out, groups), *chunk[:3], heads_first(out, groups),
-                                        lse[:, groups].flatten(0, 1).contiguous(), 0.0, False, attn_mask=chunk[3])
-            grad_q.unflatten(1, (G, -1))[:, groups] = grads[0].unflatten(0, (B, -1)).transpose(2, 3)
-            read = index[groups].clamp(max=max(L - 1, 0)).flatten()  # as ``_gather``: a zero key's gradient is 0
-            for grad, tile_grad, rows_grad in zip((grad_k, grad_v), grads[1:], grad_rows):
-                tile_grad = tile_grad.unflatten(0, (B, -1)).transpose(2, 3)  # (B, g, R + S, H, d)
-                if rows_grad is not None:
-                    rows_grad += tile_grad[:, :, :R].sum(1)
-                grad.index_add_(1, read, tile_grad[:, :, R:].flatten(1, 2).to(grad.dtype))
-        return grad_q, grad_k, grad_v, *grad_rows, None, None
-
-
-class _LayerNormInPlace(torch.autograd.Function):
-    """LayerNorm over the last dim, written over its input (which nothing else may need: a Linear's fresh output), row
-    chunk by row chunk (``TILE_CHUNK_BYTES``): no tensor of the input's size is made or freed. It saves its output
-    ``y = gamma * x_hat + beta`` and ``1 / sigma``, and the backward pass recovers ``x_hat = (y - beta) / gamma``:
-    DualLN's ``LN_L`` output is kept by the window attention and the projection anyway, so the input (one more copy
-    of the keys and values) is not. The backward pass runs in row chunks too, so its temporaries stay small. Needs a
-    contiguous input and every ``|gamma| >= LN_MIN_GAMMA`` (``layer_norm_in_place`` checks)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        width = x.shape[-1]
-        rows = x.view(-1, width)
-        rstd = torch.empty(rows.shape[0], 1, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-        step = max(1, TILE_CHUNK_BYTES // (width * max(x.element_size(), 4)))
-        for start in range(0, rows.shape[0], step):
-            part = slice(start, start + step)
-            y, _, rstd[part] = torch.native_layer_norm(rows[part], (width,), weight, bias, eps)
-            rows[part] = y
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, rstd)
-        return x
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y):
-        y, weight, bias, rstd = ctx.saved_tensors
-        dtype = torch.promote_types(y.dtype, torch.float32)
-        width = y.shape[-1]
-        y, grad_y, rstd = y.reshape(-1, width), grad_y.reshape(-1, width), rstd.reshape(-1, 1)
-        gamma, beta = weight.to(dtype), bias.to(dtype)
-        grad_x = torch.empty_like(y)
-        grad_weight = torch.zeros(width, dtype=dtype, device=y.device)
-        grad_bias = torch.zeros(width, dtype=dtype, device=y.device)
-        step = max(1, TILE_CHUNK_BYTES // (width * max(y.element_size(), 4)))
-        for rows in range(0, y.shape[0], step):
-            part = slice(rows, rows + step)
-            x_hat = (y[part].to(dtype) - beta).div_(gamma)
-            g = grad_y[part].to(dtype)
-            grad_weight += (g * x_hat).sum(0)
-            grad_bias += g.sum(0)
-            g = g * gamma
-            mean_g = g.mean(-1, keepdim=True)
-            mean_gx = (g * x_hat).mean(-1, keepdim=True)
-            grad_x[part] = g.sub_(mean_g).sub_(x_hat.mul_(mean_gx)).mul_(rstd[part].to(dtype))
-        return grad_x.view_as(ctx.saved_tensors[0]), grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None
-
-
-LN_MIN_GAMMA = 1e-3
-
-
-def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:
-    """``norm(x)`` written over ``x`` (``_LayerNormInPlace``) when ``x`` is contiguous and the gains allow recovering
-    ``x_hat`` from the output (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)``. The
-    caller's ``x`` must be needed by nothing else."""
-    if (not x.is_contiguous() or norm.weight is None or norm.bias is None
-            or bool((norm.weight.abs() < LN_MIN_GAMMA).any())):
-        return norm(x)
-    return _LayerNormInPlace.apply(x, norm.weight, norm.bias, norm.eps)
+MapsLayout = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
 
 class LongShortSelfAttention(nn.Module):
@@ -569,15 +189,16 @@ class LongShortSelfAttention(nn.Module):
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
         recompute_window_tiles: in training on CPU, save for the backward pass about what fused dense attention
-            saves (``_memory_lean``): the window tiles are built one chunk of groups at a time and again in the
-            backward pass (``_TiledAttention``), ``LN_L`` is written over its input and keeps its output only
-            (``layer_norm_in_place``), and the projection's scores and weights P are built a few heads at a time,
-            and again in the backward pass (``_DynamicProjection``): less memory (``bench/RESULTS.md``), as fast on
-            one thread, slower with several threads on a busy CPU. Off by default.
+            saves (the ``"lean"`` backend, ``long_short_kernels``): the window tiles are built one chunk of groups at
+            a time and again in the backward pass, ``LN_L`` is written over its input and keeps its output only, and
+            the projection's scores and weights P are built a few heads at a time, and again in the backward pass:
+            less memory (``bench/RESULTS.md``), as fast on one thread, slower with several threads on a busy CPU. Off
+            by default.
         attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
-            ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no attention
-            dropout. Either way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do
-            the global tokens' own rows and the cls token's output (dense over the n tokens, no window to mask).
+            ``"flex_attention"``: FlexAttention with a block mask, forward only on CPU, no attention dropout. Either
+            way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do the global tokens'
+            own rows and the cls token's output (dense over the n tokens, no window to mask). ``forward`` takes it too,
+            for a model whose choice changes after it is built.
     """
 
     def __init__(
@@ -612,6 +233,9 @@ class LongShortSelfAttention(nn.Module):
             qk_head_dim=qk_head_dim,
             attention_dropout=attention_dropout,
         )
+        if global_projections and causal:
+            raise ValueError("global_projections serve global tokens, which only bidirectional attention has; "
+                             "leave it False with causal=True.")
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.qk_head_dim = qk_head_dim or self.head_dim
@@ -629,30 +253,49 @@ class LongShortSelfAttention(nn.Module):
         self.output = nn.Linear(hidden_size, hidden_size, bias=bias)
         # W^P of Eq. 3: r score columns per head, computed from the layer input.
         self.dynamic_projection = nn.Linear(hidden_size, num_heads * projection_rank) if projection_rank else None
+        self.global_query = self.global_key = self.global_value = None
         if global_projections:
-            if causal:
-                raise ValueError("global_projections serve global tokens, which only bidirectional attention has; "
-                                 "leave it False with causal=True.")
             self.global_query = nn.Linear(hidden_size, qk_width, bias=bias)
             self.global_key = nn.Linear(hidden_size, qk_width, bias=bias)
             self.global_value = nn.Linear(hidden_size, hidden_size, bias=bias)
+        # DualLN (Eq. 7): LN_L (local) and LN_G (global) over the full width; LMSA's narrower keys get their own pair.
+        self.dual_ln_local = self.dual_ln_global = self.dual_ln_local_key = self.dual_ln_global_key = None
         if use_dual_ln:
             self.dual_ln_local = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
             self.dual_ln_global = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-            if qk_width != hidden_size:  # LMSA: narrower keys get their own DualLN pair
+            if qk_width != hidden_size:
                 self.dual_ln_local_key = nn.LayerNorm(qk_width, eps=layer_norm_eps)
                 self.dual_ln_global_key = nn.LayerNorm(qk_width, eps=layer_norm_eps)
 
+    # ------------------------------------------------------------------ dispatch
+    def _backend(self, hidden_states: Tensor, output_attentions: bool, attn_implementation: str) -> str:
+        """The one place that picks how the joint softmax runs: a key of ``BACKENDS``.
+
+        ``"maps"`` when attention maps are asked for; ``"flex"`` for ``attn_implementation="flex_attention"``, except
+        for a causal call of fewer than ``w`` tokens (a decoding step: its queries see one cached window, a single
+        small tile, where building a block mask costs more than it saves); ``"lean"`` with ``recompute_window_tiles``
+        when it saves memory (training on CPU: gradients taken, one head dim for queries and values, no active
+        attention dropout); else ``"sdpa"``."""
+        if output_attentions:
+            return "maps"
+        if attn_implementation == "flex_attention":
+            return "sdpa" if self.causal and hidden_states.shape[1] < self.window_size else "flex"
+        lean = (self.recompute_window_tiles and FUSED_CPU is not None and hidden_states.device.type == "cpu"
+                and self.qk_head_dim == self.head_dim and not (self.training and self.attention_dropout)
+                and takes_grad(hidden_states, self.query.weight))
+        return "lean" if lean else "sdpa"
+
     # ------------------------------------------------------------------ helpers
-    def _dual_ln(self, x: Tensor, which: str, is_key: bool, in_place: bool = False) -> Tensor:
-        """LN_L (``which="local"``) or LN_G (``"global"``) over the full width of x (..., H * d); ``in_place``:
+    def _dual_ln(self, x: Tensor, *, local: bool, is_key: bool, lean: bool = False) -> Tensor:
+        """LN_L (``local``) or LN_G over the full width of x (..., H * d), the keys' own pair under LMSA; ``lean``:
         written over x, which nothing else needs, saving its output rather than its input for the backward pass
         (``layer_norm_in_place``)."""
         if not self.use_dual_ln:
             return x
-        name = f"dual_ln_{which}_key" if is_key and hasattr(self, f"dual_ln_{which}_key") else f"dual_ln_{which}"
-        norm = getattr(self, name)
-        return layer_norm_in_place(x, norm) if in_place else norm(x)
+        norm, key_norm = ((self.dual_ln_local, self.dual_ln_local_key) if local
+                          else (self.dual_ln_global, self.dual_ln_global_key))
+        norm = key_norm if is_key and key_norm is not None else norm
+        return layer_norm_in_place(x, norm) if lean else norm(x)
 
     def _local_keys_values(self, hidden_states: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
         """``LN_L(x W_K)`` and ``LN_L(x W_V)`` (Eq. 7), (B, n, H, d). ``lean``: each LayerNorm is written over its
@@ -660,20 +303,9 @@ class LongShortSelfAttention(nn.Module):
         B, n, _ = hidden_states.shape
         rows = hidden_states.flatten(0, 1) if lean else hidden_states
         return tuple(
-            self._split(self._dual_ln(linear(rows), "local", is_key=is_key, in_place=lean).view(B, n, -1))
+            self._split(self._dual_ln(linear(rows), local=True, is_key=is_key, lean=lean).view(B, n, -1))
             for linear, is_key in ((self.key, True), (self.value, False))
         )
-
-    def _memory_lean(self, hidden_states: Tensor, need_weights: bool) -> bool:
-        """Whether this call saves memory for the backward pass (``recompute_window_tiles``): the window tiles go
-        through ``_TiledAttention`` (built chunk by chunk, again in the backward pass), ``LN_L`` is written over the
-        Linears' outputs and keeps its output only (``layer_norm_in_place``) and the projection is
-        ``_DynamicProjection``.
-        On CPU when gradients are taken, with one head dim for queries and values, without attention maps or active
-        attention dropout. Otherwise every tile is gathered at once, in one kernel call (and autograd keeps them)."""
-        return (self.recompute_window_tiles and self.attn_implementation != "flex_attention" and _FUSED_CPU is not None
-                and hidden_states.device.type == "cpu" and self.qk_head_dim == self.head_dim and not need_weights
-                and not (self.training and self.attention_dropout) and takes_grad(hidden_states, self.query.weight))
 
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
@@ -682,7 +314,7 @@ class LongShortSelfAttention(nn.Module):
                  lean: bool = False) -> ExtraKeys:
         """Eq. 3 / Eq. 5 (``project_rows`` on the scores ``X W^P``) on each segment of ``segment`` tokens, then
         ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows,
-        segment-major. ``lean``: through ``_DynamicProjection``, which never holds the scores or P of all heads."""
+        segment-major. ``lean``: through ``DynamicProjection``, which never holds the scores or P of all heads."""
         B, n, H = keys.shape[:3]
         r, S = self.projection_rank, n // segment
 
@@ -691,33 +323,24 @@ class LongShortSelfAttention(nn.Module):
 
         seg_valid = valid.view(B, S, segment)
         if lean:
-            rows = _DynamicProjection.apply(hidden.unflatten(1, (S, segment)), self.dynamic_projection.weight,
-                                            self.dynamic_projection.bias, heads_first(keys), heads_first(values),
-                                            seg_valid)
+            rows = DynamicProjection.apply(hidden.unflatten(1, (S, segment)), self.dynamic_projection.weight,
+                                           self.dynamic_projection.bias, heads_first(keys), heads_first(values),
+                                           seg_valid)
         else:
             scores = heads_first(self._split(self.dynamic_projection(hidden))).transpose(-1, -2)
             rows = project_rows(scores, heads_first(keys), heads_first(values), seg_valid)
         rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
         return ExtraKeys(
-            keys=self._split(self._dual_ln(rows_k.flatten(2), "global", is_key=True)),
-            values=self._split(self._dual_ln(rows_v.flatten(2), "global", is_key=False)),
+            keys=self._split(self._dual_ln(rows_k.flatten(2), local=False, is_key=True)),
+            values=self._split(self._dual_ln(rows_v.flatten(2), local=False, is_key=False)),
             valid=seg_valid.any(-1).repeat_interleave(r, dim=1),
         )
 
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, need_weights: bool, layout: tuple | None = None
-    ):
-        """One softmax per query over all its keys. q (B', H, Q, d), k/v (B', H, K, d), keep (B', 1, Q|1, K).
-
-        With ``need_weights``, ``layout = (to_maps, from_maps)`` turns the probabilities into the caller's maps and
-        back (none: the maps are the probabilities): the output is computed from the returned maps themselves, so a
-        gradient taken at them (attribution, ``retain_grad``) is the output's."""
-        if not need_weights:
-            dropout = self.attention_dropout if self.training else 0.0
-            return masked_sdpa(q, k.to(q.dtype), v.to(q.dtype), keep, dropout_p=dropout), None
-        maps = self._probabilities(q, k, keep)
-        maps = layout[0](maps) if layout else maps
-        return _weighted(layout[1](maps) if layout else maps, v, q.dtype), maps
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
+        """One fused softmax per query over the kept keys, with attention dropout in training. q (B', H, Q, d),
+        k/v (B', H, K, d), keep (B', 1, Q|1, K)."""
+        dropout = self.attention_dropout if self.training else 0.0
+        return masked_sdpa(q, k.to(q.dtype), v.to(q.dtype), keep, dropout_p=dropout)
 
     def _probabilities(self, q: Tensor, k: Tensor, keep: Tensor) -> Tensor:
         """The joint softmax (Eq. 6) over the kept keys, in float32 at least, after dropout: (B', H, Q, K)."""
@@ -736,7 +359,8 @@ class LongShortSelfAttention(nn.Module):
         cls_hidden: Tensor | None = None,
         state: CausalState | None = None,
         output_attentions: bool = False,
-    ):
+        attn_implementation: str | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """Args:
             hidden_states: (B, n, d); with ``state``, the n new tokens that follow ``state.seen`` earlier ones.
             attention_mask: (B, n) with 1/True for real tokens (a longer mask's last n columns are used).
@@ -761,9 +385,33 @@ class LongShortSelfAttention(nn.Module):
                 weights over the global tokens and the projected rows (window columns 0); its weight on another token
                 t sits in row t's last K columns (Longformer's ``global_attentions``, transposed). Every output row,
                 a global token's included, is computed from these maps, so gradients reach them (``retain_grad``).
+            attn_implementation: this call's implementation (Transformers models pass their config's, which
+                ``set_attn_implementation`` changes); None: the one the module was built with.
 
         Returns ``(output, attentions or None)``; rows of padded tokens are the output bias (context 0).
         """
+        if attn_implementation is None:
+            attn_implementation = self.attn_implementation
+        else:
+            check_attn_implementation(attn_implementation)
+        valid, is_global = self._check_inputs(
+            hidden_states, attention_mask, global_attention_mask=global_attention_mask, cls_hidden=cls_hidden,
+            state=state, flex=attn_implementation == "flex_attention" and not output_attentions,
+        )
+        backend = self._backend(hidden_states, output_attentions, attn_implementation)
+        q = self._split(self.query(hidden_states))
+        k, v = self._local_keys_values(hidden_states, lean=backend == "lean")
+        if self.causal:
+            context, attn = self._causal(q=q, k=k, v=v, hidden=hidden_states, valid=valid,
+                                         state=state if state is not None else CausalState(), backend=backend)
+        else:
+            context, attn = self._bidirectional(q=q, k=k, v=v, hidden_states=hidden_states, valid=valid,
+                                                cls_hidden=cls_hidden, is_global=is_global, backend=backend)
+        return self.output(context.flatten(2)), attn
+
+    def _check_inputs(self, hidden_states, attention_mask, *, global_attention_mask, cls_hidden, state, flex):
+        """Refuse misuse before any work; return the query validity (B, n) bool, or None when every token is real,
+        and the global tokens (B, n) bool or None."""
         width = self.query.in_features
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != width:
             raise ValueError(f"hidden_states must be (batch, tokens, {width}), got {tuple(hidden_states.shape)}; add "
@@ -773,61 +421,48 @@ class LongShortSelfAttention(nn.Module):
                                            or attention_mask.shape[1] < n):
             raise ValueError(f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
                              f"{tuple(attention_mask.shape)}.")
-        if self.attn_implementation == "flex_attention" and not output_attentions:
+        if flex:
             check_flex_call(hidden_states, self.query.weight, training=self.training,
                             dropout=self.attention_dropout, dropout_name="attention_dropout",
                             dropout_setting="attention_probs_dropout_prob")
-        masked = attention_mask is not None
-        if not masked:
-            valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)
-        else:
-            valid = attention_mask[:, -n:].to(device=hidden_states.device) > 0
+        valid = None if attention_mask is None else attention_mask[:, -n:].to(device=hidden_states.device) > 0
         if self.causal and cls_hidden is not None:
             raise ValueError("cls_hidden is only supported by bidirectional attention (causal=False).")
         if state is not None and not self.causal:
             raise ValueError("state (decoding cache) is only supported by causal attention (causal=True).")
         if cls_hidden is not None and self.qk_head_dim != self.head_dim:
             raise ValueError("cls_hidden needs qk_head_dim == head_dim: the cls query attends to the token outputs.")
-        is_global = None
-        if global_attention_mask is not None:
-            if self.causal:
-                raise ValueError(
-                    "global_attention_mask needs bidirectional attention: a causal token cannot attend to every "
-                    "token. Pass global_attention_mask=None to a causal model."
-                )
-            if cls_hidden is not None:
-                raise ValueError("Pass either cls_hidden (official post-CLS token) or global_attention_mask, not both.")
-            if tuple(global_attention_mask.shape) != (B, n):
-                raise ValueError(
-                    f"global_attention_mask must have shape (batch, tokens) = {(B, n)}, with 1 for global tokens; "
-                    f"got {tuple(global_attention_mask.shape)}."
-                )
-            is_global = (global_attention_mask.to(device=hidden_states.device) > 0) & valid
-
-        lean = self._memory_lean(hidden_states, output_attentions)
-        q = self._split(self.query(hidden_states))
-        k, v = self._local_keys_values(hidden_states, lean)
+        if global_attention_mask is None:
+            return valid, None
         if self.causal:
-            state = state if state is not None else CausalState()
-            context, attn = self._causal(q, k, v, hidden_states, valid, masked, state, output_attentions, tiled=lean)
-        else:
-            context, attn = self._bidirectional(
-                hidden_states=hidden_states, q=q, k=k, v=v, valid=valid, masked=masked,
-                cls_hidden=cls_hidden, is_global=is_global, need_weights=output_attentions, tiled=lean,
+            raise ValueError(
+                "global_attention_mask needs bidirectional attention: a causal token cannot attend to every "
+                "token. Pass global_attention_mask=None to a causal model."
             )
-        return self.output(context.flatten(2)), attn
+        if cls_hidden is not None:
+            raise ValueError("Pass either cls_hidden (official post-CLS token) or global_attention_mask, not both.")
+        if tuple(global_attention_mask.shape) != (B, n):
+            raise ValueError(
+                f"global_attention_mask must have shape (batch, tokens) = {(B, n)}, with 1 for global tokens; "
+                f"got {tuple(global_attention_mask.shape)}."
+            )
+        is_global = global_attention_mask.to(device=hidden_states.device) > 0
+        return valid, is_global if valid is None else is_global & valid
 
     def _global_keys(self, hidden: Tensor, valid: Tensor) -> ExtraKeys:
         """Global tokens (B, k, d) as every token sees them: ``LN_G`` of their raw key/value (official LRA cls)."""
         return ExtraKeys(
-            keys=self._split(self._dual_ln(self.key(hidden), "global", is_key=True)),
-            values=self._split(self._dual_ln(self.value(hidden), "global", is_key=False)),
+            keys=self._split(self._dual_ln(self.key(hidden), local=False, is_key=True)),
+            values=self._split(self._dual_ln(self.value(hidden), local=False, is_key=False)),
             valid=valid,
         )
 
-    def _bidirectional(self, *, hidden_states, q, k, v, valid, masked, cls_hidden, is_global, need_weights, tiled):
+    def _bidirectional(self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, backend):
         B, n = q.shape[:2]
         K = int(is_global.sum(1).max()) if is_global is not None else 0
+        masked = valid is not None
+        if not masked:
+            valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)
         local, projection_inputs = valid, hidden_states
         if K:  # the other tokens first, in their order, then the global ones (the window and projection skip them)
             order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
@@ -839,8 +474,9 @@ class LongShortSelfAttention(nn.Module):
             extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
         if K:
             extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
-        projected = self._project(projection_inputs, k, v, local, segment=n, lean=tiled) if self.projection_rank else None
-        if projected is not None:
+        projected = None
+        if self.projection_rank:
+            projected = self._project(projection_inputs, k, v, local, segment=n, lean=backend == "lean")
             extra.append(projected)
         if extra:  # one set: global keys, then projected rows
             extra = ExtraKeys(**{name: torch.cat([getattr(part, name) for part in extra], 1)
@@ -852,20 +488,20 @@ class LongShortSelfAttention(nn.Module):
             g_q, g_k, g_v, g_keep = self._global_inputs(
                 hidden_states=hidden_states, order=order, q=q, k=k, v=v, valid=valid, count=K, projected=projected
             )
-            if need_weights:
+            if backend == "maps":
                 *layout, global_from_maps = self._global_layout(self._probabilities(g_q, g_k, g_keep), is_global, order)
         width = n if self.window_size else 0  # projection only: no window keys
-        context, attn = self._attend_groups(
-            q=q, q_valid=local if masked or K else None, q_start=0, k=k[:, :width], v=v[:, :width],
-            k_valid=local[:, :width], k_start=0, extra=extra, need_weights=need_weights, layout=layout, tiled=tiled,
-        )
+        inputs = JointInputs(q=q, q_start=0, k=k[:, :width], v=v[:, :width], k_valid=local[:, :width], k_start=0,
+                             extra=extra)
+        context, attn = self._joint_softmax(inputs, q_valid=local if masked or K else None, backend=backend,
+                                            layout=layout)
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
         if K:  # the global tokens' rows (the last K slots in ``order``), then the tokens back in position order
-            if need_weights:
+            if backend == "maps":
                 out = _weighted(global_from_maps(attn), g_v, g_q.dtype)
             else:
-                out, _ = self._attend(g_q, g_k, g_v, g_keep, need_weights=False)
+                out = self._sdpa(g_q, g_k, g_v, g_keep)
             rows = is_global[:, n - K :, None, None]
             context = torch.cat([context[:, : n - K], torch.where(rows, out.transpose(1, 2), context[:, n - K :])], 1)
             context = _take(context, torch.argsort(order, dim=1))
@@ -874,13 +510,13 @@ class LongShortSelfAttention(nn.Module):
     def _global_inputs(self, *, hidden_states, order, q, k, v, valid, count, projected):
         """In the token ``order`` of ``_bidirectional`` the last ``count`` slots hold the global tokens: each attends
         to the projected rows and every real token in one softmax. Returns their queries, those keys and values
-        (heads first, projected rows first) and the keep mask, for ``_attend``."""
+        (heads first, projected rows first) and the keep mask, for ``_sdpa`` or ``_probabilities``."""
         n, K = q.shape[1], count
-        if hasattr(self, "global_query"):
+        if self.global_query is not None:
             hidden_states = _take(hidden_states, order)
             q_g = self._split(self.global_query(hidden_states[:, n - K :]))
-            k = self._split(self._dual_ln(self.global_key(hidden_states), "local", is_key=True))
-            v = self._split(self._dual_ln(self.global_value(hidden_states), "local", is_key=False))
+            k = self._split(self._dual_ln(self.global_key(hidden_states), local=True, is_key=True))
+            v = self._split(self._dual_ln(self.global_value(hidden_states), local=True, is_key=False))
         else:
             q_g = q[:, n - K :]
         R = projected.keys.shape[1] if projected is not None else 0
@@ -920,26 +556,26 @@ class LongShortSelfAttention(nn.Module):
 
         return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
 
-    def _attend_groups(
-        self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None, need_weights, layout=None,
-        tiled=False,
-    ):
-        """Queries at positions ``[q_start, q_start + m)`` attend to [extra keys; window keys] in one softmax.
+    def _joint_softmax(self, inputs: JointInputs, *, q_valid: Tensor | None, backend: str,
+                       layout: MapsLayout | None = None) -> tuple[Tensor, Tensor | None]:
+        """Queries attend to [extra keys; window keys] in one softmax (Eq. 6), on ``BACKENDS[backend]``.
 
-        q (B, m, H, d_qk), q_valid (B, m) or None when all are valid; k/v (B, L, H, d) window keys of positions
-        ``[k_start, k_start + L)`` and k_valid (B, L); ``extra``: the R global/projected keys, or None. Queries are
-        grouped by window segment, each group seeing its window tile (the fast path), except for fewer than ``w``
-        causal queries (a decoding step): they see all keys, masked. Returns the context (B, m, H, d_v), zero for
-        invalid queries, and the probabilities (B, H, m, R + S) if asked, or the caller's maps made from them by
-        ``layout`` (as in ``_attend``).
-        """
-        B, m, H, _ = q.shape
-        w, L = self.window_size, k.shape[1]
-        # FlexAttention, except for weights (explicit softmax below) and decoding steps: fewer than w causal queries
-        # see one cached window, a single small tile, where building a block mask costs more than it saves.
-        if self.attn_implementation == "flex_attention" and not need_weights and (m >= w or not self.causal):
-            return self._attend_flex(q=q, q_valid=q_valid, q_start=q_start, k=k, v=v, k_valid=k_valid,
-                                     k_start=k_start, extra=extra), None
+        q_valid (B, m), or None when every query is real; ``layout``: the caller's maps made from the probabilities
+        and read back (``"maps"`` only; none: the maps are the probabilities). Returns the context (B, m, H, d_v),
+        zero for invalid queries, and the maps (``"maps"``) or None."""
+        context, maps = BACKENDS[backend](self, inputs, layout)
+        if q_valid is not None:
+            context = context * q_valid[:, :, None, None].to(context.dtype)
+        return context, maps
+
+    def _tiles(self, inputs: JointInputs) -> Tiles:
+        """The grouped layout: queries grouped by window segment, each group seeing its window tile, except for fewer
+        than ``w`` causal queries (a decoding step) and a projection-only attention: one group that sees all keys,
+        masked. The keep mask applies the window rule (per query when causal; a bidirectional tile already bounds
+        its window) and the segment rule of causal rows (Eq. 5)."""
+        q, q_start, k_start, extra = inputs.q, inputs.q_start, inputs.k_start, inputs.extra
+        B, m = q.shape[:2]
+        w, L = self.window_size, inputs.k.shape[1]
         R = extra.keys.shape[1] if extra is not None else 0
         device = q.device
         if w and (m >= w or not self.causal):
@@ -954,58 +590,94 @@ class LongShortSelfAttention(nn.Module):
             k_pos = torch.arange(k_start, k_start + L)[None]
             index = torch.arange(L)[None]
             q_pos = torch.arange(q_start, q_start + m)[None]
-        Q = q_pos.shape[1]
         k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
 
-        rows = (extra.keys, extra.values, extra.valid) if R else (None, None, None)
-        keep = _gather(rows[2], k_valid, index).view(B, groups, 1, -1)  # the keys that exist, extra keys first
+        keep = gather_tiles(extra.valid if R else None, inputs.k_valid, index).view(B, groups, 1, -1)  # extra first
         S = keep.shape[-1]
-        if L:  # window rule (per query when causal; the tile already bounds a bidirectional window)
+        if L:
             rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
             keep = keep & torch.cat([rule.new_ones(rule.shape[:-1] + (R,)), rule], -1)
-        if R and extra.segment is not None:  # causal rows: only finished segments before the query's own (Eq. 5)
+        if R and extra.segment is not None:
             seen = segment_keep(q_pos, extra.segment, self.segment_length)
             keep = keep & torch.cat([seen, seen.new_ones(seen.shape[:-1] + (S - R,))], -1)
-        # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed below.
+        # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed later.
         keep = keep | ~keep.any(-1, keepdim=True)
+        return Tiles(groups=groups, size=q_pos.shape[1], skip=skip, index=index, keep=keep)
+
+    @staticmethod
+    def _group_queries(inputs: JointInputs, tiles: Tiles) -> Tensor:
+        """The queries in the tiles' slots, (B, G*Q, H, d_qk): the first ``skip`` slots and those past the queries
+        zero."""
+        m = inputs.q.shape[1]
+        return _pad_seq(inputs.q, tiles.skip, tiles.groups * tiles.size - tiles.skip - m)
+
+    def _gathered(self, inputs: JointInputs, tiles: Tiles) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every group's queries and tile, gathered in one copy, heads first: q (B*G, H, Q, d_qk), keys and values
+        (B*G, H, S, d) and keep (B*G, 1, Q|1, S)."""
+        q = self._group_queries(inputs, tiles)
+        B, _, H, _ = q.shape
+        G, Q, S = tiles.groups, tiles.size, tiles.keep.shape[-1]
+        extra = inputs.extra
+        rows = (extra.keys, extra.values) if extra is not None else (None, None)
+        keys, values = (gather_tiles(part, x, tiles.index) for part, x in zip(rows, (inputs.k, inputs.v)))
+        return (q.view(B * G, Q, H, -1).transpose(1, 2), keys.view(B * G, S, H, -1).transpose(1, 2),
+                values.view(B * G, S, H, -1).transpose(1, 2), tiles.keep.view(B * G, 1, tiles.keep.shape[2], S))
+
+    @staticmethod
+    def _ungroup(out: Tensor, inputs: JointInputs, tiles: Tiles) -> Tensor:
+        """(B*G, H, Q, d) per group -> the context of the m queries, (B, m, H, d)."""
+        B, m, H = inputs.q.shape[:3]
+        return out.transpose(1, 2).reshape(B, tiles.groups * tiles.size, H, -1)[:, tiles.skip : tiles.skip + m]
+
+    def _attend_sdpa(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, None]:
+        """``"sdpa"``: every group's keys and values gathered in one copy, (B, G, R + S, H, d), which autograd keeps,
+        and one fused attention call."""
+        tiles = self._tiles(inputs)
+        q, keys, values, keep = self._gathered(inputs, tiles)
+        return self._ungroup(self._sdpa(q, keys, values, keep), inputs, tiles), None
+
+    def _attend_maps(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, Tensor]:
+        """``"maps"``: the explicit softmax on the gathered tiles. The output is computed from the returned maps
+        themselves (through ``layout``, the caller's maps), so a gradient taken at them is the output's."""
+        tiles = self._tiles(inputs)
+        q, keys, values, keep = self._gathered(inputs, tiles)
+        B, m, H = inputs.q.shape[:3]
+        G, Q, S = tiles.groups, tiles.size, keep.shape[-1]
 
         def to_maps(prob):  # (B * G, H, Q, S) -> (B, H, m, S)
-            maps = prob.view(B, groups, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, skip : skip + m]
+            maps = prob.view(B, G, H, Q, S).transpose(1, 2).flatten(2, 3)[:, :, tiles.skip : tiles.skip + m]
             return layout[0](maps) if layout else maps
 
         def from_maps(maps):  # (B, H, m, S) -> (B * G, H, Q, S), zero rows for the padding queries
             maps = layout[1](maps) if layout else maps
-            tiles = _pad_seq(maps.transpose(1, 2), skip, groups * Q - skip - m).view(B, groups, Q, H, S)
-            return tiles.transpose(2, 3).flatten(0, 1)
+            rows = _pad_seq(maps.transpose(1, 2), tiles.skip, G * Q - tiles.skip - m).view(B, G, Q, H, S)
+            return rows.transpose(2, 3).flatten(0, 1)
 
-        q = _pad_seq(q, skip, groups * Q - skip - m)
-        if tiled:
-            context, prob = _TiledAttention.apply(q, k, v, rows[0], rows[1], index, keep)[:, skip : skip + m], None
-        else:  # every group's keys and values gathered in one copy, (B, G, R + S, H, d), which autograd keeps
-            keys, values = (_gather(part, x, index) for part, x in zip(rows, (k, v)))
-            out, prob = self._attend(
-                q.view(B * groups, Q, H, -1).transpose(1, 2),
-                keys.view(B * groups, S, H, -1).transpose(1, 2),
-                values.view(B * groups, S, H, -1).transpose(1, 2),
-                keep.view(B * groups, 1, keep.shape[2], S),
-                need_weights,
-                layout=(to_maps, from_maps),
-            )
-            context = out.transpose(1, 2).reshape(B, groups * Q, H, -1)[:, skip : skip + m]
-        if q_valid is not None:
-            context = context * q_valid[:, :, None, None].to(context.dtype)
-        return context, prob
+        maps = to_maps(self._probabilities(q, keys, keep))
+        return self._ungroup(_weighted(from_maps(maps), values, q.dtype), inputs, tiles), maps
 
-    def _attend_flex(self, *, q, q_valid, q_start, k, v, k_valid, k_start, extra: ExtraKeys | None):
-        """``_attend_groups`` (same arguments, no weights) on FlexAttention: the keys are [extra keys; window keys]
-        and the block mask is ``window_keep`` / ``segment_keep`` on their positions and validity, so nothing is
-        gathered. Under ``torch.compile`` this is a fused kernel that skips the blocks no query sees."""
+    def _attend_lean(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, None]:
+        """``"lean"``: the tiles built one chunk of groups at a time, and again in the backward pass
+        (``TiledAttention``)."""
+        tiles = self._tiles(inputs)
+        extra, m = inputs.extra, inputs.q.shape[1]
+        rows_k, rows_v = (extra.keys, extra.values) if extra is not None else (None, None)
+        q = self._group_queries(inputs, tiles)
+        context = TiledAttention.apply(q, inputs.k, inputs.v, rows_k, rows_v, tiles.index, tiles.keep)
+        return context[:, tiles.skip : tiles.skip + m], None
+
+    def _attend_flex(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, None]:
+        """``"flex"``: FlexAttention over the keys [extra keys; window keys] with the visibility as its block mask
+        (``window_rule`` / ``segment_rule`` on their positions and validity), so nothing is gathered. Under
+        ``torch.compile`` this is a fused kernel that skips the blocks no query sees. A query with no visible key
+        gets 0."""
+        q, q_start, k_start, extra = inputs.q, inputs.q_start, inputs.k_start, inputs.extra
         B, m = q.shape[:2]
-        w, L, causal = self.window_size, k.shape[1], self.causal
+        w, L, causal = self.window_size, inputs.k.shape[1], self.causal
         R = extra.keys.shape[1] if extra is not None else 0
         keys, values, key_valid = (
             torch.cat([getattr(extra, name), x], 1) if R else x
-            for name, x in (("keys", k), ("values", v), ("valid", k_valid))
+            for name, x in (("keys", inputs.k), ("values", inputs.v), ("valid", inputs.k_valid))
         )
         # Causal rows come segment-major, r per segment (``_causal``): row j's segment is j // r, computed rather than
         # read from ``extra.segment``, as compiled FlexAttention on CPU cannot read a captured integer tensor (2.14).
@@ -1015,20 +687,16 @@ class LongShortSelfAttention(nn.Module):
             t = q_idx + q_start
             seen = key_valid[b, kv_idx]
             if L:  # window keys: position k_start + (kv_idx - R)
-                seen = seen & ((kv_idx < R) | _window_rule(t, kv_idx - R + k_start, w, causal))
+                seen = seen & ((kv_idx < R) | window_rule(t, kv_idx - R + k_start, w, causal))
             if by_segment:  # causal rows: finished segments before the query's own (Eq. 5)
                 row_segment = kv_idx // self.projection_rank
-                seen = seen & ((kv_idx >= R) | _segment_rule(t, row_segment, self.segment_length))
+                seen = seen & ((kv_idx >= R) | segment_rule(t, row_segment, self.segment_length))
             return seen
 
         mask = create_block_mask(keep, B, None, m, R + L, device=q.device)
         # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
         q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
-        out = flex_attention(q, keys, values, block_mask=mask)
-        context = out.transpose(1, 2)
-        if q_valid is not None:  # a query with no visible key gets 0 from FlexAttention; padded queries are zeroed
-            context = context * q_valid[:, :, None, None].to(context.dtype)
-        return context
+        return flex_attention(q, keys, values, block_mask=mask).transpose(1, 2), None
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""
@@ -1039,11 +707,14 @@ class LongShortSelfAttention(nn.Module):
         out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
-    def _causal(self, q, k, v, hidden, valid, masked, state: CausalState, need_weights, tiled):
+    def _causal(self, *, q, k, v, hidden, valid, state: CausalState, backend):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
-        n = q.shape[1]
+        B, n = q.shape[:2]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
         p0, end = state.seen, state.seen + n
+        q_valid = valid
+        if valid is None:
+            valid = torch.ones(B, n, dtype=torch.bool, device=hidden.device)
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
         k_all, v_all, valid_all = (
             torch.cat([old, new], 1) if old is not None else new
@@ -1060,7 +731,7 @@ class LongShortSelfAttention(nn.Module):
                 span = slice(seg_start - k_start, done - k_start)
                 new_k, new_v, new_valid, _ = self._project(
                     all_hidden[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
-                    lean=tiled,
+                    lean=backend == "lean",
                 )
                 if rows_k is not None:
                     new_k, new_v, new_valid = (
@@ -1071,10 +742,8 @@ class LongShortSelfAttention(nn.Module):
         extra = None
         if rows_k is not None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
-        context, attn = self._attend_groups(
-            q=q, q_valid=valid if masked else None, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start,
-            extra=extra, need_weights=need_weights, tiled=tiled,
-        )
+        inputs = JointInputs(q=q, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start, extra=extra)
+        context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 
         # Keep the keys of the current and the previous window segment, and the unfinished segment's inputs.
         keep_from = max(0, (end // w - 1) * w)
@@ -1082,3 +751,13 @@ class LongShortSelfAttention(nn.Module):
         state.rows_k, state.rows_v, state.rows_valid, state.pending = rows_k, rows_v, rows_valid, pending
         state.seen = end
         return context, attn
+
+
+# How the joint softmax runs, by the name ``LongShortSelfAttention._backend`` picks; each takes the module, the
+# ``JointInputs`` and the caller's maps layout, and returns the context and the maps (or None).
+BACKENDS = {
+    "sdpa": LongShortSelfAttention._attend_sdpa,
+    "lean": LongShortSelfAttention._attend_lean,
+    "flex": LongShortSelfAttention._attend_flex,
+    "maps": LongShortSelfAttention._attend_maps,
+}

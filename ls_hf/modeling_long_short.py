@@ -145,7 +145,13 @@ class LongShortEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, position_ids, input_ids=None, token_type_ids=None, inputs_embeds=None):
+    def forward(
+        self,
+        position_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+    ) -> torch.Tensor:
         """position_ids / input_ids / token_type_ids (B, n), or inputs_embeds (B, n, d) -> (B, n, d)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
@@ -163,7 +169,7 @@ class LongShortSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, input_tensor):
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dropout(hidden_states) + input_tensor)
 
 
@@ -172,16 +178,24 @@ class LongShortAttention(nn.Module):
 
     def __init__(self, config: LongShortConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.self = LongShortSelfAttention(**config.attention_kwargs(layer_idx))
         self.output = LongShortSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, state=None, output_attentions=False,
-                global_attention_mask=None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: CausalState | None = None,
+        output_attentions: bool = False,
+        global_attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The implementation is read from the config at each call, so ``set_attn_implementation`` takes effect."""
         context, attentions = self.self(
-            hidden_states, attention_mask, global_attention_mask=global_attention_mask, state=state,
-            output_attentions=output_attentions,
+            hidden_states, attention_mask=attention_mask, global_attention_mask=global_attention_mask, state=state,
+            output_attentions=output_attentions, attn_implementation=self.config._attn_implementation or "sdpa",
         )
-        return self.output(context, hidden_states), attentions
+        return self.output(hidden_states=context, input_tensor=hidden_states), attentions
 
 
 class LongShortIntermediate(nn.Module):
@@ -190,7 +204,7 @@ class LongShortIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.intermediate_act_fn(self.dense(hidden_states))
 
 
@@ -201,7 +215,7 @@ class LongShortOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, input_tensor):
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 
@@ -215,14 +229,21 @@ class LongShortLayer(GradientCheckpointingLayer):
         self.intermediate = LongShortIntermediate(config)
         self.output = LongShortOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, output_attentions=False, global_attention_mask=None,
-                **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         cache = kwargs.get(CACHE_NAME)  # by that name, so that gradient checkpointing can drop it
         state = cache.layers[self.layer_idx].state if cache is not None else None
         attention_output, _ = self.attention(
-            hidden_states, attention_mask, state, output_attentions, global_attention_mask=global_attention_mask
+            hidden_states, attention_mask=attention_mask, state=state, output_attentions=output_attentions,
+            global_attention_mask=global_attention_mask,
         )
-        return self.output(self.intermediate(attention_output), attention_output)
+        return self.output(hidden_states=self.intermediate(attention_output), input_tensor=attention_output)
 
 
 class LongShortEncoder(nn.Module):
@@ -230,12 +251,18 @@ class LongShortEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([LongShortLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, output_attentions=False,
-                global_attention_mask=None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: "LongShortCache | None" = None,
+        output_attentions: bool = False,
+        global_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         for layer in self.layer:
             # hidden_states positionally, for reentrant gradient checkpointing
             hidden_states = layer(
-                hidden_states, attention_mask, output_attentions=output_attentions,
+                hidden_states, attention_mask=attention_mask, output_attentions=output_attentions,
                 global_attention_mask=global_attention_mask, **{CACHE_NAME: cache},
             )
         return hidden_states
@@ -248,7 +275,7 @@ class LongShortPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(hidden_states[:, 0]))
 
 
@@ -262,7 +289,7 @@ class LongShortLMHead(nn.Module):
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, features):
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.layer_norm(gelu(self.dense(features))))
 
 
@@ -276,7 +303,7 @@ class LongShortClassificationHead(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, features):
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self.dropout(features[:, 0])
         x = self.dropout(torch.tanh(self.dense(x)))
         return self.out_proj(x)
@@ -344,14 +371,20 @@ class LongShortPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
-    # "sdpa" (Transformers' default) and "eager" both run the attention on F.scaled_dot_product_attention (an explicit
-    # softmax only when attention weights are asked for); "sdpa" builds the window tiles chunk by chunk on CPU, again
-    # in the backward pass, "eager" keeps them all (the reference path); "flex_attention" runs it on FlexAttention with a block mask
-    # (forward only on CPU; weights and cached decoding steps take the SDPA path). The choice is read when the layers
-    # are built. output_attentions=True works in a call under any; Transformers allows config.output_attentions only
-    # with eager.
+    # "sdpa" (Transformers' default) and "eager" run the same code, the attention on F.scaled_dot_product_attention
+    # (an explicit softmax only when attention weights are asked for); "flex_attention" runs it on FlexAttention with a
+    # block mask (forward only on CPU; weights and cached decoding steps take the SDPA path). Each call reads
+    # config._attn_implementation, so set_attn_implementation works after loading. output_attentions=True works in a
+    # call under any; Transformers allows config.output_attentions only with eager.
     _supports_sdpa = True
     _supports_flex_attn = True
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """The attention reads ``config._attn_implementation`` at each call (``LongShortAttention.forward``), so
+        ``set_attn_implementation`` may switch it (Transformers' own test of the source looks for its attention
+        interface, which Long-Short attention does not use)."""
+        return True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -411,9 +444,18 @@ class LongShortModel(LongShortPreTrainedModel):
     @merge_with_config_defaults
     @capture_outputs
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        cache=None, use_cache=None, global_attention_mask=None, past_key_values=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        cache: LongShortCache | None = None,
+        use_cache: bool | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        past_key_values: LongShortCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         """input_ids / attention_mask (1 = real token) / token_type_ids / position_ids: (B, n); or inputs_embeds
         (B, n, d). With ``cache`` (a ``LongShortCache``; ``past_key_values`` before Transformers 5.24) the inputs
         continue the cached tokens and ``attention_mask`` may cover the cached tokens too, (B, past + n); its last n
@@ -471,10 +513,11 @@ class LongShortModel(LongShortPreTrainedModel):
             output_attentions = self.config.output_attentions
 
         hidden_states = self.embeddings(
-            position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
+            position_ids=position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
         )
         hidden_states = self.encoder(
-            hidden_states, attention_mask, cache, output_attentions, global_attention_mask=global_attention_mask
+            hidden_states=hidden_states, attention_mask=attention_mask, cache=cache,
+            output_attentions=output_attentions, global_attention_mask=global_attention_mask,
         )
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
@@ -511,9 +554,16 @@ class LongShortForMaskedLM(LongShortLanguageModel):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, global_attention_mask=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
         """labels (B, n): token ids to predict, -100 where no loss is taken. global_attention_mask (B, n): 1 for global
         tokens (none by default)."""
         outputs = self.long_short(
@@ -551,9 +601,19 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        cache=None, use_cache=None, labels=None, logits_to_keep=0, past_key_values=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        cache: LongShortCache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: LongShortCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """labels (B, n): the input ids (shifted inside the loss), -100 where no loss is taken. logits_to_keep: an
         int k keeps the last k positions' logits (0 = all), a tensor selects positions."""
         if labels is not None:
@@ -615,9 +675,16 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, global_attention_mask=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
         """labels (B,): class ids (float targets for regression or multi-label, as in RoBERTa). global_attention_mask
         (B, n): 1 for global tokens; by default the first token (Longformer's)."""
         if global_attention_mask is None:
@@ -653,9 +720,16 @@ class LongShortForTokenClassification(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, global_attention_mask=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
         """labels (B, n): class ids, -100 where no loss is taken. global_attention_mask (B, n): 1 for global tokens
         (none by default)."""
         outputs = self.long_short(
@@ -681,9 +755,17 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        start_positions=None, end_positions=None, global_attention_mask=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput:
         """start_positions / end_positions (B,): the answer span's token indices. global_attention_mask (B, n): 1 for
         global tokens; by default, from input_ids, the question (every token before the first ``sep_token_id``, as
         Longformer); with inputs_embeds and no mask, none."""
@@ -718,9 +800,16 @@ class LongShortForMultipleChoice(LongShortPreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-        labels=None, global_attention_mask=None, **kwargs,
-    ):
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput:
         """Inputs (B, C, n) (inputs_embeds (B, C, n, d)) for C choices; labels (B,): the right choice.
         global_attention_mask (B, C, n): 1 for global tokens; by default each choice's first token."""
         first = input_ids if input_ids is not None else inputs_embeds

@@ -44,14 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ls_hf.long_short_attention import (
-    _window_rule,
+from ls_hf.long_short_rules import (
     check_attn_implementation,
     check_flex_call,
     create_block_mask,
     flex_attention,
     project_rows,
     window_extent,
+    window_rule,
 )
 
 from .conv_layers import ConvBn, StdConv2d
@@ -83,7 +83,7 @@ def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int
     inside the ``size = (H, W)`` map.
     """
     k = k_yx.unsqueeze(-3)
-    return _window_rule(q_yx.unsqueeze(-2), k, window, causal=False).all(-1) & _inside(k, size)
+    return window_rule(q_yx.unsqueeze(-2), k, window, causal=False).all(-1) & _inside(k, size)
 
 
 def _inside(yx: Tensor, size: tuple[int, int]) -> Tensor:
@@ -181,7 +181,7 @@ def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device:
     H, W = feat_size
 
     def keep(b, h, q_idx, kv_idx):
-        in_window = _window_rule(q_idx // W, kv_idx // W, window, causal=False) & _window_rule(
+        in_window = window_rule(q_idx // W, kv_idx // W, window, causal=False) & window_rule(
             q_idx % W, kv_idx % W, window, causal=False)
         return (kv_idx >= H * W) | in_window
 

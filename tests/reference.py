@@ -14,7 +14,7 @@ def _ln(module, name, x):
     if not module.use_dual_ln:
         return x
     key_name = name + "_key"
-    ln = getattr(module, key_name, None) if x.shape[-1] != module.num_heads * module.head_dim else None
+    ln = getattr(module, key_name) if x.shape[-1] != module.num_heads * module.head_dim else None
     ln = ln or getattr(module, name)
     return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
@@ -96,7 +96,7 @@ def _one(m, x, valid, cls, glob):
     for i in range(n):  # a global token: the projected rows and every real token, one softmax
         if not glob[i]:
             continue
-        qp, kp, vp = (getattr(m, "global_" + name, getattr(m, name)) for name in ("query", "key", "value"))
+        qp, kp, vp = (getattr(m, "global_" + name) or getattr(m, name) for name in ("query", "key", "value"))
         qg = qp(x[i]).view(H, dq)
         kg = _ln(m, "dual_ln_local", kp(x[valid])).view(-1, H, dq)
         vg = _ln(m, "dual_ln_local", vp(x[valid])).view(-1, H, v.shape[-1])

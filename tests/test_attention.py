@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ls_hf import long_short_attention
+from ls_hf import long_short_kernels, long_short_rules
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
 from tests.devices import assert_close, cpu64, test_dtype
 from tests.reference import reference_attention
@@ -413,7 +413,7 @@ def test_parameter_gradients_match_oracle(name, output_attentions):
         torch.testing.assert_close(grads[0][key], grads[1][key], atol=TOL, rtol=0, msg=key)
 
 
-# ------------------------------------------------------------------- tiled path ("sdpa") against "eager"
+# ------------------------------------------------------------ memory-lean path ("lean") against "sdpa"
 def _graph_names(tensor):
     """The names of the autograd nodes behind ``tensor``."""
     names, stack, seen = set(), [tensor.grad_fn], set()
@@ -427,19 +427,19 @@ def _graph_names(tensor):
     return names
 
 
-def assert_tiled_matches_eager(module, x, cls=None, **kwargs):
-    """The tiled path (``recompute_window_tiles``: tiles built chunk by chunk, one group per chunk here, and again in
-    the backward pass) against the default (every tile gathered at once, plain autograd): outputs and the gradients of
-    the input, the cls token and every parameter agree in float64 to rounding."""
+def assert_lean_matches_default(module, x, cls=None, **kwargs):
+    """The memory-lean path (``recompute_window_tiles``: tiles built chunk by chunk, one group per chunk here, and
+    again in the backward pass) against the default (every tile gathered at once, plain autograd): outputs and the
+    gradients of the input, the cls token and every parameter agree in float64 to rounding."""
     weights = None
     results = []
     for recompute in (True, False):
         module.recompute_window_tiles = recompute
         module.zero_grad()
         inputs = [t.clone().requires_grad_() for t in (x, cls) if t is not None]
-        with patch.object(long_short_attention, "TILE_CHUNK_BYTES", 1):
+        with patch.object(long_short_kernels, "TILE_CHUNK_BYTES", 1):
             out, _ = module(inputs[0], cls_hidden=inputs[1] if cls is not None else None, **kwargs)
-        tiled = "_TiledAttentionBackward" in _graph_names(out)
+        tiled = "TiledAttentionBackward" in _graph_names(out)
         assert tiled == (recompute and module.qk_head_dim == module.head_dim)
         weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(5))
         (out * weights).sum().backward()
@@ -456,7 +456,7 @@ def assert_tiled_matches_eager(module, x, cls=None, **kwargs):
 
 @PROPERTY
 @given(**bidirectional_grid, extra=st.sampled_from(["none", "cls", "global"]), seed=st.integers(0, 2**16))
-def test_tiled_path_gradients_match_eager_bidirectional(dims, window, rank, n, batch, mask_kind, pad, extra, seed):
+def test_lean_path_gradients_match_default_bidirectional(dims, window, rank, n, batch, mask_kind, pad, extra, seed):
     if window == rank == 0:
         rank = 1
     if extra == "cls" and dims["qk_head_dim"] is not None:
@@ -465,22 +465,22 @@ def test_tiled_path_gradients_match_eager_bidirectional(dims, window, rank, n, b
     x, cls = inputs(module, batch, n, seed)
     mask = make_mask(mask_kind, batch, n, pad, seed)
     glob = global_mask(batch, n, 0.3, seed) if extra == "global" else None
-    assert_tiled_matches_eager(module, x, cls if extra == "cls" else None, attention_mask=mask,
+    assert_lean_matches_default(module, x, cls if extra == "cls" else None, attention_mask=mask,
                                global_attention_mask=glob)
 
 
 @PROPERTY
 @given(config=causal_configs(), n=st.integers(1, 24), batch=st.integers(1, 2), mask_kind=masks, pad=st.integers(1, 8),
        seed=st.integers(0, 2**16))
-def test_tiled_path_gradients_match_eager_causal(config, n, batch, mask_kind, pad, seed):
+def test_lean_path_gradients_match_default_causal(config, n, batch, mask_kind, pad, seed):
     module = make(seed=seed, **config)
     x, _ = inputs(module, batch, n, seed)
-    assert_tiled_matches_eager(module, x, attention_mask=make_mask(mask_kind, batch, n, pad, seed))
+    assert_lean_matches_default(module, x, attention_mask=make_mask(mask_kind, batch, n, pad, seed))
 
 
 
 def test_config_recompute_window_tiles_reaches_every_layer():
-    """``LongShortConfig(recompute_window_tiles=True)`` trains through ``_TiledAttention`` in every layer, with the
+    """``LongShortConfig(recompute_window_tiles=True)`` trains through ``TiledAttention`` in every layer, with the
     default model's loss and gradients (float64)."""
     from ls_hf import LongShortConfig, LongShortForMaskedLM
 
@@ -494,7 +494,7 @@ def test_config_recompute_window_tiles_reaches_every_layer():
         model = LongShortForMaskedLM(LongShortConfig(**config, recompute_window_tiles=recompute)).double().train()
         assert all(layer.attention.self.recompute_window_tiles == recompute for layer in model.long_short.encoder.layer)
         loss = model(input_ids=ids, labels=ids).loss
-        assert ("_TiledAttentionBackward" in _graph_names(loss)) == recompute
+        assert ("TiledAttentionBackward" in _graph_names(loss)) == recompute
         loss.backward()
         results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
     (loss, grads), (loss_default, grads_default) = results
@@ -523,13 +523,13 @@ def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
             norm.zero_grad()
             inp = x.clone().requires_grad_()
             fresh = inp * 1.0 if fallback != "strided" else (inp * 1.0).transpose(0, 1)  # a tensor nothing else needs
-            with patch.object(long_short_attention, "TILE_CHUNK_BYTES", chunk_bytes):
-                out = long_short_attention.layer_norm_in_place(fresh, norm) if in_place else norm(fresh)
+            with patch.object(long_short_kernels, "TILE_CHUNK_BYTES", chunk_bytes):
+                out = long_short_kernels.layer_norm_in_place(fresh, norm) if in_place else norm(fresh)
                 (out * (weights if fallback != "strided" else weights.transpose(0, 1))).sum().backward()
             results.append((out.detach(), inp.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
                             _graph_names(out), out.data_ptr() == fresh.data_ptr()))
         (*lean, names, same_storage), (*plain, _, _) = results
-        assert ("_LayerNormInPlaceBackward" in names) == same_storage == (fallback is None)
+        assert ("LayerNormInPlaceBackward" in names) == same_storage == (fallback is None)
         for got, expected in zip(lean, plain):
             torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
@@ -537,7 +537,7 @@ def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
 @pytest.mark.parametrize("valid_kind", ["none", "partial", "empty_set"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_dynamic_projection_matches_autograd(valid_kind, bias):
-    """``_DynamicProjection`` (the scores computed a chunk of heads at a time, one head per chunk here, and again in
+    """``DynamicProjection`` (the scores computed a chunk of heads at a time, one head per chunk here, and again in
     the backward pass): rows and the gradients of the input, W^P, b, keys and values are those of plain autograd
     through ``F.linear`` and ``project_rows`` (float64), excluded tokens and a set with no valid token included."""
     generator = torch.Generator().manual_seed(0)
@@ -555,11 +555,11 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
     for chunked in (True, False):
         tensors = [t if t is None else t.clone().requires_grad_() for t in params]
         if chunked:
-            with patch.object(long_short_attention, "TILE_CHUNK_BYTES", 1):
-                rows = long_short_attention._DynamicProjection.apply(*tensors, valid)
+            with patch.object(long_short_kernels, "TILE_CHUNK_BYTES", 1):
+                rows = long_short_kernels.DynamicProjection.apply(*tensors, valid)
         else:
             scores = F.linear(*tensors[:3]).unflatten(-1, (heads, rank)).movedim(-3, -1)
-            rows = long_short_attention.project_rows(scores, *tensors[3:], valid)
+            rows = long_short_rules.project_rows(scores, *tensors[3:], valid)
         sum((row * weight).sum() for row, weight in zip(rows, weights)).backward()
         results.append([*(row.detach() for row in rows), *(t.grad for t in tensors if t is not None)])
     for got, expected in zip(*results):
@@ -887,7 +887,7 @@ def test_global_tokens_maps_are_what_the_output_is_computed_from(global_projecti
     with torch.no_grad():  # the value behind each column, spelled out from the weights (as tests/reference.py)
         values = torch.zeros(B, n, K + r + S + K, H, module.head_dim, dtype=torch.float64)
         v_local = module.dual_ln_local(module.value(x)).view(B, n, H, -1)
-        global_value = getattr(module, "global_value", module.value)
+        global_value = module.global_value or module.value
         v_seen_by_global = module.dual_ln_local(global_value(x)).view(B, n, H, -1)
         v_global = module.dual_ln_global(module.value(x)).view(B, n, H, -1)
         scores = module.dynamic_projection(x).view(B, n, H, r)

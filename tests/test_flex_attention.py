@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModel, AutoModelForCausalLM
 
-import ls_hf.long_short_attention as lsa
+import ls_hf.long_short_rules as rules
 from ls_hf import LongShortForCausalLM, LongShortModel
 from ls_hf.long_short_attention import LongShortSelfAttention
 from tests.devices import assert_close
@@ -187,7 +187,7 @@ def test_cpu_training_is_refused_clearly():
 def test_unknown_implementation_and_missing_flex_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="attn_implementation must be one of"):
         LongShortSelfAttention(8, 2, 3, 2, attn_implementation="flash_attention_2")
-    monkeypatch.setattr(lsa, "flex_attention", None)
+    monkeypatch.setattr(rules, "flex_attention", None)
     with pytest.raises(ImportError, match=r"torch >= 2\.6.*sdpa"):
         LongShortSelfAttention(8, 2, 3, 2, attn_implementation="flex_attention")
     with pytest.raises(ImportError, match=r"torch >= 2\.6"):

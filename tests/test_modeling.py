@@ -441,6 +441,32 @@ def test_attn_implementations_load_and_the_fused_path_matches_the_explicit_softm
     assert len(AutoModelForMaskedLM.from_pretrained(tmp_path, output_attentions=True)(ids).attentions) == 2
 
 
+def test_set_attn_implementation_after_loading_switches_the_attention(tmp_path, monkeypatch):
+    """``model.set_attn_implementation(...)`` after ``from_pretrained`` changes the path the attention runs at the next
+    call (FlexAttention's block mask is built, or no longer), with the same output."""
+    from ls_hf import long_short_attention
+
+    built = []
+    real = long_short_attention.create_block_mask
+    monkeypatch.setattr(long_short_attention, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    LongShortForMaskedLM(tiny_config()).save_pretrained(tmp_path)
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path).double().eval()
+    ids, mask = tokens(), torch.ones(2, 19, dtype=torch.long)
+    mask[0, -5:] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        assert not built
+        model.set_attn_implementation("flex_attention")
+        assert model.config._attn_implementation == "flex_attention"
+        flex = model(ids, attention_mask=mask).logits
+        assert len(built) == 2  # once per layer
+        model.set_attn_implementation("eager")
+        eager = model(ids, attention_mask=mask).logits
+        assert len(built) == 2
+    torch.testing.assert_close(flex, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(eager, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("output_attentions", [False, True], ids=["sdpa", "explicit_softmax"])
 def test_attention_dropout_acts_in_training_only(output_attentions):
     """attention_probs_dropout_prob drops attention probabilities in train mode only (tiny_config has no hidden
@@ -500,7 +526,7 @@ def test_lmsa_and_per_layer_settings():
     model = LongShortModel(config)
     first, second = (layer.attention.self for layer in model.encoder.layer)
     assert (first.window_size, first.projection_rank, second.window_size, second.projection_rank) == (4, 0, 8, 5)
-    assert first.query.out_features == 4 * 4 and not hasattr(first, "dual_ln_local")
+    assert first.query.out_features == 4 * 4 and first.dual_ln_local is None
     outputs = model(tokens(), output_attentions=True)
     assert [a.shape[-1] for a in outputs.attentions] == [8, 5 + 16]
 

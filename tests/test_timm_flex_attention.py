@@ -9,7 +9,7 @@ import pytest
 import timm
 import torch
 
-import ls_hf.long_short_attention as lsa
+import ls_hf.long_short_rules as rules
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.devices import assert_close
 from tests.test_timm_attention import CASES, _randomise
@@ -103,7 +103,7 @@ def test_unknown_implementation_and_missing_flex_are_refused(monkeypatch):
         LongShortAttention2d(16, 2, 3, 2, attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="attn_implementation must be one of"):
         timm.create_model("cvt_ls_13", depths=(1, 1, 1), attn_implementation="flash")
-    monkeypatch.setattr(lsa, "flex_attention", None)  # a torch without FlexAttention
+    monkeypatch.setattr(rules, "flex_attention", None)  # a torch without FlexAttention
     with pytest.raises(ImportError, match=r"torch >= 2\.6.*sdpa"):
         LongShortAttention2d(16, 2, 3, 2, attn_implementation="flex_attention")
     with pytest.raises(ImportError, match=r"torch >= 2\.6"):
