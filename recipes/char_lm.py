@@ -30,7 +30,9 @@ absolute positions. --model_type long_short_xl trains the paper's model as the o
 continue the same --per_device_train_batch_size streams (truncated backpropagation through time, --memory_length
 tokens per layer, the block length by default as the official scripts), and evaluation streams each split once with
 --eval_memory_length bytes of context before every block of --eval_block_length (the official 32768 and 256), also
-reporting block-by-block scoring of the same model (``*_block_bpc``: each --max_seq_length block on its own).
+reporting block-by-block scoring of the same model (``*_block_bpc``: each --max_seq_length block on its own). Each
+stream starts as the official code starts it, with a full memory of zeros (``--stream_start zeros``:
+``LongShortXLForCausalLM.initial_memory``); ``--stream_start empty`` starts it with no memory.
 
 The saved tokenizer is ByT5's, which appends ``</s>`` unless told not to; training saw none, so encode prompts with
 ``add_special_tokens=False`` (also a ``pipeline("text-generation")`` argument).
@@ -109,6 +111,9 @@ class CharLmArguments:
     eval_block_length: int = field(default=256, metadata={"help": "long_short_xl: bytes scored per step."})
     eval_streams: int = field(default=1, metadata={
         "help": "long_short_xl: score a split as this many parallel streams (1: exact, as the official batch 1)."})
+    stream_start: str = field(default="zeros", metadata={
+        "help": "long_short_xl: how a stream starts, in training and scoring: zeros (official: a full memory of "
+                "zeros) or empty (no memory).", "choices": ["zeros", "empty"]})
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the argument if the data cannot be read."""
@@ -263,17 +268,19 @@ def stream_blocks(data: bytes, length: int, streams: int, offset: int, name: str
 
 @torch.no_grad()
 def stream_loss(model: LongShortXLForCausalLM, data: bytes, offset: int, block_length: int, memory_length: int,
-                streams: int = 1) -> float:
+                streams: int = 1, stream_start: str = "zeros") -> float:
     """Nats per byte of every byte after the first given all bytes before it that the memory holds: the text is cut
     into ``streams`` contiguous parts, each scored ``block_length`` bytes at a time with up to ``memory_length`` bytes
-    of memory (0: every block on its own). Official evaluation: one stream, blocks of 256, memory 32768."""
+    of memory (0: every block on its own), starting from ``memory_length`` zeros (``stream_start="zeros"``, official)
+    or from no memory (``"empty"``). Official evaluation: one stream, blocks of 256, memory 32768."""
     per_stream = (len(data) - 1) // streams
     if per_stream < 1:
         raise UsageError(f"a text of {len(data)} bytes cannot be scored as {streams} streams; lower --eval_streams.")
     ids = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64) + offset).to(model.device)
     inputs = torch.stack([ids[s * per_stream : (s + 1) * per_stream] for s in range(streams)])
     targets = torch.stack([ids[s * per_stream + 1 : (s + 1) * per_stream + 1] for s in range(streams)])
-    training, memory, total = model.training, None, 0.0
+    memory = model.initial_memory(streams, memory_length) if stream_start == "zeros" else None
+    training, total = model.training, 0.0
     model.eval()
     for start in range(0, per_stream, block_length):
         out = model(inputs[:, start : start + block_length], memory=memory, memory_length=memory_length,
@@ -287,14 +294,18 @@ def stream_loss(model: LongShortXLForCausalLM, data: bytes, offset: int, block_l
 
 class StreamTrainer(Trainer):
     """A ``Trainer`` for ``LongShortXLForCausalLM``: training batches continue the same streams (a ``stream_blocks``
-    dataset read in order, ``train_sampling_strategy="sequential"``) and each step passes the previous step's memory, detached (truncated backpropagation through
-    time); ``evaluate`` and ``predict`` score the raw split with ``stream_loss``, streaming and block by block."""
+    dataset read in order, ``train_sampling_strategy="sequential"``) and each step passes the previous step's memory,
+    detached (truncated backpropagation through time; the first step ``initial_memory`` when ``stream_start`` is
+    ``"zeros"``); ``evaluate`` and ``predict`` score the raw split with ``stream_loss``, streaming and block by
+    block."""
 
-    def __init__(self, *args, texts: dict, scoring: dict, **kwargs):
+    def __init__(self, *args, texts: dict, scoring: dict, stream_start: str, **kwargs):
         super().__init__(*args, **kwargs)
-        self.texts, self.scoring, self.memory = texts, scoring, None
+        self.texts, self.scoring, self.stream_start, self.memory = texts, scoring, stream_start, None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.memory is None and self.stream_start == "zeros":
+            self.memory = self.model.initial_memory(len(inputs["input_ids"]))
         outputs = model(**inputs, memory=self.memory)
         self.memory = outputs.memory
         return (outputs.loss, outputs) if return_outputs else outputs.loss
@@ -303,7 +314,7 @@ class StreamTrainer(Trainer):
         model, s = self.model, self.scoring
         metrics = {
             f"{prefix}_loss": stream_loss(model, self.texts[split], s["offset"], s["eval_block_length"],
-                                          s["eval_memory_length"], s["eval_streams"]),
+                                          s["eval_memory_length"], s["eval_streams"], self.stream_start),
             f"{prefix}_block_bpc": stream_loss(model, self.texts[split], s["offset"], s["block_length"], 0,
                                                s["eval_streams"]) / math.log(2),
             f"{prefix}_memory_length": s["eval_memory_length"],
@@ -372,7 +383,8 @@ def stream_trainer(model, args, training_args, tokenizer, texts: dict, offset: i
     scoring = {"offset": offset, "block_length": args.max_seq_length, "eval_block_length": args.eval_block_length,
                "eval_memory_length": args.eval_memory_length, "eval_streams": args.eval_streams}
     return StreamTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
-                         data_collator=default_data_collator, texts=texts, scoring=scoring)
+                         data_collator=default_data_collator, texts=texts, scoring=scoring,
+                         stream_start=args.stream_start)
 
 
 if __name__ == "__main__":

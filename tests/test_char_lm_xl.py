@@ -35,13 +35,22 @@ OFFICIAL_NAMES = {
 def official_model(case: str):
     """Our model with the fixture's official weights (float64, eval), and the fixture's tensors of ``case``."""
     meta = json.loads((FIXTURES / "char_lm_official.json").read_text())["cases"][case]
-    tensors = {k[len(case) + 1 :]: v for k, v in load_file(FIXTURES / "char_lm_official.safetensors").items()
-               if k.startswith(case + ".")}
+    tensors = {
+        k[len(case) + 1 :]: v
+        for k, v in load_file(FIXTURES / "char_lm_official.safetensors").items()
+        if k.startswith(case + ".")
+    }
     kw = meta["model_kwargs"]
     config = LongShortXLConfig(
-        vocab_size=kw["vocab_size"], hidden_size=kw["d_model"], intermediate_size=kw["d_inner"],
-        num_attention_heads=kw["n_head"], num_hidden_layers=kw["n_layer"], memory_length=kw["mem_len"],
-        projection_rank=kw["chunk_rank"], causal_segment_length=kw["chunk_size"], window_size=kw["window_len"],
+        vocab_size=kw["vocab_size"],
+        hidden_size=kw["d_model"],
+        intermediate_size=kw["d_inner"],
+        num_attention_heads=kw["n_head"],
+        num_hidden_layers=kw["n_layer"],
+        memory_length=kw["mem_len"],
+        projection_rank=kw["chunk_rank"],
+        causal_segment_length=kw["chunk_size"],
+        window_size=kw["window_len"],
         hidden_dropout_prob=0.0,
     )
     model = LongShortXLForCausalLM(config).double().eval()
@@ -49,7 +58,7 @@ def official_model(case: str):
     for name, value in tensors.items():
         if not name.startswith("param.") or name.endswith("pos_emb.inv_freq"):  # our sinusoids compute inv_freq
             continue
-        name = name[len("param."):]
+        name = name[len("param.") :]
         for old, new in OFFICIAL_NAMES.items():
             name = name.replace(old, new)
         if not name.startswith(("long_short.", "lm_head.")):
@@ -78,9 +87,18 @@ def test_official_model_outputs_with_memory(case):
 
 def tiny_xl(**overrides) -> LongShortXLForCausalLM:
     torch.manual_seed(0)
-    fields = {"vocab_size": 20, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
-              "num_hidden_layers": 2, "window_size": 4, "projection_rank": 2, "causal_segment_length": 2,
-              "memory_length": 8, "hidden_dropout_prob": 0.0}
+    fields = {
+        "vocab_size": 20,
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "window_size": 4,
+        "projection_rank": 2,
+        "causal_segment_length": 2,
+        "memory_length": 8,
+        "hidden_dropout_prob": 0.0,
+    }
     model = LongShortXLForCausalLM(LongShortXLConfig(**{**fields, **overrides})).double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -88,8 +106,12 @@ def tiny_xl(**overrides) -> LongShortXLForCausalLM:
     return model
 
 
-RULES = [{"window_rule": rule, "projection_input": source, "use_dual_ln": dual}
-         for rule in ("token", "segment") for source in ("raw", "normalized") for dual in (True, False)]
+RULES = [
+    {"window_rule": rule, "projection_input": source, "use_dual_ln": dual}
+    for rule in ("token", "segment")
+    for source in ("raw", "normalized")
+    for dual in (True, False)
+]
 
 
 @pytest.mark.parametrize("rules", RULES, ids=lambda r: "-".join(str(v) for v in r.values()))
@@ -148,13 +170,17 @@ def test_generate_cached_equals_uncached_and_greedy_loop():
     with torch.no_grad():
         memory = model(torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(5))).memory
     with_memory = model.generate(prompt, attention_mask=ones, memory=memory, max_new_tokens=9, do_sample=False)
-    assert torch.equal(with_memory, model.generate(prompt, attention_mask=ones, memory=memory, max_new_tokens=9,
-                                                   do_sample=False, use_cache=False))
+    assert torch.equal(
+        with_memory,
+        model.generate(prompt, attention_mask=ones, memory=memory, max_new_tokens=9, do_sample=False, use_cache=False),
+    )
     with torch.no_grad():  # the memory is read
         assert not torch.allclose(model(prompt, memory=memory).logits, model(prompt).logits)
     beams = model.generate(prompt, attention_mask=ones, max_new_tokens=6, num_beams=3, do_sample=False)
-    assert torch.equal(beams, model.generate(prompt, attention_mask=ones, max_new_tokens=6, num_beams=3,
-                                             do_sample=False, use_cache=False))
+    assert torch.equal(
+        beams,
+        model.generate(prompt, attention_mask=ones, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False),
+    )
 
 
 def test_no_future_leakage_and_memory_is_detached():
@@ -195,6 +221,88 @@ def test_streaming_blocks_with_memory_equal_one_long_forward_when_the_memory_hol
     assert not torch.allclose(torch.cat(parts, 1), whole)
 
 
+def reference_log_probs(model: LongShortXLForCausalLM, ids: torch.Tensor, memory_length: int) -> torch.Tensor:
+    """The official model's log-probabilities of the first block of streams, one query at a time: every layer's memory
+    is ``memory_length`` zeros (the official ``init_hid_cache``, unmasked), normalised by the layer's LN_1 as the
+    official layer normalises its cache; Pre-LN layers ``h = LN_1(h); h = LN_2(h + Attn(h)); h = h + FFN(h)``."""
+    from .reference import reference_xl_attention
+
+    core = model.long_short
+    h = core.embeddings(ids) * math.sqrt(model.config.hidden_size)
+    zeros = h.new_zeros(h.shape[0], memory_length, h.shape[-1])
+    for layer in core.layers:
+        h = layer.norm1(h)
+        h = layer.norm2(h + reference_xl_attention(layer.attention, h, layer.norm1(zeros)))
+        h = h + layer.feed_forward(h)
+    return model.lm_head(h).log_softmax(-1)
+
+
+@pytest.mark.parametrize("rules", [RULES[0], RULES[6]], ids=["official", "paper"])
+def test_initial_memory_is_the_official_start_of_a_stream(rules):
+    """``initial_memory``: a full memory of zeros, which the first block's window and projected rows see (LN_1 of
+    zero: the LayerNorm bias); its log-probabilities against the float64 one-query-at-a-time reference, and far
+    from a start with no memory."""
+    model = tiny_xl(**rules)
+    ids = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(7))
+    memory = model.initial_memory(2)
+    assert len(memory) == 2 and all(m.shape == (2, 8, 16) and m.dtype == torch.float64 and not m.any() for m in memory)
+    with torch.no_grad():
+        out = model(ids, memory=memory, use_cache=False)
+        expected = reference_log_probs(model, ids, memory_length=8)
+        empty = model(ids, use_cache=False).logits.log_softmax(-1)
+    torch.testing.assert_close(out.logits.log_softmax(-1), expected, rtol=0, atol=1e-10)
+    assert (empty - expected).abs().max() > 1e-2
+    # the next memory: the last 8 of [8 zeros; the block's 6 inputs]
+    assert all(not m[:, :2].any() and m.shape == (2, 8, 16) for m in out.memory)
+    assert [m.shape[1] for m in model.initial_memory(1, memory_length=4)] == [4, 4]
+    with pytest.raises(ValueError, match="memory_length"):
+        model.initial_memory(1, memory_length=3)
+
+
+FOLDER_SAVED_BEFORE = FIXTURES / "char_lm_xl_folder"  # saved when LongShortXLConfig extended LongShortConfig
+
+
+def test_folder_saved_with_the_inherited_config_loads(tmp_path):
+    """A folder saved when the config extended ``LongShortConfig`` (its config.json carries RoBERTa fields this model
+    never read) loads, gives the logits it gave then, and saves again with this config's fields only."""
+    from ls_hf.modeling_long_short_xl import INHERITED_FIELDS
+
+    saved = json.loads((FOLDER_SAVED_BEFORE / "config.json").read_text())
+    assert set(INHERITED_FIELDS) <= set(saved)
+    model = AutoModelForCausalLM.from_pretrained(FOLDER_SAVED_BEFORE).eval()
+    assert type(model) is LongShortXLForCausalLM and model.config.memory_length == 8
+    outputs = load_file(FOLDER_SAVED_BEFORE / "outputs.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(model(outputs["input_ids"]).logits, outputs["logits"])
+    model.save_pretrained(tmp_path)
+    resaved = json.loads((tmp_path / "config.json").read_text())
+    assert not set(INHERITED_FIELDS) & set(resaved)
+    assert {k: v for k, v in resaved.items() if k in saved and k != "transformers_version"} == {
+        k: v for k, v in saved.items() if k in resaved and k != "transformers_version"
+    }
+
+
+def test_config_has_its_own_fields():
+    """The config holds the fields the model reads, not LongShortConfig's (no positions table, no token types, no
+    LMSA, no global tokens); LongShortConfig's fixed values are refused where the model has no other."""
+    from ls_hf import LongShortConfig
+
+    config = LongShortXLConfig()
+    assert not isinstance(config, LongShortConfig) and config.is_decoder
+    assert not {
+        "max_position_embeddings",
+        "type_vocab_size",
+        "qk_head_dim",
+        "global_projections",
+        "recompute_window_tiles",
+        "hidden_act",
+    } & set(config.to_dict())
+    for name, value in (("qk_head_dim", 8), ("global_projections", True)):
+        with pytest.raises(ValueError, match=name):
+            LongShortXLConfig(**{name: value})
+    assert not hasattr(LongShortXLConfig(type_vocab_size=2, max_position_embeddings=10), "type_vocab_size")
+
+
 CLEAN_PROCESS = """
 import sys
 sys.modules["ls_hf"] = None  # installed in this venv: make it unimportable
@@ -224,16 +332,30 @@ def test_hub_folder_loads_without_the_package(tmp_path):
     ids = torch.randint(0, 20, (2, 9))
     torch.save(ids, tmp_path / "ids.pt")
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", CLEAN_PROCESS, str(tmp_path / "xl"), str(tmp_path / "ids.pt"),
-                    str(tmp_path / "out.pt")], check=True, env=env, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", CLEAN_PROCESS, str(tmp_path / "xl"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     with torch.no_grad():
         torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits)
 
 
 def test_auto_classes_save_load_and_tied_output(tmp_path):
-    config = AutoConfig.for_model("long_short_xl", vocab_size=20, hidden_size=16, num_attention_heads=2,
-                                  intermediate_size=32, num_hidden_layers=1, window_size=4, projection_rank=1,
-                                  causal_segment_length=2, memory_length=4)
+    config = AutoConfig.for_model(
+        "long_short_xl",
+        vocab_size=20,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        window_size=4,
+        projection_rank=1,
+        causal_segment_length=2,
+        memory_length=4,
+    )
     model = AutoModelForCausalLM.from_config(config)
     assert type(model) is LongShortXLForCausalLM
     assert model.lm_head.weight is model.long_short.embeddings.weight
@@ -247,8 +369,12 @@ def test_auto_classes_save_load_and_tied_output(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides, match",
-    [({"window_rule": "tokens"}, "window_rule"), ({"projection_input": "ln"}, "projection_input"),
-     ({"memory_length": 5}, "memory_length"), ({"is_decoder": False}, "is_decoder")],
+    [
+        ({"window_rule": "tokens"}, "window_rule"),
+        ({"projection_input": "ln"}, "projection_input"),
+        ({"memory_length": 5}, "memory_length"),
+        ({"is_decoder": False}, "is_decoder"),
+    ],
 )
 def test_bad_config_is_a_clear_error(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -282,8 +408,10 @@ def test_stream_blocks_continue_the_streams_batch_to_batch():
 
 
 def test_stream_loss_with_a_memory_holding_everything_equals_one_forward():
-    """Under the paper's projection rule a stream scored block by block with a memory holding all earlier bytes
-    equals one forward over the text; without memory every block is scored on its own."""
+    """Under the paper's projection rule a stream started with no memory and scored block by block with a memory
+    holding all earlier bytes equals one forward over the text; without memory every block is scored on its own. The
+    official start (the default) is a memory of zeros: the first block as the model scores it after
+    ``initial_memory``."""
     from recipes.char_lm import stream_loss
 
     model = tiny_xl(projection_input="normalized", memory_length=64, vocab_size=259)
@@ -292,17 +420,29 @@ def test_stream_loss_with_a_memory_holding_everything_equals_one_forward():
     with torch.no_grad():
         logp = model(ids[None, :-1], use_cache=False).logits.log_softmax(-1)[0]
         whole = -logp.gather(-1, ids[1:, None]).mean().item()
-        blocks = [model(ids[None, s : min(s + 8, 40)], use_cache=False).logits.log_softmax(-1)[0]
-                  .gather(-1, ids[s + 1 : min(s + 9, 41), None]) for s in range(0, 40, 8)]
-    assert stream_loss(model, data, offset=3, block_length=8, memory_length=64) == pytest.approx(whole, abs=1e-9)
-    assert stream_loss(model, data, offset=3, block_length=8, memory_length=0) == pytest.approx(
-        -torch.cat(blocks).mean().item(), abs=1e-9)
+        blocks = [
+            model(ids[None, s : min(s + 8, 40)], use_cache=False)
+            .logits.log_softmax(-1)[0]
+            .gather(-1, ids[s + 1 : min(s + 9, 41), None])
+            for s in range(0, 40, 8)
+        ]
+    assert stream_loss(model, data, offset=3, block_length=8, memory_length=64, stream_start="empty") == pytest.approx(
+        whole, abs=1e-9
+    )
+    for start in ("empty", "zeros"):
+        assert stream_loss(model, data, offset=3, block_length=8, memory_length=0, stream_start=start) == pytest.approx(
+            -torch.cat(blocks).mean().item(), abs=1e-9
+        )
+    with torch.no_grad():
+        zero_start = model(ids[None, :40], memory=model.initial_memory(1, 64), use_cache=False).logits
+    expected = -zero_start.log_softmax(-1)[0].gather(-1, ids[1:, None]).mean().item()
+    assert stream_loss(model, data, offset=3, block_length=40, memory_length=64) == pytest.approx(expected, abs=1e-9)
+    assert abs(expected - whole) > 1e-3
 
 
 def test_char_lm_trains_the_official_model_with_memory_and_scores_streaming(tmp_path):
     """A tiny official model trains on streams with memory, reports streaming and block-by-block BPC, saves a folder
     that loads and generates through the Auto classes, and a second phase continues from it."""
-
 
     from recipes import char_lm
 
@@ -311,12 +451,49 @@ def test_char_lm_trains_the_official_model_with_memory_and_scores_streaming(tmp_
     generator = torch.Generator().manual_seed(0)
     text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (3000,), generator=generator).tolist()))
     out = tmp_path / "xl"
-    args = ["--train_file", str(text), "--output_dir", str(out), "--model_type", "long_short_xl",
-            "--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--window_size", "32",
-            "--causal_segment_length", "16", "--dropout", "0", "--max_seq_length", "64",
-            "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--warmup_steps", "5",
-            "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "True", "--seed", "0",
-            "--eval_memory_length", "256", "--eval_block_length", "32", "--do_train", "--do_eval", "--do_predict"]
+    args = [
+        "--train_file",
+        str(text),
+        "--output_dir",
+        str(out),
+        "--model_type",
+        "long_short_xl",
+        "--num_hidden_layers",
+        "2",
+        "--hidden_size",
+        "64",
+        "--num_attention_heads",
+        "4",
+        "--window_size",
+        "32",
+        "--causal_segment_length",
+        "16",
+        "--dropout",
+        "0",
+        "--max_seq_length",
+        "64",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "5",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "True",
+        "--seed",
+        "0",
+        "--eval_memory_length",
+        "256",
+        "--eval_block_length",
+        "32",
+        "--do_train",
+        "--do_eval",
+        "--do_predict",
+    ]
     metrics = char_lm.main([*args, "--max_steps", "50"])
     state = json.loads((out / "trainer_state.json").read_text())
     losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
@@ -329,21 +506,38 @@ def test_char_lm_trains_the_official_model_with_memory_and_scores_streaming(tmp_
     assert config.model_type == "long_short_xl" and config.memory_length == 64
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model) is LongShortXLForCausalLM
-    generated = model.generate(torch.tensor([[3 + ord(c) for c in "the "]]), attention_mask=torch.ones(1, 4),
-                               max_new_tokens=8, do_sample=False)
+    generated = model.generate(
+        torch.tensor([[3 + ord(c) for c in "the "]]), attention_mask=torch.ones(1, 4), max_new_tokens=8, do_sample=False
+    )
     assert generated.shape == (1, 12)
 
-    phase2 = char_lm.main([*args[: args.index("--output_dir")], "--output_dir", str(tmp_path / "phase2"),
-                           *args[args.index("--output_dir") + 2 :], "--model_name_or_path", str(out),
-                           "--max_seq_length", "128", "--memory_length", "128", "--max_steps", "2"])
+    phase2 = char_lm.main(
+        [
+            *args[: args.index("--output_dir")],
+            "--output_dir",
+            str(tmp_path / "phase2"),
+            *args[args.index("--output_dir") + 2 :],
+            "--model_name_or_path",
+            str(out),
+            "--max_seq_length",
+            "128",
+            "--memory_length",
+            "128",
+            "--max_steps",
+            "2",
+        ]
+    )
     assert phase2["eval_bpc"] < 4
     assert AutoConfig.from_pretrained(tmp_path / "phase2").memory_length == 128
 
 
 @pytest.mark.parametrize(
     "extra, match",
-    [(["--eval_memory_length", "100"], "--eval_memory_length"), (["--memory_length", "30"], "memory_length"),
-     (["--window_rule", "tokens"], "window_rule")],
+    [
+        (["--eval_memory_length", "100"], "--eval_memory_length"),
+        (["--memory_length", "30"], "memory_length"),
+        (["--window_rule", "tokens"], "window_rule"),
+    ],
 )
 def test_char_lm_official_model_clear_errors(tmp_path, extra, match, capsys):
     from recipes import char_lm
@@ -351,10 +545,32 @@ def test_char_lm_official_model_clear_errors(tmp_path, extra, match, capsys):
     text = tmp_path / "text.txt"
     text.write_text("abc " * 400)
     with pytest.raises(SystemExit) as err:
-        char_lm.main(["--train_file", str(text), "--output_dir", str(tmp_path / "o"), "--model_type", "long_short_xl",
-                      "--num_hidden_layers", "1", "--hidden_size", "32", "--num_attention_heads", "2",
-                      "--window_size", "32", "--causal_segment_length", "16", "--max_seq_length", "32",
-                      "--max_steps", "1", "--do_train", *extra])
+        char_lm.main(
+            [
+                "--train_file",
+                str(text),
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--model_type",
+                "long_short_xl",
+                "--num_hidden_layers",
+                "1",
+                "--hidden_size",
+                "32",
+                "--num_attention_heads",
+                "2",
+                "--window_size",
+                "32",
+                "--causal_segment_length",
+                "16",
+                "--max_seq_length",
+                "32",
+                "--max_steps",
+                "1",
+                "--do_train",
+                *extra,
+            ]
+        )
     assert err.value.code == 2 and match in capsys.readouterr().err
 
 
@@ -365,11 +581,37 @@ def test_char_lm_official_model_takes_blocks_beyond_the_absolute_position_limit(
 
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(32, 127)) * 100)
-    metrics = char_lm.main(["--train_file", str(text), "--output_dir", str(tmp_path / "o"), "--model_type",
-                            "long_short_xl", "--num_hidden_layers", "1", "--hidden_size", "16",
-                            "--num_attention_heads", "2", "--window_size", "16", "--causal_segment_length", "16",
-                            "--max_seq_length", "4112", "--per_device_train_batch_size", "1", "--max_steps", "1",
-                            "--save_strategy", "no", "--disable_tqdm", "True", "--do_train"])
+    metrics = char_lm.main(
+        [
+            "--train_file",
+            str(text),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--model_type",
+            "long_short_xl",
+            "--num_hidden_layers",
+            "1",
+            "--hidden_size",
+            "16",
+            "--num_attention_heads",
+            "2",
+            "--window_size",
+            "16",
+            "--causal_segment_length",
+            "16",
+            "--max_seq_length",
+            "4112",
+            "--per_device_train_batch_size",
+            "1",
+            "--max_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "True",
+            "--do_train",
+        ]
+    )
     assert math.isfinite(metrics["train_loss"])
     assert AutoConfig.from_pretrained(tmp_path / "o").memory_length == 4112
 
@@ -377,11 +619,18 @@ def test_char_lm_official_model_takes_blocks_beyond_the_absolute_position_limit(
 def test_official_initialisation():
     """N(0, 0.02) linears, embedding and u, v; zero biases (the output bias included); LayerNorm weights N(1, 0.02)."""
     torch.manual_seed(0)
-    model = LongShortXLForCausalLM(LongShortXLConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2,
-                                                     num_attention_heads=4, intermediate_size=256))
+    model = LongShortXLForCausalLM(
+        LongShortXLConfig(
+            vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256
+        )
+    )
     attention = model.long_short.layers[0].attention
-    for weight in (model.long_short.embeddings.weight, attention.query.weight, attention.row_position.weight,
-                   model.long_short.layers[1].feed_forward.fc1.weight):
+    for weight in (
+        model.long_short.embeddings.weight,
+        attention.query.weight,
+        attention.row_position.weight,
+        model.long_short.layers[1].feed_forward.fc1.weight,
+    ):
         assert abs(weight.std().item() - 0.02) < 0.002 and abs(weight.mean().item()) < 0.002
     for bias in (attention.content_bias, attention.position_bias):
         assert 0.01 < bias.std().item() < 0.03
@@ -398,13 +647,15 @@ def test_stream_trainer_feeds_the_streams_in_order_and_carries_the_memory(tmp_pa
 
     model = tiny_xl(vocab_size=259, memory_length=8).float().train()
     args = CharLmArguments(train_file="unused", max_seq_length=8, eval_memory_length=16)
-    training_args = CharLmTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, report_to="none",
-                                            use_cpu=True)
+    training_args = CharLmTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, report_to="none", use_cpu=True
+    )
     trainer = stream_trainer(model, args, training_args, ByT5Tokenizer(), {"train": bytes(range(100))}, offset=3)
     batches = iter(trainer.get_train_dataloader())
     first, second = next(batches), next(batches)
     assert torch.equal(second["input_ids"][:, 0] - first["input_ids"][:, -1], torch.ones(3, dtype=torch.long))
     assert torch.equal(first["shift_labels"][:, -1], second["input_ids"][:, 0])
-    trainer.compute_loss(model, first)
+    loss = trainer.compute_loss(model, first)
+    torch.testing.assert_close(loss, model(**first, memory=model.initial_memory(3)).loss, rtol=0, atol=0)
     assert [tuple(m.shape) for m in trainer.memory] == [(3, 8, 16)] * 2
     assert torch.equal(trainer.memory[0], model.long_short.embeddings(first["input_ids"]) * 4)  # dropout 0: sqrt(16)
