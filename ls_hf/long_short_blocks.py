@@ -1,0 +1,343 @@
+"""Long-Short attention's visibility as FlexAttention's block-sparse structure (Zhu et al., NeurIPS 2021, Sec. 3.2-3.3,
+Eq. 5, Appendix D), built from the window geometry and never evaluated over all (query, key) pairs.
+
+Key layout: ``L`` window keys first, at key indices ``[0, L)``, holding the tokens at positions
+``[k_start, k_start + L)``; then ``R`` extra keys at ``[L, L + R)``: the global tokens' keys and the projected rows
+(bidirectional, every query sees every valid one), or causally the projected rows, segment-major with ``r`` rows per
+segment of ``l`` tokens (Eq. 5). The queries hold the positions ``[q_start, q_start + m)``. With ``offsets`` (B,), row
+b's logical positions are its physical ones minus ``offsets[b]``, queries and keys alike, so that a left-padded row
+counts its windows and segments from its first real token.
+
+The rules are written once, elementwise on broadcastable tensors (or plain ints): ``window_bounds`` (the window keys
+``[lo, hi)`` of a query), ``window_rule`` and ``segment_rule``. ``long_short_mask_mod`` applies them per (query, key)
+pair, as FlexAttention's ``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each
+query block, which bound every query's keys in between (the window's ends do not decrease with the position), and
+builds the ``BlockMask`` with ``BlockMask.from_kv_blocks``. ``flex_attend`` runs FlexAttention, compiled once per
+process on CUDA. This file imports nothing from Transformers or timm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+__all__ = [
+    "FLEX_MIN_HEAD_DIM",
+    "KeyLayout",
+    "compiled_flex_attention",
+    "finished_segments",
+    "flex_attend",
+    "long_short_block_mask",
+    "long_short_mask_mod",
+    "segment_rule",
+    "window_bounds",
+    "window_extent",
+    "window_rule",
+]
+
+# Compiled FlexAttention on CUDA refuses head dims below this ("NYI: embedding dimension ... at least 16").
+FLEX_MIN_HEAD_DIM = 16
+DEFAULT_BLOCK_SIZE = 128
+
+
+# ----------------------------------------------------------------------------------------------------------- rules
+def window_extent(window: int) -> int:
+    """Keys ``e = max(w // 2, 1)`` that a bidirectional segment of ``w`` queries sees on each side beyond itself (span
+    2w for even w, as the official LRA and ImageNet code)."""
+    return max(window // 2, 1)
+
+
+def window_bounds(t, window: int, causal: bool):
+    """The window keys ``[lo, hi)`` of the query at position ``t`` (int or tensor), with ``s = (t // w) * w``:
+    bidirectional ``[s - e, s + w + e)``, ``e = window_extent(w)``; causal ``[s - w, t + 1)`` (Appendix D, Fig. 5).
+    Both ends are non-decreasing in ``t``."""
+    start = t // window * window
+    if causal:
+        return start - window, t + 1
+    extent = window_extent(window)
+    return start - extent, start + window + extent
+
+
+def window_rule(q, k, window: int, causal: bool):
+    """Whether the query at position ``q`` sees the window key at position ``k`` (elementwise, broadcast)."""
+    low, high = window_bounds(q, window, causal)
+    return (k >= low) & (k < high)
+
+
+def finished_segments(t, segment_length: int):
+    """Causal Eq. 5: the segments of ``l`` tokens whose projected rows the query at position ``t`` sees, ``s < t // l``
+    (the segments before its own)."""
+    return t // segment_length
+
+
+def segment_rule(q, row_segment, segment_length: int):
+    """Whether the query at position ``q`` sees a projected row of segment ``row_segment`` (elementwise, Eq. 5)."""
+    return row_segment < finished_segments(q, segment_length)
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where the keys are and which rule each follows (this module's docstring): ``num_window_keys`` (L) window keys
+    holding positions ``[k_start, k_start + L)``, then ``num_extra_keys`` (R) extra keys, for queries from position
+    ``q_start``. ``segment_length`` (l) and ``projection_rank`` (r), causal only: the extra keys are projected rows,
+    r per segment of l tokens, seen by Eq. 5; without them every query sees every extra key. ``window_size`` 0: no
+    window keys. A malformed layout raises ``ValueError`` naming the field."""
+
+    window_size: int
+    causal: bool
+    num_window_keys: int
+    num_extra_keys: int = 0
+    q_start: int = 0
+    k_start: int = 0
+    segment_length: int | None = None
+    projection_rank: int | None = None
+
+    def __post_init__(self):
+        for name in ("window_size", "num_window_keys", "num_extra_keys", "q_start", "k_start"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        if self.window_size == 0 and self.num_window_keys:
+            raise ValueError(f"window_size is 0 (no short-term window), so num_window_keys must be 0, got "
+                             f"{self.num_window_keys}; pass window keys only with a window_size >= 1.")
+        if self.num_window_keys + self.num_extra_keys == 0:
+            raise ValueError("num_window_keys and num_extra_keys are both 0: no query has a key to attend to.")
+        if (self.segment_length is None) != (self.projection_rank is None):
+            raise ValueError(f"segment_length and projection_rank describe the causal projected rows (Eq. 5) "
+                             f"together; pass both or neither, got segment_length={self.segment_length!r}, "
+                             f"projection_rank={self.projection_rank!r}.")
+        if self.segment_length is None:
+            return
+        if not self.causal:
+            raise ValueError("segment_length (Eq. 5) applies to causal attention only; bidirectional queries see "
+                             "every extra key: pass causal=True or leave segment_length and projection_rank out.")
+        for name in ("segment_length", "projection_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.num_extra_keys % self.projection_rank:
+            raise ValueError(f"num_extra_keys ({self.num_extra_keys}) must be a multiple of projection_rank "
+                             f"({self.projection_rank}): the causal projected rows come {self.projection_rank} per "
+                             f"segment (Eq. 5).")
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_window_keys + self.num_extra_keys
+
+
+def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | None) -> int:
+    """The batch size that ``key_valid`` / ``offsets`` give (1 without them, broadcast over the batch), after checking
+    their shapes and dtypes (``ValueError`` naming the argument)."""
+    batch = None
+    if key_valid is not None:
+        if key_valid.dtype != torch.bool or key_valid.dim() != 2 or key_valid.shape[1] != layout.num_keys:
+            raise ValueError(f"key_valid must be a bool tensor (batch, num_window_keys + num_extra_keys) = (batch, "
+                             f"{layout.num_keys}), True for the keys that exist; got {key_valid.dtype} "
+                             f"{tuple(key_valid.shape)}.")
+        batch = key_valid.shape[0]
+    if offsets is not None:
+        if (offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool
+                or offsets.shape[0] != (batch or offsets.shape[0])):
+            raise ValueError(f"offsets must be an integer tensor (batch,) = ({batch or 'batch'},), each row's shift "
+                             f"of positions; got {offsets.dtype} {tuple(offsets.shape)}.")
+        batch = offsets.shape[0]
+    return 1 if batch is None else batch
+
+
+# -------------------------------------------------------------------------------------------------- mask_mod
+def long_short_mask_mod(layout: KeyLayout, *, key_valid: Tensor | None = None, offsets: Tensor | None = None
+                        ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout``.
+
+    Query ``q_idx`` is at position ``t = q_start + q_idx - offsets[b]``. It sees the window key ``kv_idx < L`` (at
+    ``k_start + kv_idx - offsets[b]``) by ``window_rule``, and the extra key ``kv_idx >= L``: always, or, with a
+    ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``.
+    Keys where ``key_valid`` (B, L + R) is False are never seen.
+    """
+    _batch_size(layout, key_valid, offsets)
+    window, causal, window_keys = layout.window_size, layout.causal, layout.num_window_keys
+    q_start, k_start = layout.q_start, layout.k_start
+    segment_length, rank = layout.segment_length, layout.projection_rank
+
+    def long_short_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shift = 0 if offsets is None else offsets[b]
+        t = q_idx + (q_start - shift)
+        is_window = kv_idx < window_keys
+        seen = ~is_window
+        if segment_length is not None:
+            seen = seen & segment_rule(t, (kv_idx - window_keys) // rank, segment_length)
+        if window_keys:
+            seen = seen | (is_window & window_rule(t, kv_idx + (k_start - shift), window, causal))
+        if key_valid is not None:
+            seen = seen & key_valid[b, kv_idx]
+        return seen
+
+    return long_short_mask
+
+
+# ------------------------------------------------------------------------------------------------- BlockMask
+class _BlockGeometry(NamedTuple):
+    """Per (query block, key block), from the window geometry alone (every key valid): the key-index spans
+    ``[window_start, window_end)`` and ``[extra_start, extra_end)`` of the block that some query of the block sees
+    (empty spans have end == start), and whether every query of the block sees every key of it (``full``; never for a
+    block cut short by the end of the queries or keys). ``key_start``/``key_end`` (key blocks): each block's keys."""
+
+    window_start: Tensor
+    window_end: Tensor
+    extra_start: Tensor
+    extra_end: Tensor
+    full: Tensor
+    key_start: Tensor
+    key_end: Tensor
+
+
+@functools.lru_cache(maxsize=128)
+def _block_geometry(num_queries: int, num_window_keys: int, num_extra_keys: int, q_shift: int, k_shift: int,
+                    window_size: int, causal: bool, segment_length: int | None, projection_rank: int | None,
+                    q_block: int, kv_block: int, device: torch.device) -> _BlockGeometry:
+    """``_BlockGeometry`` on the (query blocks, key blocks) grid for queries at positions ``q_shift + [0, m)`` and
+    window keys at ``k_shift + [0, L)``. A query's visible keys form one interval per kind whose ends do not decrease
+    with its position, so the block's first query ``a`` and last query ``z`` give their union ``[lo(a), hi(z))`` and
+    intersection ``[lo(z), hi(a))``."""
+    m, L, R = num_queries, num_window_keys, num_extra_keys
+    first = torch.arange(0, m, q_block)[:, None]  # (query blocks, 1)
+    last = torch.clamp(first + q_block, max=m) - 1
+    key_start = torch.arange(0, L + R, kv_block)  # (key blocks,)
+    key_end = torch.clamp(key_start + kv_block, max=L + R)
+    complete = (first + q_block <= m) & (key_start + kv_block <= L + R)
+
+    def spans(part_start, part_end, union, inter):
+        """The block's keys in ``[part_start, part_end)`` that some query sees (clipped to the block), and whether
+        all of them are seen by every query (an empty part counts as seen)."""
+        start = torch.maximum(key_start, part_start)
+        end = torch.minimum(key_end, part_end)
+        seen_start = torch.maximum(start, union[0])
+        seen_end = torch.maximum(torch.minimum(end, union[1]), seen_start)
+        all_seen = (end <= start) | ((start >= inter[0]) & (end <= inter[1]))
+        return seen_start, seen_end, all_seen
+
+    zero = torch.zeros((), dtype=torch.long)
+    if L:
+        (low_a, high_a), (low_z, high_z) = (window_bounds(t + q_shift, window_size, causal) for t in (first, last))
+        window = spans(zero, zero + L, (low_a - k_shift, high_z - k_shift), (low_z - k_shift, high_a - k_shift))
+    else:
+        window = (key_start, key_start, torch.ones((), dtype=torch.bool))
+    if segment_length is None:  # every extra key
+        rows_a = rows_z = zero + R
+    else:  # rows [0, r * finished segments) of the segment-major projected rows (Eq. 5)
+        rows_a, rows_z = (torch.clamp(projection_rank * finished_segments(t + q_shift, segment_length), 0, R)
+                          for t in (first, last))
+    extra = spans(zero + L, zero + L + R, (zero + L, L + rows_z), (zero + L, L + rows_a))
+    grid = (len(first), len(key_start))
+    spans_and_full = (x.expand(grid).to(device) for x in (*window[:2], *extra[:2], complete & window[2] & extra[2]))
+    return _BlockGeometry(*spans_and_full, key_start.to(device), key_end.to(device))
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """A (B, query blocks, key blocks) bool grid as ``BlockMask.from_kv_blocks`` takes it: the number of chosen key
+    blocks per query block (B, 1, Q) and their indices, ascending, followed by the others (B, 1, Q, K), int32."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None].contiguous(), indices[:, None].contiguous()
+
+
+def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Tensor | None = None,
+                          offsets: Tensor | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                          device: torch.device | str | None = None) -> BlockMask:
+    """The ``BlockMask`` of ``long_short_mask_mod(layout, key_valid=..., offsets=...)`` (its mask_mod) for
+    ``num_queries`` queries, built from the window geometry: O(blocks) per call, the geometry cached per shape (and
+    offset). FlexAttention calls the mask_mod only on partial blocks: those cut by the window's edges, padding, the
+    ends of the queries or keys, and the causal projected rows. Equal, block class by block class, to
+    ``create_block_mask(mask_mod, B, None, num_queries, L + R, BLOCK_SIZE=block_size)``.
+
+    ``block_size``: ``(query block, key block)``, or one int for both. Batch size: the rows of ``key_valid`` /
+    ``offsets``, else 1 (broadcast over the batch); one head (broadcast over the heads). ``device``: by default
+    ``key_valid``'s or ``offsets``', else the CPU.
+    """
+    if not _is_int(num_queries) or num_queries < 1:
+        raise ValueError(f"num_queries must be an integer >= 1, got {num_queries!r}.")
+    q_block, kv_block = (block_size, block_size) if _is_int(block_size) else tuple(block_size)
+    if not (_is_int(q_block) and _is_int(kv_block) and q_block >= 1 and kv_block >= 1):
+        raise ValueError(f"block_size must be an integer >= 1 or a pair of them, got {block_size!r}.")
+    batch = _batch_size(layout, key_valid, offsets)
+    for tensor in (key_valid, offsets):
+        device = tensor.device if device is None and tensor is not None else device
+    device = torch.device("cpu" if device is None else device)
+
+    def geometry(shift):
+        return _block_geometry(num_queries, layout.num_window_keys, layout.num_extra_keys, layout.q_start - shift,
+                               layout.k_start - shift, layout.window_size, layout.causal, layout.segment_length,
+                               layout.projection_rank, q_block, kv_block, device)
+
+    if offsets is None:
+        grids = geometry(0)
+    else:  # one geometry per distinct offset, stacked per row
+        shifts = offsets.tolist()
+        per_shift = {shift: geometry(shift) for shift in set(shifts)}
+        grids = _BlockGeometry(*(torch.stack([getattr(per_shift[s], name) for s in shifts])
+                                 for name in _BlockGeometry._fields))
+    if key_valid is None:
+        seen = (grids.window_end > grids.window_start) | (grids.extra_end > grids.extra_start)
+        full = grids.full
+    else:  # count the valid keys of each span: a prefix sum over each row's keys
+        counts = F.pad(key_valid.cumsum(-1, dtype=torch.int32), (1, 0))
+
+        def valid_keys(start, end):  # per row, the valid keys in [start, end): (B, rows, cols)
+            shape = (batch, *start.shape[-2:])
+            start, end = (x.expand(shape).reshape(batch, -1) for x in (start, end))
+            return (counts.gather(1, end) - counts.gather(1, start)).view(shape)
+
+        seen = (valid_keys(grids.window_start, grids.window_end) + valid_keys(grids.extra_start, grids.extra_end)) > 0
+        key_blocks_valid = valid_keys(grids.key_start[..., None, :], grids.key_end[..., None, :])
+        full = grids.full & (key_blocks_valid == (grids.key_end - grids.key_start)[..., None, :])
+    seen, full = (x.expand(batch, *x.shape[-2:]) for x in (seen, full))
+    kv_num_blocks, kv_indices = _ordered(seen & ~full)
+    full_kv_num_blocks, full_kv_indices = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                                    BLOCK_SIZE=(q_block, kv_block),
+                                    mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets),
+                                    seq_lengths=(num_queries, layout.num_keys))
+
+
+# ---------------------------------------------------------------------------------------------- FlexAttention
+@functools.cache
+def compiled_flex_attention() -> Callable:
+    """``torch.compile(flex_attention)``, made once per process (as Transformers' flex integration does): the fused
+    kernel, which skips the blocks that no query sees."""
+    return torch.compile(flex_attention)
+
+
+def _pad_head_dim(x: Tensor) -> Tensor:
+    """x (..., E) zero-padded to ``FLEX_MIN_HEAD_DIM`` features when narrower: dot products and the weighted values'
+    first E features are unchanged."""
+    return F.pad(x, (0, FLEX_MIN_HEAD_DIM - x.shape[-1])) if x.shape[-1] < FLEX_MIN_HEAD_DIM else x
+
+
+def flex_attend(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, scale: float | None = None,
+                compiled: bool | None = None) -> Tensor:
+    """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask``:
+    (B, H, m, Ev). A query that sees no key gets 0.
+
+    ``compiled``: use ``compiled_flex_attention`` (default: on CUDA; inside a function being compiled, the plain
+    ``flex_attention``, which the outer compilation fuses). ``scale``: default ``1 / sqrt(E)``. Head dims below
+    ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the output is cut back to Ev.
+    """
+    compiled = query.device.type == "cuda" if compiled is None else compiled
+    kernel = compiled_flex_attention() if compiled and not torch.compiler.is_compiling() else flex_attention
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out = kernel(_pad_head_dim(query), _pad_head_dim(key), _pad_head_dim(value), block_mask=block_mask, scale=scale)
+    return out[..., : value.shape[-1]]
