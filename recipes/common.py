@@ -346,10 +346,12 @@ def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, te
             transformers.trainer.logger.removeFilter(tied_keys)
         best = trainer.state.best_model_checkpoint
         if training_args.load_best_model_at_end and best is not None:
-            epoch = next((log["epoch"] for log in trainer.state.log_history
-                          if log.get("step") == int(Path(best).name.split("-")[-1]) and "epoch" in log), None)
-            print(f"Kept the best model: {best} (epoch {epoch}, {training_args.metric_for_best_model} = "
-                  f"{trainer.state.best_metric:.4g}); saved to {training_args.output_dir}.", file=sys.stderr)
+            step = int(Path(best).name.split("-")[-1])
+            scores = next((log for log in trainer.state.log_history if log.get("step") == step and "eval_loss" in log),
+                          {})
+            shown = ", ".join(f"{key} = {scores[key]:.4g}" for key in ("eval_accuracy", "eval_loss") if key in scores)
+            print(f"Kept the best model: {best} (epoch {scores.get('epoch')}, {training_args.metric_for_best_model} = "
+                  f"{trainer.state.best_metric:.4g}; {shown}); saved to {training_args.output_dir}.", file=sys.stderr)
         trainer.save_model()
         trainer.log_metrics("train", train.metrics)
         trainer.save_metrics("train", train.metrics)

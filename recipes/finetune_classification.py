@@ -12,14 +12,17 @@ any values: the classes are the training data's, in sorted order). Documents are
 (default and cap: what the model reads); how many were cut is logged and reported per split
 (``truncated_train``, ``truncated_validation``, ``truncated_test``). The first token is global by default (the
 classification head's, as Longformer's). The best epoch is chosen on validation data (``--validation_file``, the
-dataset's split, or ``--validation_split_percentage`` (5) of the training examples held out with a fixed seed);
-``--do_predict`` then scores the kept model once on the test data (``test_accuracy``). Accuracy comes from
-``evaluate``'s metric when it can be loaded, the same computation locally otherwise. The kept model is saved to
-``--output_dir``; an interrupted run resumes from its last checkpoint. Runs under ``accelerate launch`` as is.
+dataset's split, or ``--validation_split_percentage`` (5) of the training examples held out with a fixed seed;
+among epochs of equal accuracy the one with the lower loss, ``classification_metrics``); ``--do_predict`` then
+scores the kept model once on the test data (``test_accuracy``). The kept model is saved to ``--output_dir``; an
+interrupted run resumes from its last checkpoint. Runs under ``accelerate launch`` as is.
 """
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+import torch.nn.functional as F
 from datasets import ClassLabel
 from transformers import (
     AutoModelForSequenceClassification,
@@ -72,7 +75,8 @@ class ClassificationTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Keep the checkpoint with the best validation metric (off with --eval_strategy no)."},
     )
-    metric_for_best_model: str | None = field(default="accuracy", metadata={"help": "Metric choosing the best model."})
+    metric_for_best_model: str | None = field(default="accuracy_loss_tiebreak", metadata={
+        "help": "Metric choosing the best model (accuracy_loss_tiebreak: the accuracy, equal ones by the loss)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one is kept too)."})
     learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
 
@@ -82,22 +86,15 @@ class ClassificationTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-def accuracy_metric():
-    """``(compute_metrics, source)`` for the Trainer. ``evaluate.load("accuracy")`` fetches its script from the Hub
-    (source ``"evaluate"``); when it cannot, the same number, the fraction of argmax predictions equal to the labels,
-    is computed here (source ``"local"``)."""
-    import evaluate
-
-    try:
-        metric = evaluate.load("accuracy")
-    # Script unreachable and not cached: FileNotFoundError (what evaluate turns its ConnectionErrors into), or a
-    # requests error interrupting a download (OSError subclasses); ImportError: scikit-learn, which the script
-    # imports and the recipes do not need, is missing. Anything else is a bug and propagates.
-    except (OSError, ImportError) as err:
-        logger.warning("evaluate's accuracy could not be loaded (%s); computing accuracy locally.", err)
-        return lambda pred: {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}, "local"
-    logger.info("Accuracy computed with evaluate.load('accuracy').")
-    return lambda pred: metric.compute(predictions=pred.predictions.argmax(-1), references=pred.label_ids), "evaluate"
+def classification_metrics(prediction) -> dict[str, float]:
+    """The Trainer's ``compute_metrics``: ``accuracy`` (argmax of the logits against the labels) and
+    ``accuracy_loss_tiebreak``, the accuracy less ``loss / (1 + loss) / N`` for the mean cross-entropy ``loss`` of N
+    examples: less than one example's worth, so it orders epochs by accuracy and equal accuracies by the loss (the
+    best model's metric by default)."""
+    logits, labels = np.asarray(prediction.predictions), np.asarray(prediction.label_ids)
+    accuracy = float((logits.argmax(-1) == labels).mean())
+    loss = float(F.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels)))
+    return {"accuracy": accuracy, "accuracy_loss_tiebreak": accuracy - loss / (1 + loss) / len(labels)}
 
 
 def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> dict:
@@ -155,7 +152,6 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
         logger.info("%s: %d of %d documents are longer than %d tokens and were truncated.", split,
                     truncated[f"truncated_{split}"], len(dataset), length)
 
-    compute_accuracy, source = accuracy_metric()
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -163,10 +159,10 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
         eval_dataset=data.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=compute_accuracy,
+        compute_metrics=classification_metrics,
     )
     checkpoint = checkpoint_to_resume(training_args, model)
-    extra = {"accuracy_computed_by": source, "max_seq_length": length, **truncated}
+    extra = {"max_seq_length": length, **truncated}
     return finish(trainer, training_args, data_args, checkpoint, lambda metrics: extra, data.get("test"))
 
 

@@ -13,9 +13,9 @@ training reviews are held out (fixed seed); ``--do_predict`` then scores the kep
 from dataclasses import dataclass, field
 
 from recipes.common import cli
-from recipes.finetune_classification import ClassificationDataArguments, accuracy_metric, finetune
+from recipes.finetune_classification import ClassificationDataArguments, finetune
 
-__all__ = ["ImdbDataArguments", "accuracy_metric", "main"]
+__all__ = ["ImdbDataArguments", "main"]
 
 
 @dataclass
