@@ -13,7 +13,6 @@ import torch
 import transformers
 from datasets import DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -248,26 +247,29 @@ def max_tokens(config, tokenizer, requested: int | None) -> int:
     return min(requested or limit, limit)
 
 
+# Config entries that may differ between a checkpoint and the run that resumes it: what the Trainer and
+# save_pretrained record about the run rather than the model, and how memory is spent (not what the model computes).
+RESUMABLE_CHANGES = ("_name_or_path", "architectures", "auto_map", "dtype", "problem_type", "transformers_version",
+                     "use_cache", "recompute_window_tiles")
+
+
 def checkpoint_to_resume(training_args, model) -> str | None:
     """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour),
-    said on stderr; a ``UsageError`` before any work if its weights do not fit ``model``'s shapes."""
+    said on stderr; a ``UsageError`` before any work if its config differs from ``model``'s in anything but
+    ``RESUMABLE_CHANGES`` (another window, rank, width, ...: resuming would mix two models)."""
     checkpoint = training_args.resume_from_checkpoint
     output_dir = Path(training_args.output_dir)
     if checkpoint is None and training_args.do_train and output_dir.is_dir():
         checkpoint = get_last_checkpoint(output_dir)
         if checkpoint is not None:
             print(f"Resuming training from {checkpoint} (use a new --output_dir to start over).", file=sys.stderr)
-    weights = Path(checkpoint or "") / "model.safetensors"
-    if checkpoint is not None and weights.is_file():
-        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-        with safe_open(weights, framework="pt") as saved:
-            wrong = [(name, tuple(saved.get_slice(name).get_shape())) for name in saved.keys() if name in shapes]  # noqa: SIM118
-        wrong = [(name, shape) for name, shape in wrong if shape != shapes[name]]
-        if wrong:
-            name, shape = wrong[0]
-            raise UsageError(f"the checkpoint {checkpoint} holds a model of another shape ({name}: {shape}, this "
-                             f"run's: {shapes[name]}); use a new --output_dir, or the same model arguments as that "
-                             f"run.")
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+        saved, wanted = type(model.config).from_pretrained(checkpoint).to_dict(), model.config.to_dict()
+        changed = {key: (saved.get(key), wanted.get(key)) for key in sorted(saved.keys() | wanted.keys())
+                   if key not in RESUMABLE_CHANGES and saved.get(key) != wanted.get(key)}
+        if changed:
+            raise UsageError(f"the checkpoint {checkpoint} holds a model with other settings: {changed} (saved, this "
+                             f"run's); use a new --output_dir, or the same model arguments as that run.")
     return checkpoint
 
 

@@ -432,7 +432,8 @@ def test_char_lm_reads_a_zipped_text_like_the_raw_file(tmp_path):
 
 def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, capsys, caplog):
     """Rerunning into an output folder resumes visibly (without the tied-weights missing-keys warning); a model of
-    another shape there is a clear error before any work, not a wall of size mismatches."""
+    other settings there is a clear error before any work: another shape (not a wall of size mismatches), or the same
+    shapes with another window (which would mix two models silently)."""
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(sample_texts()))
     out = tmp_path / "chars"
@@ -444,10 +445,13 @@ def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, c
     err = capsys.readouterr().err
     assert f"Resuming training from {out / 'checkpoint-2'}" in err
     assert "missing keys" not in caplog.text  # lm_head.decoder is tied to the word embeddings, not saved
-    with pytest.raises(SystemExit) as exit_info:
-        char_lm.main([*args, "--max_steps", "4", "--hidden_size", "32"])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "holds a model of another shape" in err and "use a new --output_dir" in err
+    for changed, message in ((["--hidden_size", "32"], "'hidden_size': (64, 32)"),
+                             (["--window_size", "16"], "'window_size': (32, 16)")):
+        with pytest.raises(SystemExit) as exit_info:
+            char_lm.main([*args, "--max_steps", "4", *changed])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "holds a model with other settings" in err and message in err
+        assert "use a new --output_dir" in err and not (out / "checkpoint-4").exists()
 
 
 def test_checkpoints_are_bounded_by_default():
