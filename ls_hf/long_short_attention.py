@@ -89,8 +89,10 @@ class CausalState(BatchFirstState):
 
     ``keys``/``values``/``valid``: window keys (after ``LN_L``) of positions ``[seen - L, seen)``, enough for the
     segment of the next token and the one before it. ``rows_*``: projected rows of every finished segment of
-    ``l`` tokens (after ``LN_G``). ``pending``: the inputs X of the unfinished segment (its scores ``X W^P`` are
-    computed when it is complete). A decoding step therefore costs O(w + r * seen / l).
+    ``l`` tokens (after ``LN_G``), r per segment in segment order. ``pending``: the inputs X of the unfinished segment
+    (its scores ``X W^P`` are computed when it is complete). A decoding step therefore costs O(w + r * seen / l).
+    ``offsets``: each row's first real token (a row of padding only so far: ``seen``), from which its window and
+    projection segments are counted; None while every row starts at position 0.
     """
 
     seen: int = 0
@@ -101,8 +103,9 @@ class CausalState(BatchFirstState):
     rows_v: Tensor | None = None  # (B, N, H, d_v)
     rows_valid: Tensor | None = None  # (B, N) bool
     pending: Tensor | None = None  # (B, p, D)
+    offsets: Tensor | None = None  # (B,) long
     _tensors: tuple = field(
-        default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending"), repr=False
+        default=("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending", "offsets"), repr=False
     )
 
 
@@ -137,6 +140,15 @@ def _window_index(first_group: int, groups: int, window: int, before: int, after
     return pos, torch.where(inside, pos - k_start, length)
 
 
+def _shift_rows(x: Tensor, shift: Tensor, width: int) -> Tensor:
+    """A (B, L, ...) tensor laid into ``width`` slots along dim 1, row b moved right by ``shift[b]``; the other slots
+    zero (False)."""
+    B, L = x.shape[:2]
+    source = torch.arange(width, device=x.device)[None] - shift[:, None]
+    source = torch.where((source >= 0) & (source < L), source, L)
+    return _take(torch.cat([x, x.new_zeros(B, 1, *x.shape[2:])], 1), source)
+
+
 def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
     """The probabilities ``maps`` (B', H, Q, K) applied to the values v (B', H, K, d), in ``dtype``."""
     return (maps.to(v.dtype) @ v.to(dtype)).to(dtype)
@@ -146,7 +158,8 @@ def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
 class JointInputs(NamedTuple):
     """What every backend takes: queries at positions ``[q_start, q_start + m)`` and the two key sets of their one
     softmax (Eq. 6), the window keys of positions ``[k_start, k_start + L)`` and the ``extra`` keys (global tokens'
-    and projected rows)."""
+    and projected rows). ``offsets``: the rules see position ``p - offsets[b]`` in row b (a left-padded causal row
+    counts from its first real token); None: ``p``."""
 
     q: Tensor  # (B, m, H, d_qk)
     q_start: int
@@ -155,6 +168,7 @@ class JointInputs(NamedTuple):
     k_valid: Tensor  # (B, L) bool
     k_start: int
     extra: ExtraKeys | None
+    offsets: Tensor | None = None  # (B,) long
 
 
 class Tiles(NamedTuple):
@@ -563,7 +577,22 @@ class LongShortSelfAttention(nn.Module):
         q_valid (B, m), or None when every query is real; ``layout``: the caller's maps made from the probabilities
         and read back (``"maps"`` only; none: the maps are the probabilities). Returns the context (B, m, H, d_v),
         zero for invalid queries, and the maps (``"maps"``) or None."""
-        context, maps = BACKENDS[backend](self, inputs, layout)
+        m, w = inputs.q.shape[1], self.window_size
+        if inputs.offsets is None or backend == "flex" or not w or m < w:
+            context, maps = BACKENDS[backend](self, inputs, layout)
+        else:  # a left-padded causal batch grouped by window segment: every row's segments at the same columns
+            inputs, shift = self._aligned(inputs)
+            slots = torch.arange(m, device=shift.device)[None] + shift[:, None]  # (B, m): query j's slot
+            width = inputs.q.shape[1]
+
+            def to_maps(maps):  # (B, H, slots, S) -> (B, H, m, S)
+                return torch.take_along_dim(maps, slots[:, None, :, None], dim=2)
+
+            def from_maps(maps):  # (B, H, m, S) -> (B, H, slots, S), zero rows for the other slots
+                return _shift_rows(maps.transpose(1, 2), shift, width).transpose(1, 2)
+
+            context, maps = BACKENDS[backend](self, inputs, (to_maps, from_maps))
+            context = _take(context, slots)
         if q_valid is not None:
             context = context * q_valid[:, :, None, None].to(context.dtype)
         return context, maps
@@ -572,7 +601,8 @@ class LongShortSelfAttention(nn.Module):
         """The grouped layout: queries grouped by window segment, each group seeing its window tile, except for fewer
         than ``w`` causal queries (a decoding step) and a projection-only attention: one group that sees all keys,
         masked. The keep mask applies the window rule (per query when causal; a bidirectional tile already bounds
-        its window) and the segment rule of causal rows (Eq. 5)."""
+        its window) and the segment rule of causal rows (Eq. 5), per row with ``inputs.offsets`` (whose groups
+        ``_aligned`` has made to start at the same columns in every row)."""
         q, q_start, k_start, extra = inputs.q, inputs.q_start, inputs.k_start, inputs.extra
         B, m = q.shape[:2]
         w, L = self.window_size, inputs.k.shape[1]
@@ -591,18 +621,33 @@ class LongShortSelfAttention(nn.Module):
             index = torch.arange(L)[None]
             q_pos = torch.arange(q_start, q_start + m)[None]
         k_pos, index, q_pos = k_pos.to(device), index.to(device), q_pos.to(device)
+        if inputs.offsets is not None:  # each row's rules count from its own first position (B, G, Q) and (B, G, S)
+            q_pos, k_pos = (pos - inputs.offsets[:, None, None] for pos in (q_pos, k_pos))
 
         keep = gather_tiles(extra.valid if R else None, inputs.k_valid, index).view(B, groups, 1, -1)  # extra first
         S = keep.shape[-1]
         if L:
-            rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[:, :1], k_pos, w, self.causal)
+            rule = window_keep(q_pos if self.causal or groups == 1 else q_pos[..., :1], k_pos, w, self.causal)
             keep = keep & torch.cat([rule.new_ones(rule.shape[:-1] + (R,)), rule], -1)
         if R and extra.segment is not None:
             seen = segment_keep(q_pos, extra.segment, self.segment_length)
             keep = keep & torch.cat([seen, seen.new_ones(seen.shape[:-1] + (S - R,))], -1)
         # A row with no visible key (a padded or out-of-range query) keeps all keys: no NaN; it is zeroed later.
         keep = keep | ~keep.any(-1, keepdim=True)
-        return Tiles(groups=groups, size=q_pos.shape[1], skip=skip, index=index, keep=keep)
+        return Tiles(groups=groups, size=q_pos.shape[-1], skip=skip, index=index, keep=keep)
+
+    def _aligned(self, inputs: JointInputs) -> tuple[JointInputs, Tensor]:
+        """``inputs`` re-framed so that every row's window and projection segments start at the same columns: row b
+        moves right by ``shift[b] = P - 1 - offsets[b] % P`` (P = lcm(w, l), or w without causal rows) in a frame that
+        starts ``P - 1`` positions earlier, so that its rules count from ``offsets[b] - offsets[b] % P``, a whole number
+        of segments. Returns those inputs and ``shift`` (query j of row b sits at slot ``j + shift[b]``)."""
+        period = math.lcm(self.window_size, self.segment_length) if self.segment_length else self.window_size
+        within = inputs.offsets % period
+        shift = period - 1 - within
+        q, k, v, k_valid = (_shift_rows(x, shift, x.shape[1] + period - 1)
+                            for x in (inputs.q, inputs.k, inputs.v, inputs.k_valid))
+        return inputs._replace(q=q, q_start=inputs.q_start - period + 1, k=k, v=v, k_valid=k_valid,
+                               k_start=inputs.k_start - period + 1, offsets=inputs.offsets - within), shift
 
     @staticmethod
     def _group_queries(inputs: JointInputs, tiles: Tiles) -> Tensor:
@@ -671,7 +716,7 @@ class LongShortSelfAttention(nn.Module):
         (``window_rule`` / ``segment_rule`` on their positions and validity), so nothing is gathered. Under
         ``torch.compile`` this is a fused kernel that skips the blocks no query sees. A query with no visible key
         gets 0."""
-        q, q_start, k_start, extra = inputs.q, inputs.q_start, inputs.k_start, inputs.extra
+        q, q_start, k_start, extra, offsets = inputs.q, inputs.q_start, inputs.k_start, inputs.extra, inputs.offsets
         B, m = q.shape[:2]
         w, L, causal = self.window_size, inputs.k.shape[1], self.causal
         R = extra.keys.shape[1] if extra is not None else 0
@@ -684,10 +729,11 @@ class LongShortSelfAttention(nn.Module):
         by_segment = R and extra.segment is not None
 
         def keep(b, h, q_idx, kv_idx):
-            t = q_idx + q_start
+            first = 0 if offsets is None else offsets[b]  # a left-padded causal row counts from its first real token
+            t = q_idx + q_start - first
             seen = key_valid[b, kv_idx]
             if L:  # window keys: position k_start + (kv_idx - R)
-                seen = seen & ((kv_idx < R) | window_rule(t, kv_idx - R + k_start, w, causal))
+                seen = seen & ((kv_idx < R) | window_rule(t, kv_idx - R + k_start - first, w, causal))
             if by_segment:  # causal rows: finished segments before the query's own (Eq. 5)
                 row_segment = kv_idx // self.projection_rank
                 seen = seen & ((kv_idx >= R) | segment_rule(t, row_segment, self.segment_length))
@@ -708,13 +754,17 @@ class LongShortSelfAttention(nn.Module):
         return out.transpose(1, 2)
 
     def _causal(self, *, q, k, v, hidden, valid, state: CausalState, backend):
-        """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it."""
+        """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it.
+
+        Each row counts its window and projection segments from its first real token (``_first_real``), so a row's
+        output does not depend on left padding beside it: the same rule in a full forward and in every cached call."""
         B, n = q.shape[:2]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
         p0, end = state.seen, state.seen + n
         q_valid = valid
         if valid is None:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden.device)
+        offsets = self._first_real(valid, state)
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
         k_all, v_all, valid_all = (
             torch.cat([old, new], 1) if old is not None else new
@@ -722,35 +772,92 @@ class LongShortSelfAttention(nn.Module):
         )
         k_start = end - k_all.shape[1]
 
-        # Projected rows: the finished segments' plus those of the segments that the new tokens complete.
+        # Projected rows, r per segment in segment order: the finished segments' plus those the new tokens complete.
         rows_k, rows_v, rows_valid, pending = state.rows_k, state.rows_v, state.rows_valid, None
         if r:
             all_hidden = torch.cat([state.pending, hidden], 1) if state.pending is not None else hidden
-            seg_start, done = (p0 // l) * l, (end // l) * l
-            if done > seg_start:
-                span = slice(seg_start - k_start, done - k_start)
-                new_k, new_v, new_valid, _ = self._project(
-                    all_hidden[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
-                    lean=backend == "lean",
-                )
-                if rows_k is not None:
-                    new_k, new_v, new_valid = (
-                        torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))
+            if offsets is None:
+                seg_start, done = (p0 // l) * l, (end // l) * l
+                if done > seg_start:
+                    span = slice(seg_start - k_start, done - k_start)
+                    new_k, new_v, new_valid, _ = self._project(
+                        all_hidden[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
+                        lean=backend == "lean",
                     )
-                rows_k, rows_v, rows_valid = new_k, new_v, new_valid
-            pending = all_hidden[:, done - seg_start :]
+                    if rows_k is not None:
+                        new_k, new_v, new_valid = (
+                            torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))
+                        )
+                    rows_k, rows_v, rows_valid = new_k, new_v, new_valid
+                pending = all_hidden[:, done - seg_start :]
+            else:
+                rows_k, rows_v, rows_valid = self._project_per_row(
+                    state=state, hidden=all_hidden, keys=k_all, values=v_all, valid=valid_all, k_start=k_start,
+                    end=end, offsets=offsets, lean=backend == "lean",
+                )
+                pending = all_hidden[:, max(0, all_hidden.shape[1] - l + 1) :]  # every row's unfinished segment
         extra = None
         if rows_k is not None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
-        inputs = JointInputs(q=q, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start, extra=extra)
+        inputs = JointInputs(q=q, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start, extra=extra,
+                             offsets=offsets)
         context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 
-        # Keep the keys of the current and the previous window segment, and the unfinished segment's inputs.
-        keep_from = max(0, (end // w - 1) * w)
+        # Keep the keys of the current and the previous window segment of every row, and the unfinished segment's
+        # inputs.
+        keep_from = max(k_start, (end // w - 1) * w if offsets is None else end - 2 * w + 1)
         state.keys, state.values, state.valid = (t[:, keep_from - k_start :] for t in (k_all, v_all, valid_all))
         state.rows_k, state.rows_v, state.rows_valid, state.pending = rows_k, rows_v, rows_valid, pending
-        state.seen = end
+        state.seen, state.offsets = end, offsets
         return context, attn
+
+    @staticmethod
+    def _first_real(valid: Tensor, state: CausalState) -> Tensor | None:
+        """Each row's first real token, the position its segments count from (B,): a row of padding only so far gets
+        the position after this call's tokens, and moves to its first real token when one comes. None while every
+        row's first token is real (checked once, in the first call; under ``torch.compile``, which cannot branch on
+        values, the offsets are kept even when all are 0, which gives the same results)."""
+        leading = (valid.cumsum(1) == 0).sum(1)  # this call's padding before the row's first real token
+        if state.seen == 0:
+            return leading if torch.compiler.is_compiling() or bool(leading.any()) else None
+        if state.offsets is None:
+            return None
+        return torch.where(state.offsets == state.seen, state.seen + leading, state.offsets)
+
+    def _project_per_row(self, *, state, hidden, keys, values, valid, k_start, end, offsets, lean):
+        """Eq. 5 for rows whose segments start at their own ``offsets``: the segments of l tokens that the new tokens
+        complete in each row, projected (``_project``) and written into the row's segment slots (r rows per segment,
+        segment s at slots ``[s r, (s + 1) r)``); a row's slots past its finished segments are invalid.
+        hidden (B, A, D) holds the inputs of positions ``[end - A, end)``, keys/values/valid those of
+        ``[k_start, end)``."""
+        B, A = hidden.shape[:2]
+        l, r = self.segment_length, self.projection_rank
+        p0 = state.seen
+        if end // l == 0:  # no segment can have ended yet
+            return state.rows_k, state.rows_v, state.rows_valid
+        first = torch.div(p0 - offsets, l, rounding_mode="floor").clamp(min=0)
+        last = torch.div(end - offsets, l, rounding_mode="floor").clamp(min=0)
+        count = (end - p0) // l + 1  # at most so many segments of a row end among the new tokens
+        segment = first[:, None] + torch.arange(count, device=offsets.device)  # (B, count)
+        done = segment < last[:, None]
+        position = (offsets[:, None, None] + segment[..., None] * l
+                    + torch.arange(l, device=offsets.device)).flatten(1)  # (B, count l)
+        token_done = done.repeat_interleave(l, dim=1)
+        at_hidden = torch.where(token_done, position - (end - A), 0)
+        at_keys = torch.where(token_done, position - k_start, 0)
+        new = self._project(_take(hidden, at_hidden), _take(keys, at_keys), _take(values, at_keys),
+                            _take(valid, at_keys) & token_done, l, lean=lean)
+        width = r * (end // l)
+        slot = torch.where(done, segment, end // l)[..., None] * r + torch.arange(r, device=offsets.device)
+        slot = slot.flatten(1)  # (B, count r); the segments not done write to a spare slot, dropped
+        merged = []
+        for old, part in ((state.rows_k, new.keys), (state.rows_v, new.values), (state.rows_valid, new.valid)):
+            grown = part.new_zeros(B, width + r, *part.shape[2:])
+            if old is not None:
+                grown = torch.cat([old, grown[:, old.shape[1] :]], 1)
+            index = slot.view(B, -1, *(1,) * (part.dim() - 2)).expand_as(part)
+            merged.append(grown.scatter(1, index, part)[:, :width])
+        return merged
 
 
 # How the joint softmax runs, by the name ``LongShortSelfAttention._backend`` picks; each takes the module, the

@@ -423,8 +423,9 @@ class LongShortModel(LongShortPreTrainedModel):
     global tokens, which attend to every token; the attentions then are (B, H, n, K + R + S + K) for K the most global
     tokens of a sample: [global keys | projected rows | window keys | the weights the global tokens' queries give this
     token] (``LongShortSelfAttention.forward`` spells it out). Inputs of any length up to
-    ``config.max_input_length`` work (the attention pads internally); window segments are counted from the first
-    column, so pad on the right.
+    ``config.max_input_length`` work (the attention pads internally). Bidirectional models count window segments
+    from the first column, so pad them on the right; causal models count each row's windows and projection segments
+    from its first real token, so left padding changes no row's output.
     """
 
     def __init__(self, config: LongShortConfig, add_pooling_layer: bool = True):
@@ -584,9 +585,9 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards), by the
     one rule of ``roberta_position_ids`` (real tokens from the attention mask) in ``forward``, a cached step and
     ``generate`` alike. The cache cannot be cropped (``_is_stateful``), so ``generate`` refuses assisted and
-    prompt-lookup decoding up front. Left-padded batches work (padded keys are masked, and cached
-    and uncached decoding agree), but window segments count from the first column, so a left-padded prompt is not
-    bit-identical to the same prompt unpadded.
+    prompt-lookup decoding up front. Left-padded batches, the way Transformers batches prompts, generate for each row
+    what the row generates alone: each row counts its windows and projection segments from its first real token, in
+    the prompt's forward and in every cached step.
     """
 
     _is_stateful = True  # finished segments are compressed into projected rows: the cache cannot be cropped

@@ -32,9 +32,11 @@ def reference_attention(module, x, mask=None, cls=None, global_mask=None):
 def _one(m, x, valid, cls, glob):
     """Global tokens: every other token sees LN_G of their raw key/value (first columns); the window counts the other
     tokens only (a token's window position is how many non-global tokens precede it) and the projection pools them
-    only; a global token attends to the projected rows and every real token's LN_L key."""
+    only; a global token attends to the projected rows and every real token's LN_L key. Causally, positions count
+    from the first real token (left padding is not counted)."""
     n = x.shape[0]
-    rank = torch.cumsum((~glob).long(), 0) - 1  # window position of each non-global token
+    first = int(valid.int().argmax()) if m.causal else 0  # the first real token (0 for a row of padding only)
+    rank = torch.cumsum((~glob).long(), 0) - 1 - first  # window position of each non-global token
     local = valid & ~glob
     H, w, r = m.num_heads, m.window_size, m.projection_rank
     dq = m.qk_head_dim
@@ -50,8 +52,8 @@ def _one(m, x, valid, cls, glob):
     if r:
         scores = m.dynamic_projection(x).view(n, H, r)
         seg_len = m.segment_length if m.causal else n
-        for s in range(n // seg_len):
-            pos = [t for t in range(s * seg_len, (s + 1) * seg_len) if local[t]]
+        for s in range((n - first) // seg_len):
+            pos = [first + t for t in range(s * seg_len, (s + 1) * seg_len) if local[first + t]]
             if not pos:
                 continue
             p = scores[pos].softmax(dim=0)  # (|pos|, H, r), softmax over the segment's real tokens (Eq. 3)
@@ -60,7 +62,7 @@ def _one(m, x, valid, cls, glob):
             for j in range(r):
                 rows_k.append(kb[j : j + 1])
                 rows_v.append(vb[j : j + 1])
-                rows_seen.append((lambda i, s=s: s < i // seg_len) if m.causal else (lambda i: True))
+                rows_seen.append((lambda i, s=s: s < rank[i] // seg_len) if m.causal else (lambda i: True))
     R = len(rows_k)
     G = len(rows_k) - (r if r and not m.causal and local.any() else 0)  # the global rows come first
     if R:
