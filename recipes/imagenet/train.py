@@ -22,6 +22,7 @@ import timm
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from safetensors.torch import load_model, save_model
 from timm.data import Mixup, create_dataset, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import save_for_hf
@@ -34,6 +35,7 @@ import ls_timm  # noqa: F401  (registers the vil_ls_* and cvt_ls_* models)
 
 EVAL_SPLITS = ("val", "validation")
 WARMUP_FACTOR = 0.002  # official SOLVER.WARMUP_FACTOR: warm-up starts from 0.002 x the peak learning rate
+EMA_FILE = "ema.safetensors"  # in OUTPUT_DIR/last
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,9 +228,9 @@ def main(argv=None) -> dict[str, float]:
     scheduler, epochs = create_scheduler_v2(optimizer, sched="cosine", num_epochs=args.epochs, min_lr=args.min_lr,
                                             warmup_lr=warmup_lr, warmup_epochs=args.warmup_epochs,
                                             step_on_epochs=False, updates_per_epoch=len(train_loader))
+    # The scheduler needs no state: it steps on the absolute step. The EMA is saved beside the state as safetensors
+    # (accelerate would pickle it, and read it back with torch.load(weights_only=False)).
     ema = ModelEmaV3(accelerator.unwrap_model(model), decay=args.model_ema_decay) if args.model_ema else None
-    if ema is not None:
-        accelerator.register_for_checkpointing(ema)  # the scheduler needs no state: it steps on the absolute step
 
     out = Path(args.output_dir)
     accelerator.print(f"training {args.model} on {len(train_set)} images of {len(classes)} classes "
@@ -240,6 +242,10 @@ def main(argv=None) -> dict[str, float]:
         accelerator.load_state(out / "last")
         progress = json.loads((out / "last" / "progress.json").read_text())
         accelerator.print(f"resuming from {out / 'last'} after epoch {progress['epoch']}")
+        if ema is not None and (out / "last" / EMA_FILE).is_file():
+            load_model(ema.module, out / "last" / EMA_FILE, device=str(accelerator.device))
+        elif ema is not None:
+            accelerator.print(f"{out / 'last'} holds no EMA ({EMA_FILE}): the EMA starts from the current weights")
     metrics = progress.get("metrics", {})  # a finished run's last metrics, when no epoch is left
     for epoch in range(progress["epoch"] + 1, epochs):
         train_metrics = train_one_epoch(model, train_loader, optimizer, scheduler, criterion, mixup, ema, accelerator,
@@ -260,6 +266,8 @@ def main(argv=None) -> dict[str, float]:
         progress = {"epoch": epoch, "best_top1": max(top1, progress["best_top1"]), "metrics": metrics}
         accelerator.save_state(out / "last")
         if accelerator.is_main_process:
+            if ema is not None:
+                save_model(ema.module, out / "last" / EMA_FILE)
             (out / "last" / "progress.json").write_text(json.dumps(progress))
     accelerator.end_training()
     accelerator.print(f"best top-1 {progress['best_top1']:.3f} %: weights in {out / 'best'} (timm.create_model("
