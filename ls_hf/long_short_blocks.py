@@ -73,8 +73,8 @@ def window_rule(q, k, window: int, causal: bool):
 
 
 def finished_segments(t, segment_length: int):
-    """Causal Eq. 5: the segments of ``l`` tokens whose projected rows the query at position ``t`` sees, ``s < t // l``
-    (the segments before its own)."""
+    """Causal Eq. 5: how many segments of ``l`` tokens end before the one of position ``t``, ``t // l``; the query
+    there sees the projected rows of those segments."""
     return t // segment_length
 
 
@@ -204,15 +204,15 @@ class _BlockGeometry(NamedTuple):
     key_end: Tensor
 
 
-@functools.lru_cache(maxsize=128)
-def _block_geometry(num_queries: int, num_window_keys: int, num_extra_keys: int, q_shift: int, k_shift: int,
-                    window_size: int, causal: bool, segment_length: int | None, projection_rank: int | None,
-                    q_block: int, kv_block: int, device: torch.device) -> _BlockGeometry:
-    """``_BlockGeometry`` on the (query blocks, key blocks) grid for queries at positions ``q_shift + [0, m)`` and
-    window keys at ``k_shift + [0, L)``. A query's visible keys form one interval per kind whose ends do not decrease
-    with its position, so the block's first query ``a`` and last query ``z`` give their union ``[lo(a), hi(z))`` and
-    intersection ``[lo(z), hi(a))``."""
-    m, L, R = num_queries, num_window_keys, num_extra_keys
+@functools.lru_cache(maxsize=32)
+def _block_geometry(layout: KeyLayout, num_queries: int, shift: int, q_block: int, kv_block: int,
+                    device: torch.device) -> _BlockGeometry:
+    """``_BlockGeometry`` on the (query blocks, key blocks) grid of ``layout`` for ``num_queries`` queries, positions
+    shifted by ``-shift`` (a row's offset). A query's visible keys form one interval per kind whose ends do not
+    decrease with its position, so the block's first query ``a`` and last query ``z`` give their union
+    ``[lo(a), hi(z))`` and intersection ``[lo(z), hi(a))``."""
+    m, L, R = num_queries, layout.num_window_keys, layout.num_extra_keys
+    q_shift, k_shift = layout.q_start - shift, layout.k_start - shift
     first = torch.arange(0, m, q_block)[:, None]  # (query blocks, 1)
     last = torch.clamp(first + q_block, max=m) - 1
     key_start = torch.arange(0, L + R, kv_block)  # (key blocks,)
@@ -231,15 +231,16 @@ def _block_geometry(num_queries: int, num_window_keys: int, num_extra_keys: int,
 
     zero = torch.zeros((), dtype=torch.long)
     if L:
-        (low_a, high_a), (low_z, high_z) = (window_bounds(t + q_shift, window_size, causal) for t in (first, last))
+        (low_a, high_a), (low_z, high_z) = (window_bounds(t + q_shift, layout.window_size, layout.causal)
+                                            for t in (first, last))
         window = spans(zero, zero + L, (low_a - k_shift, high_z - k_shift), (low_z - k_shift, high_a - k_shift))
     else:
         window = (key_start, key_start, torch.ones((), dtype=torch.bool))
-    if segment_length is None:  # every extra key
+    if layout.segment_length is None:  # every extra key
         rows_a = rows_z = zero + R
     else:  # rows [0, r * finished segments) of the segment-major projected rows (Eq. 5)
-        rows_a, rows_z = (torch.clamp(projection_rank * finished_segments(t + q_shift, segment_length), 0, R)
-                          for t in (first, last))
+        rows_a, rows_z = (torch.clamp(layout.projection_rank * finished_segments(t + q_shift, layout.segment_length),
+                                      0, R) for t in (first, last))
     extra = spans(zero + L, zero + L + R, (zero + L, L + rows_z), (zero + L, L + rows_a))
     grid = (len(first), len(key_start))
     spans_and_full = (x.expand(grid).to(device) for x in (*window[:2], *extra[:2], complete & window[2] & extra[2]))
@@ -248,9 +249,13 @@ def _block_geometry(num_queries: int, num_window_keys: int, num_extra_keys: int,
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """A (B, query blocks, key blocks) bool grid as ``BlockMask.from_kv_blocks`` takes it: the number of chosen key
-    blocks per query block (B, 1, Q) and their indices, ascending, followed by the others (B, 1, Q, K), int32."""
-    counts = blocks.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    blocks per query block (B, 1, Q) and their indices, ascending, followed by the others (B, 1, Q, K), int32 (the
+    stable descending argsort of the grid, as ``create_block_mask`` orders them, by two cumulative sums)."""
+    chosen = blocks.to(torch.int32)
+    counts = chosen.sum(-1, dtype=torch.int32)
+    rank = torch.where(blocks, chosen.cumsum(-1) - 1, counts[..., None] + (1 - chosen).cumsum(-1) - 1)
+    key_blocks = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand_as(chosen)
+    indices = torch.empty_like(chosen).scatter_(-1, rank.long(), key_blocks)
     return counts[:, None].contiguous(), indices[:, None].contiguous()
 
 
@@ -277,16 +282,12 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
         device = tensor.device if device is None and tensor is not None else device
     device = torch.device("cpu" if device is None else device)
 
-    def geometry(shift):
-        return _block_geometry(num_queries, layout.num_window_keys, layout.num_extra_keys, layout.q_start - shift,
-                               layout.k_start - shift, layout.window_size, layout.causal, layout.segment_length,
-                               layout.projection_rank, q_block, kv_block, device)
-
     if offsets is None:
-        grids = geometry(0)
+        grids = _block_geometry(layout, num_queries, 0, q_block, kv_block, device)
     else:  # one geometry per distinct offset, stacked per row
         shifts = offsets.tolist()
-        per_shift = {shift: geometry(shift) for shift in set(shifts)}
+        per_shift = {shift: _block_geometry(layout, num_queries, shift, q_block, kv_block, device)
+                     for shift in set(shifts)}
         grids = _BlockGeometry(*(torch.stack([getattr(per_shift[s], name) for s in shifts])
                                  for name in _BlockGeometry._fields))
     if key_valid is None:
