@@ -49,7 +49,8 @@ class CvtLs(HierarchicalTransformer):
         embed_dims, depths, num_heads: per-stage layout (CvT-13: 64/192/384, 1/2/10, 1/3/6).
         patch_sizes, patch_strides, patch_paddings: convolutional token embeddings.
         projection_rank, window_size: r per head and w, per stage (an int applies to every stage).
-        qk_dims: optional LMSA query/key width per stage (stage 3 must keep the full width for its cls token).
+        qk_head_dims: optional LMSA query/key head width per stage (``LongShortAttention2d``'s ``qk_head_dim``; stage
+            3 must keep the value head width for its cls token).
         use_dual_ln: DualLN (Eq. 7) in every Long-Short layer; False is the paper's ablation (81.3 against 81.9 top-1).
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
             block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
@@ -70,7 +71,7 @@ class CvtLs(HierarchicalTransformer):
         num_global_tokens: Sequence[int] = (0, 0, 1),
         projection_rank: int | Sequence[int] | None = None,
         window_size: int | Sequence[int] | None = None,
-        qk_dims: Sequence[int | None] | None = None,
+        qk_head_dims: Sequence[int | None] | None = None,
         use_dual_ln: bool = True,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
@@ -91,28 +92,28 @@ class CvtLs(HierarchicalTransformer):
         per_stage = to_ntuple(num_stages)
         projection_rank = per_stage(paper_rank if projection_rank is None else projection_rank)
         window_size = per_stage(paper_window if window_size is None else window_size)
-        qk_dims = qk_dims or (None,) * num_stages
+        qk_head_dims = qk_head_dims or (None,) * num_stages
         check_per_stage(depths, embed_dims=embed_dims, num_heads=num_heads, patch_sizes=patch_sizes,
                         patch_strides=patch_strides, patch_paddings=patch_paddings,
                         num_global_tokens=num_global_tokens, projection_rank=projection_rank,
-                        window_size=window_size, qk_dims=qk_dims)
+                        window_size=window_size, qk_head_dims=qk_head_dims)
         rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
             attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
                            window_size=window_size[i], projection_rank=projection_rank[i],
-                           num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
+                           num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_head_dim=qk_head_dims[i],
                            conv_proj=True, conv_dynamic_proj=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
                            proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
             stages.append(Stage(
                 in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_strides[i],
                 padding=patch_paddings[i], num_prefix_tokens=num_global_tokens[i], attn_layer=attn,
                 drop_paths=rates[i], mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, norm_layer=norm_layer,
-                act_layer=act_layer, dd=dd,
+                act_layer=act_layer, **dd,
             ))
             in_chs = embed_dims[i]
         super().__init__(stages=stages, strides=patch_strides, num_classes=num_classes, global_pool=global_pool,
-                         drop_rate=drop_rate, norm_layer=norm_layer, dd=dd)
+                         drop_rate=drop_rate, norm_layer=norm_layer, **dd)
 
 
 def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, trunc_normal_
+from timm.models import checkpoint
 from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
 from torch import Tensor, nn
 
 __all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage", "check_per_stage", "feature_cfg", "to_map"]
@@ -42,8 +42,9 @@ class Block(nn.Module):
     """Pre-norm block: ``x + DropPath(attn(LN(x)))`` then ``x + DropPath(MLP(LN(x)))``; x (B, g + HW, C)."""
 
     def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, drop_path: float, proj_drop: float,
-                 norm_layer: Callable, act_layer: Callable, dd: dict):
+                 norm_layer: Callable, act_layer: Callable, device=None, dtype=None):
         super().__init__()
+        dd = {"device": device, "dtype": dtype}
         self.norm1 = norm_layer(dim, **dd)
         self.attn = attn
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -60,8 +61,9 @@ class ConvEmbed(nn.Module):
     """Convolutional token embedding: Conv2d then LayerNorm; (B, C_in, H, W) -> (B, H'W', C), (H', W')."""
 
     def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, norm_layer: Callable,
-                 dd: dict):
+                 device=None, dtype=None):
         super().__init__()
+        dd = {"device": device, "dtype": dtype}
         self.proj = nn.Conv2d(in_chs, dim, kernel_size=kernel_size, stride=stride, padding=padding, **dd)
         self.norm = norm_layer(dim, **dd)
 
@@ -80,15 +82,16 @@ class Stage(nn.Module):
 
     def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, num_prefix_tokens: int,
                  attn_layer: Callable[[], nn.Module], drop_paths: Sequence[float], mlp_ratio: float,
-                 proj_drop: float, norm_layer: Callable, act_layer: Callable, dd: dict):
+                 proj_drop: float, norm_layer: Callable, act_layer: Callable, device=None, dtype=None):
         super().__init__()
+        dd = {"device": device, "dtype": dtype}
         self.num_prefix_tokens = num_prefix_tokens
         self.embed = ConvEmbed(in_chs=in_chs, dim=dim, kernel_size=kernel_size, stride=stride, padding=padding,
-                               norm_layer=norm_layer, dd=dd)
+                               norm_layer=norm_layer, **dd)
         self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd)) if num_prefix_tokens else None
         self.blocks = nn.ModuleList([
             Block(dim=dim, attn=attn_layer(), mlp_ratio=mlp_ratio, drop_path=dp, proj_drop=proj_drop,
-                  norm_layer=norm_layer, act_layer=act_layer, dd=dd)
+                  norm_layer=norm_layer, act_layer=act_layer, **dd)
             for dp in drop_paths])
         self.grad_checkpointing = False
 
@@ -119,8 +122,9 @@ class HierarchicalTransformer(nn.Module):
     """
 
     def __init__(self, stages: list[Stage], strides: Sequence[int], num_classes: int, global_pool: str,
-                 drop_rate: float, norm_layer: Callable, dd: dict):
+                 drop_rate: float, norm_layer: Callable, device=None, dtype=None):
         super().__init__()
+        dd = {"device": device, "dtype": dtype}
         dims = [s.embed.proj.out_channels for s in stages]
         self.num_classes = num_classes
         self.stages = nn.Sequential(*stages)

@@ -61,7 +61,7 @@ __all__ = ["LongShortAttention2d", "WindowLayout", "flex_block_mask", "validate_
 
 
 def validate_ls_2d_args(
-    *, dim: int, num_heads: int, window_size: int, projection_rank: int, qk_dim: int | None = None
+    *, dim: int, num_heads: int, window_size: int, projection_rank: int, qk_head_dim: int | None = None
 ) -> None:
     """Raise ``ValueError`` naming the offending argument and the fix."""
     for name, value, low in (("dim", dim, 1), ("num_heads", num_heads, 1), ("window_size", window_size, 1),
@@ -70,9 +70,10 @@ def validate_ls_2d_args(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
     if dim % num_heads:
         raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}); pick a head count that divides it.")
-    if qk_dim is not None and (not isinstance(qk_dim, int) or qk_dim < num_heads or qk_dim % num_heads):
-        raise ValueError(f"qk_dim (LMSA query/key width) must be a positive multiple of num_heads ({num_heads}), "
-                         f"got {qk_dim!r}.")
+    if qk_head_dim is not None and (not isinstance(qk_head_dim, int) or isinstance(qk_head_dim, bool)
+                                    or qk_head_dim < 1):
+        raise ValueError(f"qk_head_dim (LMSA query/key width per head) must be None or an integer >= 1, got "
+                         f"{qk_head_dim!r}.")
 
 
 def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int]) -> Tensor:
@@ -189,6 +190,19 @@ def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device:
         return create_block_mask(keep, None, None, H * W, H * W + extra, device=device)
 
 
+# Parameter names of LongShortAttention2d before it took ls_hf's (LongShortSelfAttention's) -> their names now.
+EARLIER_NAMES = {"dynamic_proj.": "dynamic_projection.", "dual_ln_local_k.": "dual_ln_local_key.",
+                 "dual_ln_global_k.": "dual_ln_global_key."}
+
+
+def _rename_earlier_keys(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """``load_state_dict`` pre-hook: state dicts saved under ``EARLIER_NAMES`` load under the names of today."""
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        for old, new in EARLIER_NAMES.items():
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+
+
 class LongShortAttention2d(nn.Module):
     """Long-Short self-attention on ``num_prefix_tokens`` global tokens followed by an (H, W) patch map.
 
@@ -199,8 +213,9 @@ class LongShortAttention2d(nn.Module):
         projection_rank: rows r of the dynamic projection per head (Eq. 3; 0 disables the long-range branch).
         num_prefix_tokens: global tokens in front of the patches (0 or more).
         qkv_bias: biases of the query/key/value projections.
-        qk_dim: LMSA ("Low-relation multi-head self-attention", its Table 1) total width of queries and keys,
-            narrower than the values (default ``dim``); the keys get their own DualLN pair.
+        qk_head_dim: LMSA ("Low-relation multi-head self-attention", its Table 1) width of a query/key head,
+            narrower than the value head ``dim / num_heads`` (its default), as ``ls_hf``'s ``LongShortSelfAttention``;
+            the keys then get their own DualLN pair.
         conv_proj: CvT-style query/key/value projections: a depthwise 3x3 conv + BatchNorm per branch on the map
             (global tokens bypass it), then a Linear per branch; otherwise one fused ``qkv`` Linear (ViL).
         conv_dynamic_proj: ``W^P`` as a depthwise-separable conv whose 3x3 depthwise weights are standardised
@@ -236,7 +251,7 @@ class LongShortAttention2d(nn.Module):
         projection_rank: int,
         num_prefix_tokens: int = 0,
         qkv_bias: bool = True,
-        qk_dim: int | None = None,
+        qk_head_dim: int | None = None,
         conv_proj: bool = False,
         conv_dynamic_proj: bool = False,
         window_bias: bool = False,
@@ -252,16 +267,17 @@ class LongShortAttention2d(nn.Module):
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
         validate_ls_2d_args(dim=dim, num_heads=num_heads, window_size=window_size, projection_rank=projection_rank,
-                            qk_dim=qk_dim)
-        qk_dim = qk_dim or dim
-        if num_prefix_tokens and qk_dim != dim:
-            raise ValueError("qk_dim (LMSA) needs num_prefix_tokens=0: a global token attends to the patch outputs, "
-                             "which have the value width.")
+                            qk_head_dim=qk_head_dim)
+        self.qk_head_dim = qk_head_dim or dim // num_heads
+        qk_width = num_heads * self.qk_head_dim
+        if num_prefix_tokens and qk_width != dim:
+            raise ValueError("qk_head_dim (LMSA) needs num_prefix_tokens=0: a global token attends to the patch "
+                             "outputs, which have the value width.")
         self.num_heads = num_heads
         self.window_size = window_size
         self.projection_rank = projection_rank
         self.num_prefix_tokens = num_prefix_tokens
-        self.splits = (qk_dim, qk_dim, dim)
+        self.splits = (qk_width, qk_width, dim)
         self.attn_drop = attn_drop
 
         if conv_proj:
@@ -269,21 +285,21 @@ class LongShortAttention2d(nn.Module):
             self.conv_proj = nn.ModuleList([ConvBn(
                 nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd), nn.BatchNorm2d(dim, **dd))
                 for _ in range(3)])
-            self.q = nn.Linear(dim, qk_dim, bias=qkv_bias, **dd)
-            self.k = nn.Linear(dim, qk_dim, bias=qkv_bias, **dd)
+            self.q = nn.Linear(dim, qk_width, bias=qkv_bias, **dd)
+            self.k = nn.Linear(dim, qk_width, bias=qkv_bias, **dd)
             self.v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
         else:
             self.conv_proj = None
             self.qkv = nn.Linear(dim, sum(self.splits), bias=qkv_bias, **dd)
         self.dp_conv = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd) if projection_rank and conv_dynamic_proj \
             else None
-        self.dynamic_proj = nn.Linear(dim, projection_rank * num_heads, **dd) if projection_rank else None
+        self.dynamic_projection = nn.Linear(dim, projection_rank * num_heads, **dd) if projection_rank else None
         norm = functools.partial(nn.LayerNorm, **dd) if use_dual_ln else (lambda width: nn.Identity())
         self.dual_ln_local = norm(dim)
         self.dual_ln_global = norm(dim)
         # LMSA: narrower keys get their own DualLN pair.
-        self.dual_ln_local_k = norm(qk_dim) if qk_dim != dim else None
-        self.dual_ln_global_k = norm(qk_dim) if qk_dim != dim else None
+        self.dual_ln_local_key = norm(qk_width) if qk_width != dim else None
+        self.dual_ln_global_key = norm(qk_width) if qk_width != dim else None
         if window_bias:
             if window_size < 2:
                 raise ValueError(f"window_bias needs window_size >= 2 (the official table), got {window_size}.")
@@ -294,9 +310,10 @@ class LongShortAttention2d(nn.Module):
             self.relative_position_bias_table = None
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.register_load_state_dict_pre_hook(_rename_earlier_keys)
 
     def _qkv(self, tokens: Tensor, x_map: Tensor | None = None):
-        """Queries, and keys and values through ``LN_L`` (DualLN, Eq. 7), of ``tokens`` (B, n, C): (B, n, qk_dim) twice
+        """Queries, and keys and values through ``LN_L`` (DualLN, Eq. 7), of ``tokens`` (B, n, C): (B, n, qk) twice
         and (B, n, C). With ``x_map`` (the tokens as a channels-last map) the CvT conv projections run first; global
         tokens (no map) go through the Linear layers only."""
         if self.conv_proj is None:
@@ -304,7 +321,7 @@ class LongShortAttention2d(nn.Module):
         else:  # a channels-last conv output flattens to contiguous (B, HW, C) rows
             branches = [tokens] * 3 if x_map is None else [conv(x_map).flatten(2).transpose(1, 2) for conv in self.conv_proj]
             q, k, v = (lin(t) for lin, t in zip((self.q, self.k, self.v), branches))
-        ln_k = self.dual_ln_local if self.dual_ln_local_k is None else self.dual_ln_local_k
+        ln_k = self.dual_ln_local if self.dual_ln_local_key is None else self.dual_ln_local_key
         return q, ln_k(k), self.dual_ln_local(v)
 
     def _heads(self, x: Tensor) -> Tensor:
@@ -317,11 +334,11 @@ class LongShortAttention2d(nn.Module):
         if self.dp_conv is not None:
             patches = self.dp_conv(x_map).flatten(2).transpose(1, 2)
         # the scores X W^P computed transposed, (B, heads * r, HW), so that the softmax over HW runs on contiguous rows
-        weight, bias = self.dynamic_proj.weight, self.dynamic_proj.bias
+        weight, bias = self.dynamic_projection.weight, self.dynamic_projection.bias
         scores = torch.baddbmm(bias[:, None], weight.expand(patches.shape[0], -1, -1), patches.transpose(1, 2))
         rows_k, rows_v = (rows.transpose(1, 2).flatten(2) for rows in project_rows(
             scores.unflatten(1, (self.num_heads, -1)), self._heads(k), self._heads(v)))  # (B, heads, r, HW) scores
-        ln_k = self.dual_ln_global if self.dual_ln_global_k is None else self.dual_ln_global_k
+        ln_k = self.dual_ln_global if self.dual_ln_global_key is None else self.dual_ln_global_key
         return ln_k(rows_k), self.dual_ln_global(rows_v)
 
     def _layout(self, feat_size: tuple[int, int], extra: int, blocked: bool, device) -> WindowLayout:
@@ -357,7 +374,7 @@ class LongShortAttention2d(nn.Module):
                         feat_size: tuple[int, int]) -> Tensor:
         """Every w x w query block against its key tile and the extra keys, in one softmax per query.
 
-        q (B, HW, qk_dim) patch queries; keys/values: (patches (B, HW, .), extra keys (B, X, .)); -> (B, HW, C). The
+        q (B, HW, qk) patch queries; keys/values: (patches (B, HW, .), extra keys (B, X, .)); -> (B, HW, C). The
         blocks are taken in chunks (``_chunks``); each gathers its queries and keys as whole rows (all heads at once)
         and hands (blocks, heads, slots, d) strided views to one SDPA call, whose output rows are copied to their
         raster positions (padding slots to a sink row past the end).

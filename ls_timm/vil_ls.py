@@ -100,7 +100,8 @@ class VilLs(HierarchicalTransformer):
         patch_sizes, embed_dims, depths, num_heads, num_global_tokens: per-stage layout.
         long_short: per stage, Long-Short attention (True) or full attention with relative bias (False).
         window_size: w of the Long-Short stages; projection_rank: r rows per head (Eq. 3).
-        qk_dims: optional LMSA query/key width per stage (Long-Short stages without global tokens only).
+        qk_head_dims: optional LMSA query/key head width per stage (``LongShortAttention2d``'s ``qk_head_dim``;
+            Long-Short stages without global tokens only).
         use_dual_ln: DualLN (Eq. 7) in the Long-Short stages; False is the paper's ablation.
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
             block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
@@ -120,7 +121,7 @@ class VilLs(HierarchicalTransformer):
         long_short: Sequence[bool] = (True, True, False, False),
         window_size: int = 7,
         projection_rank: int = 8,
-        qk_dims: Sequence[int | None] | None = None,
+        qk_head_dims: Sequence[int | None] | None = None,
         use_dual_ln: bool = True,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
@@ -137,15 +138,15 @@ class VilLs(HierarchicalTransformer):
         dd = {"device": device, "dtype": dtype}
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         num_stages = len(depths)
-        qk_dims = qk_dims or (None,) * num_stages
+        qk_head_dims = qk_head_dims or (None,) * num_stages
         check_per_stage(depths, patch_sizes=patch_sizes, embed_dims=embed_dims, num_heads=num_heads,
-                        num_global_tokens=num_global_tokens, long_short=long_short, qk_dims=qk_dims)
+                        num_global_tokens=num_global_tokens, long_short=long_short, qk_head_dims=qk_head_dims)
         if num_global_tokens[-1]:
             raise ValueError("num_global_tokens[-1] must be 0: the head averages the last stage's patch tokens.")
-        for i, (ls, qk_dim) in enumerate(zip(long_short, qk_dims)):
-            if qk_dim is not None and not ls:
-                raise ValueError(f"qk_dims[{i}]={qk_dim} sets the LMSA query/key width of a full-attention stage "
-                                 f"(long_short[{i}] is False), which has none; use None there.")
+        for i, (ls, qk_head_dim) in enumerate(zip(long_short, qk_head_dims)):
+            if qk_head_dim is not None and not ls:
+                raise ValueError(f"qk_head_dims[{i}]={qk_head_dim} sets the LMSA query/key width of a full-attention "
+                                 f"stage (long_short[{i}] is False), which has none; use None there.")
         side, sides = to_2tuple(img_size), []
         for p in patch_sizes:
             side = (side[0] // p, side[1] // p)
@@ -159,7 +160,7 @@ class VilLs(HierarchicalTransformer):
             if long_short[i]:
                 attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
                                window_size=window_size, projection_rank=projection_rank,
-                               num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_dim=qk_dims[i],
+                               num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_head_dim=qk_head_dims[i],
                                window_bias=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
                                proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
             else:
@@ -169,11 +170,11 @@ class VilLs(HierarchicalTransformer):
             stages.append(Stage(
                 in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_sizes[i], padding=0,
                 num_prefix_tokens=num_global_tokens[i], attn_layer=attn, drop_paths=rates[i], mlp_ratio=mlp_ratio,
-                proj_drop=proj_drop_rate, norm_layer=norm_layer, act_layer=act_layer, dd=dd,
+                proj_drop=proj_drop_rate, norm_layer=norm_layer, act_layer=act_layer, **dd,
             ))
             in_chs = embed_dims[i]
         super().__init__(stages=stages, strides=patch_sizes, num_classes=num_classes, global_pool=global_pool,
-                         drop_rate=drop_rate, norm_layer=norm_layer, dd=dd)
+                         drop_rate=drop_rate, norm_layer=norm_layer, **dd)
 
     @torch.jit.ignore
     def load_pretrained(self, checkpoint_path: str) -> None:
@@ -195,7 +196,7 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
     state_dict = state_dict.get("net", state_dict)
     if any(k.startswith("stages.") for k in state_dict):
         return state_dict
-    renames = (("to_dynamic_projection", "dynamic_proj"), ("dual_ln_full", "dual_ln_local"),
+    renames = (("to_dynamic_projection", "dynamic_projection"), ("dual_ln_full", "dual_ln_local"),
                ("dual_ln_dp", "dual_ln_global"), ("local_relative_position_bias_table", "relative_position_bias_table"))
     out = {}
     for key, value in state_dict.items():

@@ -39,7 +39,7 @@ def reference_attention(m: LongShortAttention2d, x: torch.Tensor, feat_size) -> 
             y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
             branches.append(lin(torch.cat([x[:, :g], y.flatten(2).transpose(1, 2)], 1)))
         q, k, v = branches
-    k = _ln(m.dual_ln_local_k or m.dual_ln_local, k)
+    k = _ln(m.dual_ln_local_key or m.dual_ln_local, k)
     v = _ln(m.dual_ln_local, v)
     q, k, v = (t.view(B, N, heads, -1) for t in (q, k, v))
     d_v = v.shape[-1]
@@ -53,10 +53,10 @@ def reference_attention(m: LongShortAttention2d, x: torch.Tensor, feat_size) -> 
                                                             + m.dp_conv.eps).sqrt()
             patches = F.conv2d(patches.transpose(1, 2).reshape(B, C, H, W), wt, padding=1, groups=C)
             patches = patches.flatten(2).transpose(1, 2)
-        prob = m.dynamic_proj(patches).view(B, H * W, heads, -1).softmax(1)  # softmax over the HW tokens, Eq. 3
+        prob = m.dynamic_projection(patches).view(B, H * W, heads, -1).softmax(1)  # softmax over the HW tokens, Eq. 3
         rows_k = torch.einsum("bnhr,bnhd->brhd", prob, k[:, g:])
         rows_v = torch.einsum("bnhr,bnhd->brhd", prob, v[:, g:])
-        rows_k = _ln(m.dual_ln_global_k or m.dual_ln_global, rows_k.flatten(2)).view_as(rows_k)
+        rows_k = _ln(m.dual_ln_global_key or m.dual_ln_global, rows_k.flatten(2)).view_as(rows_k)
         rows_v = _ln(m.dual_ln_global, rows_v.flatten(2)).view_as(rows_v)
 
     out = v.new_zeros(B, N, heads, d_v)
@@ -126,8 +126,8 @@ CASES = [  # (H, W, dim, heads, w, r, g, kwargs)
     (9, 11, 16, 2, 3, 2, 1, {"window_bias": True}),  # bias table with padding
     (8, 6, 16, 2, 2, 4, 1, {"conv_proj": True, "conv_dynamic_proj": True}),  # CvT*-LS
     (5, 7, 8, 1, 2, 0, 0, {"conv_proj": True}),  # no projection (window only), w=2
-    (6, 6, 16, 2, 1, 2, 0, {"qk_dim": 8}),  # LMSA with w=1 (e=1 rounding)
-    (12, 12, 16, 4, 8, 2, 2, {"qk_dim": 16}),  # one block, two global tokens
+    (6, 6, 16, 2, 1, 2, 0, {"qk_head_dim": 4}),  # LMSA with w=1 (e=1 rounding)
+    (12, 12, 16, 4, 8, 2, 2, {"qk_head_dim": 4}),  # one block, two global tokens (query/key heads of the value width)
     (8, 6, 16, 2, 2, 0, 0, {}),  # four strips, no extra keys
 ]
 
@@ -279,10 +279,11 @@ def test_attention_dropout_in_training_only(strips):
         torch.testing.assert_close(run(0), expected)
 
 
-@pytest.mark.parametrize("qk_dim,count", [(64, 12288), (32, 8192), (16, 6144), (2, 4352)])
-def test_lmsa_table1_parameter_counts(qk_dim, count):
-    """LMSA paper Table 1: query/key/value projections of a 64-dim, 2-head attention."""
-    m = LongShortAttention2d(64, 2, 4, 2, qkv_bias=False, qk_dim=qk_dim)
+@pytest.mark.parametrize("qk_head_dim,count", [(32, 12288), (16, 8192), (8, 6144), (1, 4352)])
+def test_lmsa_table1_parameter_counts(qk_head_dim, count):
+    """LMSA paper Table 1: query/key/value projections of a 64-dim, 2-head attention (query/key widths 64, 32, 16, 2
+    in all)."""
+    m = LongShortAttention2d(64, 2, 4, 2, qkv_bias=False, qk_head_dim=qk_head_dim)
     assert sum(p.numel() for p in m.qkv.parameters()) == count
     assert m(torch.randn(1, 36, 64), (6, 6)).shape == (1, 36, 64)
 
@@ -291,8 +292,9 @@ def test_lmsa_table1_parameter_counts(qk_dim, count):
     ({"dim": 10, "num_heads": 3}, "divisible by num_heads"),
     ({"window_size": 0}, "window_size"),
     ({"projection_rank": -1}, "projection_rank"),
-    ({"qk_dim": 5}, "qk_dim"),
-    ({"qk_dim": 8, "num_prefix_tokens": 1}, "num_prefix_tokens=0"),
+    ({"qk_head_dim": 0}, "qk_head_dim"),
+    ({"qk_head_dim": 2.5}, "qk_head_dim"),
+    ({"qk_head_dim": 4, "num_prefix_tokens": 1}, "num_prefix_tokens=0"),
     ({"window_size": 1, "window_bias": True}, "window_bias"),
 ])
 def test_bad_arguments(kwargs, match):
@@ -368,8 +370,8 @@ def test_one_row_map_is_the_1d_attention(w, r, n, strips, device):
                  **{f"dual_ln_{which}.{leaf}": getattr(getattr(two_d, f"dual_ln_{which}"), leaf)
                     for which in ("local", "global") for leaf in ("weight", "bias")}}
         if r:
-            state |= {"dynamic_projection.weight": two_d.dynamic_proj.weight,
-                      "dynamic_projection.bias": two_d.dynamic_proj.bias}
+            state |= {"dynamic_projection.weight": two_d.dynamic_projection.weight,
+                      "dynamic_projection.bias": two_d.dynamic_projection.bias}
         one_d.load_state_dict(state)
         two_d.strip_max_tokens = 10**6 if strips else 0
         two_d, one_d = two_d.to(device), one_d.to(device)

@@ -3,6 +3,7 @@ reduced variants (one block per stage, small images) forward, backward, features
 grad checkpointing, save/load and the Hub-format round trip through a local folder."""
 
 import socket
+from pathlib import Path
 
 import pytest
 import timm
@@ -15,6 +16,7 @@ import ls_timm  # noqa: F401  (registers the entries)
 from ls_timm.cvt_ls import PAPER_SETTINGS
 from ls_timm.hierarchical import to_map
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CVT = ["cvt_ls_13", "cvt_ls_17", "cvt_ls_21", "cvt_ls_21s"]
 VIL = ["vil_ls_small", "vil_ls_medium", "vil_ls_medium_384", "vil_ls_base"]
 
@@ -352,8 +354,8 @@ def test_bad_inputs_raise_clear_errors():
         timm.create_model("cvt_ls_13", global_pool="max")
     with pytest.raises(ValueError, match="feature_cls='fx' is not supported"):
         timm.create_model("cvt_ls_13", features_only=True, feature_cls="fx")
-    with pytest.raises(ValueError, match=r"qk_dims\[2\]"):  # stage 3 of ViL-LS has full attention, no LMSA width
-        timm.create_model("vil_ls_small", qk_dims=(None, None, 64, None))
+    with pytest.raises(ValueError, match=r"qk_head_dims\[2\]"):  # stage 3 of ViL-LS has full attention, no LMSA
+        timm.create_model("vil_ls_small", qk_head_dims=(None, None, 32, None))
 
 
 @pytest.mark.parametrize("name", ["cvt_ls_13", "vil_ls_small"])
@@ -386,3 +388,24 @@ def test_fx_trace_and_torch_export_match_forward(name):
         want = model(x)
         torch.testing.assert_close(traced(x)["logits"], want)
         torch.testing.assert_close(exported(x), want)
+
+
+def test_state_dicts_under_the_earlier_parameter_names_load(tmp_path):
+    """A CvT*-LS with LMSA saved when the 2-D attention named its parameters ``dynamic_proj``, ``dual_ln_local_k`` and
+    ``dual_ln_global_k`` (fixture: ``tests/fixtures/cvt_ls_earlier_names.safetensors``, its logits then) loads under
+    today's names (``dynamic_projection``, ``dual_ln_*_key``), directly and through timm's pretrained-file loader, and
+    gives the same logits."""
+    saved = load_file(FIXTURES / "cvt_ls_earlier_names.safetensors")
+    state = {k.removeprefix("param."): v for k, v in saved.items() if k.startswith("param.")}
+    assert any(".dynamic_proj." in k for k in state) and any(".dual_ln_global_k." in k for k in state)
+    kwargs = {"img_size": 32, "num_classes": 3, "embed_dims": (4, 8, 8), "depths": (1, 1, 1), "num_heads": (2, 2, 2),
+              "qk_head_dims": (1, 2, None)}  # saved with qk_dims=(2, 4, None): query/key widths in all
+    model = timm.create_model("cvt_ls_13", **kwargs)
+    model.load_state_dict(state)
+    assert not any(".dynamic_proj." in k or k.endswith(("_k.weight", "_k.bias")) for k in model.state_dict())
+    save_file(state, tmp_path / "earlier.safetensors")
+    loaded = timm.create_model("cvt_ls_13", pretrained=True, pretrained_cfg_overlay={
+        "file": str(tmp_path / "earlier.safetensors"), "num_classes": 3}, **kwargs)
+    with torch.no_grad():
+        for m in (model, loaded):
+            torch.testing.assert_close(m.eval()(saved["fixture.input"]), saved["fixture.logits"])
