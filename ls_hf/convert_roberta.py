@@ -18,6 +18,10 @@ Longformer's recipe (Beltagy et al., 2020, Sec. 5), applied to Long-Short attent
   biases 0;
 * the tokenizer is saved with ``model_max_length = max_position_embeddings``; ``sep_token_id`` is the tokenizer's.
 
+``causal=True`` (``--causal``) writes a ``LongShortForCausalLM`` (``is_decoder=True``: causal attention, Eq. 5)
+warm-started from a masked LM's weights, with ``causal_tokenizer``: it adds the start token and no end token, so that
+``generate`` and ``pipeline("text-generation")`` continue a prompt.
+
 With ``use_dual_ln=False``, ``projection_rank=0`` and a window covering the input the converted model computes the
 source's function (tested to 1e-5 on the logits or hidden states, with global tokens).
 """
@@ -30,13 +34,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForPreTraining, AutoTokenizer
+from tokenizers import Tokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 
 from .configuration_long_short import LongShortConfig
 from .hub import is_local_path, save_for_hub
-from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForMaskedLM, LongShortModel
+from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForCausalLM, LongShortForMaskedLM, LongShortModel
 
-__all__ = ["ROBERTA_FAMILY", "SOURCES", "Source", "convert_roberta", "main"]
+__all__ = ["ROBERTA_FAMILY", "SOURCES", "Source", "causal_tokenizer", "convert_roberta", "main"]
 
 POSITIONS = "embeddings.position_embeddings.weight"
 OUTPUT_DENSE = {r"\.attention\.output\.dense\.": ".attention.self.output."}
@@ -163,18 +174,40 @@ def _tokenizer_problem(tokenizer, config) -> str | None:
 
 
 def _long_short_config(
-    config, max_position_embeddings, window_size, projection_rank, use_dual_ln, **fields
+    config, max_position_embeddings, window_size, projection_rank, use_dual_ln, causal, **fields
 ) -> LongShortConfig:
-    """``LongShortConfig.from_roberta``, bidirectional (the output is a masked LM or an encoder), with the new position
-    count and ``fields``."""
+    """``LongShortConfig.from_roberta``, bidirectional (a masked LM or an encoder) unless ``causal``, with the new
+    position count and ``fields``."""
     long_short = {"window_size": window_size, "projection_rank": projection_rank}
     return LongShortConfig.from_roberta(
         config,
         **{key: value for key, value in long_short.items() if value is not None},
         max_position_embeddings=max_position_embeddings + config.pad_token_id + 1,
         use_dual_ln=use_dual_ln,
-        is_decoder=False,
+        is_decoder=causal,
         **fields,
+    )
+
+
+def causal_tokenizer(tokenizer):
+    """``tokenizer`` for a causal checkpoint: the same vocabulary, pre-tokenizer, decoder and special tokens, adding
+    the start token (``bos_token``, else ``cls_token``) before a text and nothing after it. RoBERTa's and BERT's
+    tokenizers end every text with ``</s>`` / ``[SEP]``, so a prompt would end with an end token and generation would
+    start over after it; GPT-style tokenizers add none. A ``PreTrainedTokenizerFast`` with ``add_bos_token=True,
+    add_eos_token=False`` (saved in its ``tokenizer_config.json``) and left padding, as Transformers decoders use:
+    ``AutoTokenizer`` loads it anywhere, without this package."""
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TypeError(f"a causal checkpoint needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}.")
+    specials = {name: getattr(tokenizer, name) for name in tokenizer.SPECIAL_TOKENS_ATTRIBUTES
+                if getattr(tokenizer, name) is not None}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+        **{**specials, "bos_token": tokenizer.bos_token or tokenizer.cls_token},
+        add_bos_token=True,
+        add_eos_token=False,
+        padding_side="left",
+        model_max_length=tokenizer.model_max_length,
+        clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces,
     )
 
 
@@ -234,11 +267,13 @@ def convert_roberta(
     window_size: int | None = None,
     projection_rank: int | None = None,
     use_dual_ln: bool = True,
+    causal: bool = False,
     overwrite: bool = False,
     log=print,
 ) -> Path:
     """Convert the checkpoint ``src`` (folder or Hub id; a model type of ``SOURCES``) into a LongShort masked LM
-    (ELECTRA discriminator: a ``LongShortModel``) saved at ``out``.
+    (ELECTRA discriminator: a ``LongShortModel``; ``causal``: a ``LongShortForCausalLM`` with ``causal_tokenizer``)
+    saved at ``out``.
 
     ``max_position_embeddings`` counts tokens (the config gets ``+ pad_token_id + 1`` rows); ``window_size`` and
     ``projection_rank`` default to ``LongShortConfig``'s. Writes safetensors weights, a config with a complete
@@ -253,16 +288,22 @@ def convert_roberta(
     if out.exists() and not overwrite:
         raise ValueError(f"OUT {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it.")
     config, source, tokenizer, family = _load_source(src)
+    if causal and (family.head is not LongShortForMaskedLM or family.long_short_fields):
+        raise ValueError(f"--causal warm-starts a causal LM from a RoBERTa or BERT masked LM; SRC {str(src)!r} is a "
+                         f"{config.model_type!r} checkpoint ({family.kind}), whose extra parts (an ELECTRA "
+                         f"discriminator's head, Longformer's global projections) a causal model has no use for.")
     long_short_config = _long_short_config(
-        config, max_position_embeddings, window_size, projection_rank, use_dual_ln,
+        config, max_position_embeddings, window_size, projection_rank, use_dual_ln, causal,
         sep_token_id=tokenizer.sep_token_id, **dict(family.long_short_fields),
     )
     if family.head is LongShortModel:
         model = LongShortModel(long_short_config, add_pooling_layer=False)
     else:
-        model = family.head(long_short_config)
+        model = (LongShortForCausalLM if causal else family.head)(long_short_config)
     _copy_weights(source, model, family, log)
     tokenizer.model_max_length = tokenizer.init_kwargs["model_max_length"] = max_position_embeddings
+    if causal:
+        tokenizer = causal_tokenizer(tokenizer)
 
     save_for_hub(model, out, tokenizer, overwrite=overwrite)
     c = model.config
@@ -289,6 +330,8 @@ def main(argv=None) -> None:
     parser.add_argument("--projection-rank", type=int, default=defaults.projection_rank,
                         help="dynamic projection rank r; 0 turns it off")
     parser.add_argument("--no-dual-ln", action="store_true", help="leave DualLN out (exact RoBERTa function)")
+    parser.add_argument("--causal", action="store_true", help="write a causal LM (LongShortForCausalLM) warm-started "
+                        "from the masked LM, with a tokenizer that ends a prompt with no end token")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:
@@ -299,6 +342,7 @@ def main(argv=None) -> None:
             window_size=args.window_size,
             projection_rank=args.projection_rank,
             use_dual_ln=not args.no_dual_ln,
+            causal=args.causal,
             overwrite=args.overwrite,
         )
     except ValueError as err:

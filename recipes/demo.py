@@ -7,7 +7,8 @@
 3. ``recipes/pretrain_mlm.py`` continues masked-LM pretraining for a few steps;
 4. ``recipes/finetune_imdb.py`` fine-tunes it on ``recipes/data/imdb_train.csv``, keeps the epoch that is best on 10%
    of those reviews held out, and scores that model on ``recipes/data/imdb_test.csv``;
-5. a causal LongShort LM warm-started from the same weights trains briefly and generates a few tokens;
+5. a causal LongShort LM warm-started from the same weights, with ``causal_tokenizer`` (a prompt gets no end token),
+   trains briefly and continues a prompt through ``pipeline("text-generation")``;
 6. ``recipes/push_to_hub.py --dry-run`` writes the Hub repo folder of the classifier (nothing is uploaded).
 """
 
@@ -19,10 +20,18 @@ from pathlib import Path
 
 import datasets
 import transformers
-from transformers import AutoConfig, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+    pipeline,
+)
 from transformers.trainer_callback import PrinterCallback
 
 from ls_hf import LongShortForCausalLM
+from ls_hf.convert_roberta import causal_tokenizer
 from recipes import finetune_imdb, pretrain_mlm, push_to_hub
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short
 
@@ -31,23 +40,23 @@ PROMPT = "My whole family enjoyed"
 
 
 def causal_lm(mlm_dir: Path, out: Path, steps: int) -> tuple[float, float, str]:
-    """Warm-start a causal LongShort LM from ``mlm_dir``, train it ``steps`` steps, greedily continue ``PROMPT``.
-    Returns the first and last logged training loss and the generated text."""
-    tokenizer = AutoTokenizer.from_pretrained(mlm_dir)
+    """Warm-start a causal LongShort LM from ``mlm_dir``, train it ``steps`` steps, save it with its tokenizer to
+    ``out``, and greedily continue ``PROMPT`` with the text-generation pipeline of that folder. Returns the first and
+    last logged training loss and the generated text."""
+    tokenizer = causal_tokenizer(AutoTokenizer.from_pretrained(mlm_dir))
     model = LongShortForCausalLM.from_pretrained(mlm_dir, config=AutoConfig.from_pretrained(mlm_dir, is_decoder=True))
     tokens = tokenizer(sample_texts())
     blocks = datasets.Dataset.from_dict(pretrain_mlm.group_texts(dict(tokens), block=64))
     args = TrainingArguments(out, max_steps=steps, learning_rate=3e-3, per_device_train_batch_size=16, logging_steps=1,
                              save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, seed=0)
-    trainer = Trainer(model, args, train_dataset=blocks,
+    trainer = Trainer(model, args, train_dataset=blocks, processing_class=tokenizer,
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     trainer.save_model()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids[:, :-1]  # <s> PROMPT, without the closing </s>
-    generated = model.eval().generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return losses[0], losses[-1], tokenizer.decode(generated[0], skip_special_tokens=True)
+    generate = pipeline("text-generation", model=str(out))
+    return losses[0], losses[-1], generate(PROMPT, max_new_tokens=12, do_sample=False)[0]["generated_text"]
 
 
 def run(out: Path) -> dict:

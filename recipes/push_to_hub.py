@@ -4,7 +4,8 @@
     python -m recipes.push_to_hub MODEL_DIR REPO_ID --dry-run DIR   # only write the folder to DIR
 
 The folder holds the safetensors weights, ``config.json`` whose ``auto_map`` names every head, the remote-code files
-(``trust_remote_code=True`` works where ``ls_hf`` is not installed), the tokenizer and ``README.md``: the model card
+(``trust_remote_code=True`` works where ``ls_hf`` is not installed), the tokenizer (a causal model's adds no end token
+to a prompt: ``causal_tokenizer``) and ``README.md``: the model card
 ``model_cards/<repo name>.md`` (or ``--model-card``; otherwise ``model_cards/template.md``, or
 ``model_cards/template-long-short-xl.md`` for the official character-level model of ``recipes.char_lm --model_type
 long_short_xl``) with the metrics measured by the recipes (``MODEL_DIR/all_results.json``) filled into its metadata
@@ -19,10 +20,11 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import ls_hf
-from ls_hf import LongShortConfig, LongShortXLConfig
+from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortXLConfig
+from ls_hf.convert_roberta import causal_tokenizer
 from ls_hf.hub import save_for_hub
 from ls_hf.modeling_long_short import HEADS
 from ls_hf.modeling_long_short_xl import HEADS_XL
@@ -51,10 +53,14 @@ def model_config(model_dir: Path):
 
 
 def load_model(model_dir: Path, config):
-    """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer."""
+    """The LongShort model saved in ``model_dir`` (its ``architectures`` class) and its tokenizer; a causal
+    ``long_short`` model gets ``causal_tokenizer`` of it, so that a prompt ends with no end token."""
     architecture = (config.architectures or [f"{type(config).__name__.removesuffix('Config')}Model"])[0]
     model = getattr(ls_hf, architecture).from_pretrained(model_dir, config=config)
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if isinstance(model, LongShortForCausalLM) and isinstance(tokenizer, PreTrainedTokenizerFast):
+        tokenizer = causal_tokenizer(tokenizer)
+    return model, tokenizer
 
 
 def measured_metrics(model_dir: Path) -> tuple[dict, str | None, int | None]:

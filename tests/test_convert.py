@@ -263,6 +263,38 @@ def test_converted_config_carries_every_roberta_field(roberta, tmp_path):
     assert not config.is_decoder and config.max_position_embeddings == 4098
 
 
+def test_causal_conversion_continues_a_prompt(roberta, tmp_path, capsys):
+    """--causal writes a LongShortForCausalLM with the masked LM's weights and a tokenizer that starts a prompt with
+    <s> and ends it with no </s> (RoBERTa's appends one), so the text-generation pipeline continues the prompt; an
+    ELECTRA discriminator (no LM head) is refused before anything is written."""
+    from transformers import pipeline
+
+    from ls_hf import LongShortForCausalLM
+
+    main([str(roberta), str(tmp_path / "causal"), "--causal", "--window-size", "16", "--projection-rank", "1"])
+    mlm = convert_roberta(roberta, tmp_path / "mlm", window_size=16, projection_rank=1)
+    model = LongShortForCausalLM.from_pretrained(tmp_path / "causal")
+    assert model.config.is_decoder and model.config.max_input_length == 4096
+    bidirectional = LongShortForMaskedLM.from_pretrained(mlm).state_dict()
+    assert all(torch.equal(value, bidirectional[key]) for key, value in model.state_dict().items()
+               if "dynamic_projection" not in key)  # W^P: new, drawn at random in each conversion
+    tokenizer, source = AutoTokenizer.from_pretrained(tmp_path / "causal"), AutoTokenizer.from_pretrained(roberta)
+    prompt = "The film was"
+    assert source(prompt).input_ids == [*tokenizer(prompt).input_ids, source.eos_token_id]  # </s> only in RoBERTa's
+    assert tokenizer.padding_side == "left" and tokenizer.model_max_length == 4096
+    generate = pipeline("text-generation", model=str(tmp_path / "causal"))
+    assert generate.preprocess(prompt)["input_ids"][0].tolist() == tokenizer(prompt).input_ids
+    assert generate(prompt, max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith(prompt)
+
+    ElectraForPreTraining(ElectraConfig(embedding_size=8, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
+                                        vocab_size=400, num_attention_heads=2)).save_pretrained(tmp_path / "electra")
+    bert_tokenizer(tmp_path / "electra").save_pretrained(tmp_path / "electra")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "electra"), str(tmp_path / "out"), "--causal"])
+    assert "--causal warm-starts a causal LM from a RoBERTa or BERT masked LM" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_console_script_reports_errors(tmp_path):
     script = f"{sys.prefix}/bin/ls-convert-roberta"
     argv = [script, str(tmp_path / "nope"), str(tmp_path / "out")]

@@ -158,6 +158,36 @@ def test_named_card_and_errors(trained, tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
+CHILD_CAUSAL = NO_LS_HF + """
+from transformers import pipeline
+generate = pipeline("text-generation", model=sys.argv[1], trust_remote_code=True)
+prompt = "A wonderful film"
+ids = generate.preprocess(prompt)["input_ids"][0].tolist()
+text = generate(prompt, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+tokenizer = generate.tokenizer
+print(json.dumps({"ids": ids, "plain": tokenizer(prompt, add_special_tokens=False).input_ids, "text": text,
+                  "special": [tokenizer.bos_token_id, tokenizer.eos_token_id]}))
+"""
+
+
+def test_causal_folder_continues_a_prompt_in_the_text_generation_pipeline(tmp_path):
+    """A causal LongShort model saved with RoBERTa's tokenizer (which ends every text with </s>): the repo folder's
+    tokenizer starts a prompt with <s> and adds nothing after it, so the text-generation pipeline, in a process
+    without ls_hf, continues the prompt."""
+    from ls_hf import LongShortForCausalLM
+
+    source = tiny_long_short(tmp_path / "ls-tiny")
+    LongShortForCausalLM.from_pretrained(source, is_decoder=True).save_pretrained(tmp_path / "causal")
+    roberta = AutoTokenizer.from_pretrained(source)
+    roberta.save_pretrained(tmp_path / "causal")
+    assert roberta("A wonderful film").input_ids[-1] == roberta.eos_token_id  # the case this is about
+    push_to_hub.main([str(tmp_path / "causal"), "someone/causal-ls-tiny", "--dry-run", str(tmp_path / "hub")])
+    loaded = run_without_ls_hf(CHILD_CAUSAL, tmp_path / "hub", tmp_path)
+    bos, eos = loaded["special"]
+    assert loaded["ids"] == [bos, *loaded["plain"]] and eos not in loaded["ids"]
+    assert loaded["text"].startswith("A wonderful film") and len(loaded["text"]) > len("A wonderful film")
+
+
 def test_official_char_lm_folder_is_complete_and_loads_without_ls_hf(trained_xl, tmp_path):
     folder = tmp_path / "hub"
     push_to_hub.main([str(trained_xl), "someone/ls-xl-tiny-chars", "--dry-run", str(folder)])
