@@ -54,7 +54,8 @@ from bench.common import (
     write_json,
 )
 from bench.plot import plot_scaling
-from ls_hf.long_short_attention import LongShortSelfAttention, create_block_mask, flex_attention
+from ls_hf.long_short_attention import LongShortSelfAttention
+from ls_hf.long_short_rules import create_block_mask, flex_attention
 
 HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
 LONGFORMER_WINDOW = 2 * WINDOW

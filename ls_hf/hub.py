@@ -16,6 +16,7 @@ REMOTE_CODE_FILES = (
     "configuration_long_short.py",
     "modeling_long_short.py",
     "long_short_attention.py",
+    "long_short_blocks.py",
     "long_short_kernels.py",
     "long_short_rules.py",
 )

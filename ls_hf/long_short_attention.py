@@ -18,13 +18,15 @@ Visibility is defined once, as functions of token positions (``long_short_rules`
 picks once how the joint softmax runs (``LongShortSelfAttention._backend``), and ``BACKENDS`` maps that choice to a
 method that takes the queries and their two key sets (``JointInputs``):
 
-* ``"sdpa"`` (the default): queries grouped by window segment, each group handed with its window keys and the
-  projected rows to ``F.scaled_dot_product_attention`` with a small boolean mask: fused kernels on CPU and CUDA,
-  softmax accumulated in float32 by those kernels. Bidirectional work and memory are O(n (2w + r)).
+* ``"sdpa"`` (the default on the CPU, and ``attn_implementation="eager"`` everywhere): queries grouped by window
+  segment, each group handed with its window keys and the projected rows to ``F.scaled_dot_product_attention`` with a
+  small boolean mask: fused kernels on CPU and CUDA, softmax accumulated in float32 by those kernels. Bidirectional
+  work and memory are O(n (2w + r)). The portable path and the reference of the others.
 * ``"lean"`` (``recompute_window_tiles=True``, training on CPU): the same groups through the kernels of
   ``long_short_kernels``, which keep for the backward pass about what fused dense attention keeps.
-* ``"flex"`` (``attn_implementation="flex_attention"``): FlexAttention over the keys [extra keys; tokens] with the
-  visibility as a block mask, gathering nothing (compile the module for its fused kernel).
+* ``"flex"`` (the default on CUDA, and ``attn_implementation="flex_attention"``): one FlexAttention call over the
+  keys [tokens; extra keys], with the visibility as a block-sparse mask built from the window geometry
+  (``long_short_blocks``), gathering nothing; compiled once per process on CUDA.
 * ``"maps"`` (``output_attentions=True``): the explicit softmax, whose probabilities are returned and used.
 
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .long_short_blocks import KeyLayout, flex_attend, long_short_block_mask
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
@@ -54,20 +57,28 @@ from .long_short_kernels import (
 from .long_short_rules import (
     check_attn_implementation,
     check_flex_call,
-    create_block_mask,
-    flex_attention,
     masked_sdpa,
     project_rows,
     segment_keep,
-    segment_rule,
     takes_grad,
     validate_long_short_args,
     window_extent,
     window_keep,
-    window_rule,
 )
 
-__all__ = ["BACKENDS", "BatchFirstState", "CausalState", "ExtraKeys", "JointInputs", "LongShortSelfAttention"]
+__all__ = [
+    "BACKENDS",
+    "FUSED_DEVICES",
+    "BatchFirstState",
+    "CausalState",
+    "ExtraKeys",
+    "JointInputs",
+    "LongShortSelfAttention",
+]
+
+# Where attn_implementation="sdpa" (the default) runs the fused FlexAttention path: one block-sparse kernel per layer
+# and direction, compiled once per process. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
+FUSED_DEVICES = ("cuda",)
 
 
 class BatchFirstState:
@@ -208,11 +219,14 @@ class LongShortSelfAttention(nn.Module):
             the projection's scores and weights P are built a few heads at a time, and again in the backward pass:
             less memory (``bench/RESULTS.md``), as fast on one thread, slower with several threads on a busy CPU. Off
             by default.
-        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code): grouped ``scaled_dot_product_attention``;
-            ``"flex_attention"``: FlexAttention with a block mask, forward only on CPU, no attention dropout. Either
-            way ``output_attentions`` and cached decoding steps use the SDPA/explicit path, and so do the global tokens'
-            own rows and the cls token's output (dense over the n tokens, no window to mask). ``forward`` takes it too,
-            for a model whose choice changes after it is built.
+        attn_implementation: ``"sdpa"`` (Transformers' default): the fastest exact path where the tensors are,
+            FlexAttention with a block-sparse mask on CUDA (``FUSED_DEVICES``; the grouped SDPA path while attention
+            dropout is active), grouped ``scaled_dot_product_attention`` elsewhere; ``"eager"``: grouped
+            ``scaled_dot_product_attention`` everywhere (the portable reference); ``"flex_attention"``: FlexAttention
+            everywhere, forward only on CPU, no attention dropout. Any way, ``output_attentions`` and cached decoding
+            steps use the SDPA/explicit path, and so do the global tokens' own rows and the cls token's output (dense
+            over the n tokens, no window to mask). ``forward`` takes it too, for a model whose choice changes after it
+            is built.
     """
 
     def __init__(
@@ -283,20 +297,24 @@ class LongShortSelfAttention(nn.Module):
 
     # ------------------------------------------------------------------ dispatch
     def _backend(self, hidden_states: Tensor, output_attentions: bool, attn_implementation: str) -> str:
-        """The one place that picks how the joint softmax runs: a key of ``BACKENDS``.
+        """The one place that picks how the joint softmax runs: a key of ``BACKENDS``, from the call and from where
+        its tensors are (a model built on the CPU and moved to the GPU gets the GPU's choice).
 
-        ``"maps"`` when attention maps are asked for; ``"flex"`` for ``attn_implementation="flex_attention"``, except
-        for a causal call of fewer than ``w`` tokens (a decoding step: its queries see one cached window, a single
-        small tile, where building a block mask costs more than it saves); ``"lean"`` with ``recompute_window_tiles``
-        when it saves memory (training on CPU: gradients taken, one head dim for queries and values, no active
-        attention dropout); else ``"sdpa"``."""
+        ``"maps"`` when attention maps are asked for. ``"flex"`` for ``attn_implementation="flex_attention"``, and for
+        ``"sdpa"`` (Transformers' default) on ``FUSED_DEVICES`` when no attention dropout is active; not for a causal
+        call of fewer than ``w`` tokens (a decoding step: its queries see one cached window, a single small tile,
+        where building a block mask costs more than it saves). ``"lean"`` with ``recompute_window_tiles`` when it
+        saves memory (training on CPU: gradients taken, one head dim for queries and values, no active attention
+        dropout). Else ``"sdpa"``; ``"eager"`` always takes it, the portable reference."""
         if output_attentions:
             return "maps"
-        if attn_implementation == "flex_attention":
-            return "sdpa" if self.causal and hidden_states.shape[1] < self.window_size else "flex"
+        decoding_step = self.causal and hidden_states.shape[1] < self.window_size
+        dropout = self.training and self.attention_dropout > 0
+        fused_default = attn_implementation == "sdpa" and hidden_states.device.type in FUSED_DEVICES and not dropout
+        if (attn_implementation == "flex_attention" or fused_default) and not decoding_step:
+            return "flex"
         lean = (self.recompute_window_tiles and FUSED_CPU is not None and hidden_states.device.type == "cpu"
-                and self.qk_head_dim == self.head_dim and not (self.training and self.attention_dropout)
-                and takes_grad(hidden_states, self.query.weight))
+                and self.qk_head_dim == self.head_dim and not dropout and takes_grad(hidden_states, self.query.weight))
         return "lean" if lean else "sdpa"
 
     # ------------------------------------------------------------------ helpers
@@ -712,37 +730,27 @@ class LongShortSelfAttention(nn.Module):
         return context[:, tiles.skip : tiles.skip + m], None
 
     def _attend_flex(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, None]:
-        """``"flex"``: FlexAttention over the keys [extra keys; window keys] with the visibility as its block mask
-        (``window_rule`` / ``segment_rule`` on their positions and validity), so nothing is gathered. Under
-        ``torch.compile`` this is a fused kernel that skips the blocks no query sees. A query with no visible key
-        gets 0."""
-        q, q_start, k_start, extra, offsets = inputs.q, inputs.q_start, inputs.k_start, inputs.extra, inputs.offsets
-        B, m = q.shape[:2]
-        w, L, causal = self.window_size, inputs.k.shape[1], self.causal
+        """``"flex"``: FlexAttention over the keys [window keys; extra keys] with the visibility as a block-sparse
+        mask built from the window geometry (``long_short_block_mask``, never an n x n evaluation), so nothing is
+        gathered. On CUDA the kernel is compiled once per process (``flex_attend``) and skips the blocks that no query
+        sees. A query with no visible key gets 0."""
+        q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
         keys, values, key_valid = (
-            torch.cat([getattr(extra, name), x], 1) if R else x
+            torch.cat([x, getattr(extra, name)], 1) if R else x
             for name, x in (("keys", inputs.k), ("values", inputs.v), ("valid", inputs.k_valid))
         )
-        # Causal rows come segment-major, r per segment (``_causal``): row j's segment is j // r, computed rather than
-        # read from ``extra.segment``, as compiled FlexAttention on CPU cannot read a captured integer tensor (2.14).
-        by_segment = R and extra.segment is not None
-
-        def keep(b, h, q_idx, kv_idx):
-            first = 0 if offsets is None else offsets[b]  # a left-padded causal row counts from its first real token
-            t = q_idx + q_start - first
-            seen = key_valid[b, kv_idx]
-            if L:  # window keys: position k_start + (kv_idx - R)
-                seen = seen & ((kv_idx < R) | window_rule(t, kv_idx - R + k_start - first, w, causal))
-            if by_segment:  # causal rows: finished segments before the query's own (Eq. 5)
-                row_segment = kv_idx // self.projection_rank
-                seen = seen & ((kv_idx >= R) | segment_rule(t, row_segment, self.segment_length))
-            return seen
-
-        mask = create_block_mask(keep, B, None, m, R + L, device=q.device)
+        causal_rows = R and extra.segment is not None  # r rows per segment of l tokens, seen by Eq. 5
+        key_layout = KeyLayout(
+            window_size=self.window_size, causal=self.causal, num_window_keys=inputs.k.shape[1], num_extra_keys=R,
+            q_start=inputs.q_start, k_start=inputs.k_start,
+            segment_length=self.segment_length if causal_rows else None,
+            projection_rank=self.projection_rank if causal_rows else None,
+        )
+        mask = long_short_block_mask(key_layout, num_queries=q.shape[1], key_valid=key_valid, offsets=inputs.offsets)
         # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
         q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
-        return flex_attention(q, keys, values, block_mask=mask).transpose(1, 2), None
+        return flex_attend(q, keys, values, mask).transpose(1, 2), None
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""

@@ -8,11 +8,11 @@ segment of ``l`` tokens (Eq. 5). The queries hold the positions ``[q_start, q_st
 b's logical positions are its physical ones minus ``offsets[b]``, queries and keys alike, so that a left-padded row
 counts its windows and segments from its first real token.
 
-The rules are written once, elementwise on broadcastable tensors (or plain ints): ``window_bounds`` (the window keys
-``[lo, hi)`` of a query), ``window_rule`` and ``segment_rule``. ``long_short_mask_mod`` applies them per (query, key)
-pair, as FlexAttention's ``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each
-query block, which bound every query's keys in between (the window's ends do not decrease with the position), and
-builds the ``BlockMask`` with ``BlockMask.from_kv_blocks``. ``flex_attend`` runs FlexAttention, compiled once per
+The rules are those of ``long_short_rules``: ``window_bounds`` (the window keys ``[lo, hi)`` of a query),
+``window_rule`` and ``segment_rule``. ``long_short_mask_mod`` applies them per (query, key) pair, as FlexAttention's
+``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each query block, which bound
+every query's keys in between (the window's ends do not decrease with the position), and builds the ``BlockMask``
+with ``BlockMask.from_kv_blocks``. ``flex_attend`` runs FlexAttention, compiled once per
 process on CUDA. This file imports nothing from Transformers or timm.
 """
 
@@ -29,18 +29,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .long_short_rules import finished_segments, is_int, segment_rule, window_bounds, window_rule
+
 __all__ = [
     "FLEX_MIN_HEAD_DIM",
     "KeyLayout",
     "compiled_flex_attention",
-    "finished_segments",
     "flex_attend",
     "long_short_block_mask",
     "long_short_mask_mod",
-    "segment_rule",
-    "window_bounds",
-    "window_extent",
-    "window_rule",
 ]
 
 # Compiled FlexAttention on CUDA refuses head dims below this ("NYI: embedding dimension ... at least 16").
@@ -48,46 +45,7 @@ FLEX_MIN_HEAD_DIM = 16
 DEFAULT_BLOCK_SIZE = 128
 
 
-# ----------------------------------------------------------------------------------------------------------- rules
-def window_extent(window: int) -> int:
-    """Keys ``e = max(w // 2, 1)`` that a bidirectional segment of ``w`` queries sees on each side beyond itself (span
-    2w for even w, as the official LRA and ImageNet code)."""
-    return max(window // 2, 1)
-
-
-def window_bounds(t, window: int, causal: bool):
-    """The window keys ``[lo, hi)`` of the query at position ``t`` (int or tensor), with ``s = (t // w) * w``:
-    bidirectional ``[s - e, s + w + e)``, ``e = window_extent(w)``; causal ``[s - w, t + 1)`` (Appendix D, Fig. 5).
-    Both ends are non-decreasing in ``t``."""
-    start = t // window * window
-    if causal:
-        return start - window, t + 1
-    extent = window_extent(window)
-    return start - extent, start + window + extent
-
-
-def window_rule(q, k, window: int, causal: bool):
-    """Whether the query at position ``q`` sees the window key at position ``k`` (elementwise, broadcast)."""
-    low, high = window_bounds(q, window, causal)
-    return (k >= low) & (k < high)
-
-
-def finished_segments(t, segment_length: int):
-    """Causal Eq. 5: how many segments of ``l`` tokens end before the one of position ``t``, ``t // l``; the query
-    there sees the projected rows of those segments."""
-    return t // segment_length
-
-
-def segment_rule(q, row_segment, segment_length: int):
-    """Whether the query at position ``q`` sees a projected row of segment ``row_segment`` (elementwise, Eq. 5)."""
-    return row_segment < finished_segments(q, segment_length)
-
-
 # ---------------------------------------------------------------------------------------------------- layout
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class KeyLayout:
     """Where the keys are and which rule each follows (this module's docstring): ``num_window_keys`` (L) window keys
@@ -108,7 +66,7 @@ class KeyLayout:
     def __post_init__(self):
         for name in ("window_size", "num_window_keys", "num_extra_keys", "q_start", "k_start"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
         if self.window_size == 0 and self.num_window_keys:
             raise ValueError(f"window_size is 0 (no short-term window), so num_window_keys must be 0, got "
@@ -126,7 +84,7 @@ class KeyLayout:
                              "every extra key: pass causal=True or leave segment_length and projection_rank out.")
         for name in ("segment_length", "projection_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.num_extra_keys % self.projection_rank:
             raise ValueError(f"num_extra_keys ({self.num_extra_keys}) must be a multiple of projection_rank "
@@ -204,18 +162,17 @@ class _BlockGeometry(NamedTuple):
     key_end: Tensor
 
 
-@functools.lru_cache(maxsize=32)
-def _block_geometry(layout: KeyLayout, num_queries: int, shift: int, q_block: int, kv_block: int,
-                    device: torch.device) -> _BlockGeometry:
+def _block_geometry(layout: KeyLayout, num_queries: int, q_block: int, kv_block: int, device: torch.device,
+                    shift: int | Tensor = 0) -> _BlockGeometry:
     """``_BlockGeometry`` on the (query blocks, key blocks) grid of ``layout`` for ``num_queries`` queries, positions
-    shifted by ``-shift`` (a row's offset). A query's visible keys form one interval per kind whose ends do not
-    decrease with its position, so the block's first query ``a`` and last query ``z`` give their union
-    ``[lo(a), hi(z))`` and intersection ``[lo(z), hi(a))``."""
+    shifted by ``-shift``: 0, or each row's offset as a (B, 1, 1) tensor (then (B, query blocks, key blocks) grids). A
+    query's visible keys form one interval per kind whose ends do not decrease with its position, so the block's
+    first query ``a`` and last query ``z`` give their union ``[lo(a), hi(z))`` and intersection ``[lo(z), hi(a))``."""
     m, L, R = num_queries, layout.num_window_keys, layout.num_extra_keys
     q_shift, k_shift = layout.q_start - shift, layout.k_start - shift
-    first = torch.arange(0, m, q_block)[:, None]  # (query blocks, 1)
+    first = torch.arange(0, m, q_block, device=device)[:, None]  # (query blocks, 1)
     last = torch.clamp(first + q_block, max=m) - 1
-    key_start = torch.arange(0, L + R, kv_block)  # (key blocks,)
+    key_start = torch.arange(0, L + R, kv_block, device=device)  # (key blocks,)
     key_end = torch.clamp(key_start + kv_block, max=L + R)
     complete = (first + q_block <= m) & (key_start + kv_block <= L + R)
 
@@ -229,22 +186,25 @@ def _block_geometry(layout: KeyLayout, num_queries: int, shift: int, q_block: in
         all_seen = (end <= start) | ((start >= inter[0]) & (end <= inter[1]))
         return seen_start, seen_end, all_seen
 
-    zero = torch.zeros((), dtype=torch.long)
+    zero = torch.zeros((), dtype=torch.long, device=device)
     if L:
         (low_a, high_a), (low_z, high_z) = (window_bounds(t + q_shift, layout.window_size, layout.causal)
                                             for t in (first, last))
         window = spans(zero, zero + L, (low_a - k_shift, high_z - k_shift), (low_z - k_shift, high_a - k_shift))
     else:
-        window = (key_start, key_start, torch.ones((), dtype=torch.bool))
+        window = (key_start, key_start, torch.ones((), dtype=torch.bool, device=device))
     if layout.segment_length is None:  # every extra key
         rows_a = rows_z = zero + R
     else:  # rows [0, r * finished segments) of the segment-major projected rows (Eq. 5)
         rows_a, rows_z = (torch.clamp(layout.projection_rank * finished_segments(t + q_shift, layout.segment_length),
                                       0, R) for t in (first, last))
     extra = spans(zero + L, zero + L + R, (zero + L, L + rows_z), (zero + L, L + rows_a))
-    grid = (len(first), len(key_start))
-    spans_and_full = (x.expand(grid).to(device) for x in (*window[:2], *extra[:2], complete & window[2] & extra[2]))
-    return _BlockGeometry(*spans_and_full, key_start.to(device), key_end.to(device))
+    spans_and_full = torch.broadcast_tensors(*window[:2], *extra[:2], complete & window[2] & extra[2])
+    return _BlockGeometry(*spans_and_full, key_start, key_end)
+
+
+# The geometry of a layout without offsets, per shape: a second call with the same shape reuses it.
+_cached_block_geometry = functools.lru_cache(maxsize=32)(_block_geometry)
 
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -263,8 +223,8 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
                           offsets: Tensor | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
                           device: torch.device | str | None = None) -> BlockMask:
     """The ``BlockMask`` of ``long_short_mask_mod(layout, key_valid=..., offsets=...)`` (its mask_mod) for
-    ``num_queries`` queries, built from the window geometry: O(blocks) per call, the geometry cached per shape (and
-    offset). FlexAttention calls the mask_mod only on partial blocks: those cut by the window's edges, padding, the
+    ``num_queries`` queries, built from the window geometry: O(blocks) per call, the geometry cached per shape (without
+    offsets). FlexAttention calls the mask_mod only on partial blocks: those cut by the window's edges, padding, the
     ends of the queries or keys, and the causal projected rows. Equal, block class by block class, to
     ``create_block_mask(mask_mod, B, None, num_queries, L + R, BLOCK_SIZE=block_size)``.
 
@@ -272,10 +232,10 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
     ``offsets``, else 1 (broadcast over the batch); one head (broadcast over the heads). ``device``: by default
     ``key_valid``'s or ``offsets``', else the CPU.
     """
-    if not _is_int(num_queries) or num_queries < 1:
+    if not is_int(num_queries) or num_queries < 1:
         raise ValueError(f"num_queries must be an integer >= 1, got {num_queries!r}.")
-    q_block, kv_block = (block_size, block_size) if _is_int(block_size) else tuple(block_size)
-    if not (_is_int(q_block) and _is_int(kv_block) and q_block >= 1 and kv_block >= 1):
+    q_block, kv_block = (block_size, block_size) if is_int(block_size) else tuple(block_size)
+    if not (is_int(q_block) and is_int(kv_block) and q_block >= 1 and kv_block >= 1):
         raise ValueError(f"block_size must be an integer >= 1 or a pair of them, got {block_size!r}.")
     batch = _batch_size(layout, key_valid, offsets)
     for tensor in (key_valid, offsets):
@@ -283,13 +243,9 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
     device = torch.device("cpu" if device is None else device)
 
     if offsets is None:
-        grids = _block_geometry(layout, num_queries, 0, q_block, kv_block, device)
-    else:  # one geometry per distinct offset, stacked per row
-        shifts = offsets.tolist()
-        per_shift = {shift: _block_geometry(layout, num_queries, shift, q_block, kv_block, device)
-                     for shift in set(shifts)}
-        grids = _BlockGeometry(*(torch.stack([getattr(per_shift[s], name) for s in shifts])
-                                 for name in _BlockGeometry._fields))
+        grids = _cached_block_geometry(layout, num_queries, q_block, kv_block, device)
+    else:  # each row's geometry at its offset, computed on the device without reading the offsets back
+        grids = _block_geometry(layout, num_queries, q_block, kv_block, device, shift=offsets.to(device)[:, None, None])
     if key_valid is None:
         seen = (grids.window_end > grids.window_start) | (grids.extra_end > grids.extra_start)
         full = grids.full

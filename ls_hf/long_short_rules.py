@@ -28,7 +28,9 @@ __all__ = [
     "check_attn_implementation",
     "check_flex_call",
     "create_block_mask",
+    "finished_segments",
     "flex_attention",
+    "is_int",
     "masked_sdpa",
     "project_rows",
     "projection_weights",
@@ -36,6 +38,7 @@ __all__ = [
     "segment_rule",
     "takes_grad",
     "validate_long_short_args",
+    "window_bounds",
     "window_extent",
     "window_keep",
     "window_rule",
@@ -77,7 +80,8 @@ def check_flex_call(x: Tensor, weight: Tensor, *, training: bool, dropout: float
         )
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int, and not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -105,14 +109,14 @@ def validate_long_short_args(
         ("window_size", window_size, 0),
         ("projection_rank", projection_rank, 0),
     ):
-        if not _is_int(value) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name(key)} must be an integer >= {low}, got {value!r}.")
     if hidden_size % num_heads:
         raise ValueError(
             f"{name('hidden_size')} ({hidden_size}) must be divisible by {name('num_heads')} ({num_heads}); "
             f"pick a head count that divides it."
         )
-    if qk_head_dim is not None and (not _is_int(qk_head_dim) or qk_head_dim < 1):
+    if qk_head_dim is not None and (not is_int(qk_head_dim) or qk_head_dim < 1):
         raise ValueError(f"{name('qk_head_dim')} must be None or an integer >= 1, got {qk_head_dim!r}.")
     if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
             or not 0 <= attention_dropout < 1:
@@ -136,7 +140,7 @@ def validate_long_short_args(
             f"got {window_size}."
         )
     if projection_rank > 0:
-        if not _is_int(segment_length) or segment_length < 1:
+        if not is_int(segment_length) or segment_length < 1:
             raise ValueError(f"{name('segment_length')} must be an integer >= 1, got {segment_length!r}.")
         if segment_length > window_size:
             raise ValueError(
@@ -152,18 +156,22 @@ def window_extent(window: int) -> int:
     return max(window // 2, 1)
 
 
-def window_rule(q: Tensor, k: Tensor, window: int, causal: bool) -> Tensor:
-    """Whether the query at position ``q`` sees the window key at position ``k``, elementwise on broadcastable
-    positions (FlexAttention's mask_mod form).
-
-    Bidirectional: keys ``[s - e, s + w + e)`` with ``s = (t // w) * w`` and ``e = window_extent(w)``.
-    Causal: keys ``[s - w, t]`` (Appendix D, Fig. 5). Keys outside the sequence are removed by the caller.
-    """
-    start = torch.div(q, window, rounding_mode="floor") * window
+def window_bounds(t, window: int, causal: bool):
+    """The window keys ``[lo, hi)`` of the query at position ``t`` (an int or a tensor), with ``s = (t // w) * w``:
+    bidirectional ``[s - e, s + w + e)``, ``e = window_extent(w)``; causal ``[s - w, t + 1)`` (Appendix D, Fig. 5).
+    Both ends are non-decreasing in ``t``."""
+    start = t // window * window
     if causal:
-        return (k >= start - window) & (k <= q)
-    ext = window_extent(window)
-    return (k >= start - ext) & (k < start + window + ext)
+        return start - window, t + 1
+    extent = window_extent(window)
+    return start - extent, start + window + extent
+
+
+def window_rule(q, k, window: int, causal: bool):
+    """Whether the query at position ``q`` sees the window key at position ``k`` (``window_bounds``), elementwise on
+    broadcastable positions (FlexAttention's mask_mod form). Keys outside the sequence are removed by the caller."""
+    low, high = window_bounds(q, window, causal)
+    return (k >= low) & (k < high)
 
 
 def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tensor:
@@ -171,10 +179,16 @@ def window_keep(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool) -> Tens
     return window_rule(q_pos.unsqueeze(-1), k_pos.unsqueeze(-2), window, causal)
 
 
-def segment_rule(q: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:
-    """Causal Eq. 5: whether the query at position ``q`` sees a projected row of segment ``row_segment``, i.e.
-    ``row_segment < q // l`` (elementwise on broadcastable tensors)."""
-    return row_segment < torch.div(q, segment_length, rounding_mode="floor")
+def finished_segments(t, segment_length: int):
+    """Causal Eq. 5: how many segments of ``l`` tokens the query at position ``t`` sees the projected rows of, those
+    before its own: ``t // l``."""
+    return t // segment_length
+
+
+def segment_rule(q, row_segment, segment_length: int):
+    """Whether the query at position ``q`` sees a projected row of segment ``row_segment``, ``row_segment < q // l``
+    (Eq. 5), elementwise on broadcastable tensors."""
+    return row_segment < finished_segments(q, segment_length)
 
 
 def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Tensor:

@@ -371,9 +371,10 @@ class LongShortPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
-    # "sdpa" (Transformers' default) and "eager" run the same code, the attention on F.scaled_dot_product_attention
-    # (an explicit softmax only when attention weights are asked for); "flex_attention" runs it on FlexAttention with a
-    # block mask (forward only on CPU; weights and cached decoding steps take the SDPA path). Each call reads
+    # "sdpa" (Transformers' default) runs the fastest exact path where the tensors are: on CUDA one block-sparse
+    # FlexAttention call per layer (compiled once per process), elsewhere F.scaled_dot_product_attention on the window
+    # tiles; "eager" always the latter (the portable reference); "flex_attention" FlexAttention everywhere (forward
+    # only on CPU). Attention weights and cached decoding steps take the SDPA/explicit path. Each call reads
     # config._attn_implementation, so set_attn_implementation works after loading. output_attentions=True works in a
     # call under any; Transformers allows config.output_attentions only with eager.
     _supports_sdpa = True

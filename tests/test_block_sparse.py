@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from ls_hf import long_short_blocks as lsb
+from ls_hf import long_short_rules as rules
 from ls_hf.long_short_blocks import KeyLayout, flex_attend, long_short_block_mask, long_short_mask_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -192,10 +193,10 @@ def test_rules_on_negative_positions(causal):
     """Floor division below position 0 (a left-padded row's padding, counted before its first real token): integers
     and tensors agree, and the window keeps its span."""
     t = torch.arange(-20, 20)
-    low, high = lsb.window_bounds(t, 3, causal)
-    assert torch.equal(torch.stack([low, high]), torch.tensor([lsb.window_bounds(i, 3, causal) for i in t.tolist()]).T)
+    low, high = rules.window_bounds(t, 3, causal)
+    assert torch.equal(torch.stack([low, high]), torch.tensor([rules.window_bounds(i, 3, causal) for i in t.tolist()]).T)
     assert (high - low).min() >= (1 if causal else 5)
-    assert torch.equal(lsb.segment_rule(t, torch.tensor(-2), 4), t // 4 > -2)
+    assert torch.equal(rules.segment_rule(t, torch.tensor(-2), 4), t // 4 > -2)
 
 
 # --------------------------------------------------------------------------------------------------- BlockMask
@@ -234,15 +235,17 @@ def test_block_structure_at_the_benchmark_settings():
 
 
 def test_geometry_is_cached_per_shape():
-    """A second call with the same shape (and another padding) reuses the geometry; another offset computes its own."""
-    lsb._block_geometry.cache_clear()
+    """A second call with the same shape (and another padding) reuses the geometry; with offsets each row's geometry
+    is computed on the device, without the cache."""
+    lsb._cached_block_geometry.cache_clear()
     layout = KeyLayout(window_size=16, causal=False, num_window_keys=300, num_extra_keys=8)
     valid = torch.ones(2, 308, dtype=torch.bool)
     long_short_block_mask(layout, num_queries=300, key_valid=valid)
     long_short_block_mask(layout, num_queries=300, key_valid=valid.flip(1))
-    assert (lsb._block_geometry.cache_info().hits, lsb._block_geometry.cache_info().misses) == (1, 1)
-    long_short_block_mask(layout, num_queries=300, offsets=torch.tensor([0, 5, 5]))  # one per distinct offset
-    assert lsb._block_geometry.cache_info().misses == 2
+    info = lsb._cached_block_geometry.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
+    long_short_block_mask(layout, num_queries=300, offsets=torch.tensor([0, 5, 5]))
+    assert lsb._cached_block_geometry.cache_info().misses == 1
 
 
 @pytest.mark.parametrize(("fields", "message"), [

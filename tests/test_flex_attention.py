@@ -198,3 +198,38 @@ def test_default_stays_sdpa():
     assert LongShortSelfAttention(8, 2, 3, 2).attn_implementation == "sdpa"
     assert {m.attn_implementation for m in LongShortModel(tiny_config()).modules()
             if isinstance(m, LongShortSelfAttention)} == {"sdpa"}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
+    """attn_implementation="sdpa" (the default) runs FlexAttention on ``FUSED_DEVICES`` (CUDA; here the CPU stands in),
+    decided at each call from where the tensors are, with the output of the grouped SDPA path; not for attention maps,
+    active attention dropout or a decoding step (fewer than w causal tokens); "eager" never does."""
+    from ls_hf import long_short_attention
+
+    built = []
+    real = long_short_attention.long_short_block_mask
+    monkeypatch.setattr(long_short_attention, "long_short_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    config = {"window": 3, "rank": 2, "causal": causal, "segment_length": 2 if causal else None}
+    default, eager = make(**config), make(**config, attn_implementation="eager")
+    x, _ = inputs(default, 2, 13)
+    mask = make_mask("left" if causal else "right", 2, 13, 4)
+
+    def fused_calls(module, *args, **kwargs):
+        built.clear()
+        with torch.no_grad():
+            out, _ = module(*args, **kwargs)
+        return out, len(built)
+
+    expected, calls = fused_calls(default, x, mask)
+    assert calls == 0  # the CPU is not a fused device
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    out, calls = fused_calls(default, x, mask)
+    assert calls == 1
+    assert_close(out, expected, atol=EXACT)
+    assert fused_calls(eager, x, mask)[1] == 0
+    assert fused_calls(default, x, mask, output_attentions=True)[1] == 0
+    assert fused_calls(default, x[:, :2], mask[:, :2])[1] == (0 if causal else 1)  # 2 < w causal tokens: a step
+    default.train()
+    default.attention_dropout = 0.1
+    assert fused_calls(default, x, mask)[1] == 0
