@@ -9,7 +9,11 @@
 #                      the tests; without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
-if [ "${1:-}" = gpu-check ]; then
+case "${1:-}" in  # an unknown command is refused before anything is created or installed
+    demo|test|gpu-check) ;;
+    *) echo "usage: bash run.sh demo|test|gpu-check [args]${1:+, got '$1'}" >&2; exit 2 ;;
+esac
+if [ "$1" = gpu-check ]; then
     part="${2:-all}" dtypes="${3:-float32 bfloat16}"
     usage="usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench] (all when omitted)"
     if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ]; then
@@ -27,13 +31,14 @@ if [ "${1:-}" = gpu-check ]; then
 fi
 VENV="${VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
+    echo "run.sh: creating $VENV/ and updating its pip..." >&2
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
 fi
 if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib, psutil" >/dev/null 2>&1; then
     echo "run.sh: installing torch, Transformers, timm and the test tools into $VENV/ (first run only: several" \
-         "minutes and about 6 GB, CUDA libraries included)..." >&2
-    "$VENV/bin/pip" install -q -e ".[test,bench]"
+         "minutes and about 6 GB, CUDA libraries included); pip's progress follows" >&2
+    "$VENV/bin/pip" install --progress-bar on -e ".[test,bench]"
     echo "run.sh: $VENV/ is ready; 'source $VENV/bin/activate' gives ls-convert-roberta and python -m recipes.*" >&2
 fi
 case "${1:-}" in
@@ -67,5 +72,4 @@ case "${1:-}" in
             --layers 2   # bench/results/models_cuda_bf16.json
         exit "${status:-0}"
         ;;
-    *) echo "usage: bash run.sh demo|test|gpu-check [args]" >&2; exit 2 ;;
 esac
