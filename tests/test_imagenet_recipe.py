@@ -164,6 +164,25 @@ def test_bad_arguments_exit_with_a_message(data_dir, tmp_path, capsys, extra, me
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_start_weights_that_are_missing_or_no_weights_are_clear_errors(data_dir, tmp_path, capsys):
+    """A text file or a checkpoint without weights as --pretrained-file, and the same through timm's offline
+    fallback for the released ViL-LS weights (pretrained_cfg_overlay file), missing or not a checkpoint: errors that
+    name the file and what to pass, before any training."""
+    (tmp_path / "notes.pth").write_text("not a checkpoint")
+    torch.save({"epoch": 3}, tmp_path / "no_weights.pth")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data-dir", str(data_dir), "--output-dir", str(tmp_path / "out"), *TINY, "--epochs", "1",
+                    "--pretrained-file", str(tmp_path / "notes.pth")])
+    assert exit_info.value.code == 2 and "holds no weights that can be read" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="file '.*missing.pth': no such file; give the path of the downloaded"):
+        timm.create_model("vil_ls_small", pretrained=True,
+                          pretrained_cfg_overlay={"file": str(tmp_path / "missing.pth")})
+    for name in ("notes.pth", "no_weights.pth"):
+        with pytest.raises(ValueError, match=f"{name}' holds no vil_ls_small weights that can be read"):
+            timm.create_model("vil_ls_small", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / name)})
+
+
 def test_missing_split_from_the_command_line(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     result = subprocess.run([sys.executable, "-m", "recipes.imagenet.train", "--data-dir", str(tmp_path)],

@@ -26,7 +26,8 @@ def test_installation_shows_pips_progress(tmp_path):
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     log = tmp_path / "calls"
-    (bin_dir / "python").write_text(f'#!/bin/sh\necho "python $*" >> {log}\ncase "$*" in *"import ls_hf"*) exit 1;; esac\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "python $*" >> {log}\n'
+                                    'case "$*" in *"import ls_hf"*) exit 1;; esac\n')
     (bin_dir / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> {log}\n')
     for name in ("python", "pip"):
         (bin_dir / name).chmod(0o755)

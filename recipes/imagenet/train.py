@@ -16,6 +16,7 @@ Every epoch ends with top-1/top-5 on the validation images, a line in ``summary.
 
 import argparse
 import json
+import pickle
 from pathlib import Path
 
 import timm
@@ -102,6 +103,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
     if args.pretrained_file and ":" in args.model:
         parser.error(f"--pretrained-file loads into a registered --model; {args.model!r} brings its own weights: pass "
                      f"--pretrained instead.")
+    if args.pretrained_file:
+        try:
+            checkpoint_classes(args.pretrained_file, timm.models.get_pretrained_cfg_value(args.model, "classifier"))
+        except (KeyError, RuntimeError, ValueError, pickle.UnpicklingError) as err:  # torch.load of a non-checkpoint
+            parser.error(f"--pretrained-file {args.pretrained_file!r} holds no weights that can be read "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); pass a timm or official "
+                         f"checkpoint (.pth, .safetensors) of --model {args.model}.")
     for name in ("epochs", "batch_size", "img_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
