@@ -15,6 +15,8 @@ MLP ratio 4 with GELU; the head averages the final-normed stage-4 tokens.
 from __future__ import annotations
 
 import math
+import os
+import pickle
 import re
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -219,9 +221,19 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
 
 
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs) -> VilLs:
+    file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") if pretrained else None
+    if file is not None and not os.path.isfile(file):
+        raise FileNotFoundError(f"{variant}: pretrained_cfg_overlay file {file!r}: no such file; give the path of the "
+                                f"downloaded weights (the official release's model_best.pth).")
     try:
         return build_model_with_cfg(VilLs, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
                                     feature_cfg=feature_cfg(kwargs, 4), **kwargs)
+    except (KeyError, RuntimeError, pickle.UnpicklingError) as err:  # a file torch cannot read, or other weights
+        if file is None:
+            raise
+        raise ValueError(f"{variant}: {file!r} holds no {variant} weights that can be read ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:200]}); give the official model_best.pth of this model or a "
+                         f"timm checkpoint of it.") from err
     except OSError as err:  # urllib's URLError and the other download failures
         if not pretrained:
             raise
