@@ -170,7 +170,8 @@ class JointInputs(NamedTuple):
     """What every backend takes: queries at positions ``[q_start, q_start + m)`` and the two key sets of their one
     softmax (Eq. 6), the window keys of positions ``[k_start, k_start + L)`` and the ``extra`` keys (global tokens'
     and projected rows). ``offsets``: the rules see position ``p - offsets[b]`` in row b (a left-padded causal row
-    counts from its first real token); None: ``p``."""
+    counts from its first real token); None: ``p``. ``all_valid``: every key exists (no padding, no missing global
+    token), known without reading the masks."""
 
     q: Tensor  # (B, m, H, d_qk)
     q_start: int
@@ -180,6 +181,7 @@ class JointInputs(NamedTuple):
     k_start: int
     extra: ExtraKeys | None
     offsets: Tensor | None = None  # (B,) long
+    all_valid: bool = False
 
 
 class Tiles(NamedTuple):
@@ -524,7 +526,7 @@ class LongShortSelfAttention(nn.Module):
                 *layout, global_from_maps = self._global_layout(self._probabilities(g_q, g_k, g_keep), is_global, order)
         width = n if self.window_size else 0  # projection only: no window keys
         inputs = JointInputs(q=q, q_start=0, k=k[:, :width], v=v[:, :width], k_valid=local[:, :width], k_start=0,
-                             extra=extra)
+                             extra=extra, all_valid=not masked and not K)
         context, attn = self._joint_softmax(inputs, q_valid=local if masked or K else None, backend=backend,
                                             layout=layout)
         if cls_hidden is not None:
@@ -747,7 +749,8 @@ class LongShortSelfAttention(nn.Module):
             segment_length=self.segment_length if causal_rows else None,
             projection_rank=self.projection_rank if causal_rows else None,
         )
-        mask = long_short_block_mask(key_layout, num_queries=q.shape[1], key_valid=key_valid, offsets=inputs.offsets)
+        mask = long_short_block_mask(key_layout, num_queries=q.shape[1], offsets=inputs.offsets, device=q.device,
+                                     key_valid=None if inputs.all_valid else key_valid)
         # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
         q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
         return flex_attend(q, keys, values, mask).transpose(1, 2), None
@@ -808,7 +811,7 @@ class LongShortSelfAttention(nn.Module):
         if rows_k is not None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
         inputs = JointInputs(q=q, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start, extra=extra,
-                             offsets=offsets)
+                             offsets=offsets, all_valid=q_valid is None and p0 == 0)
         context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 
         # Keep the keys of the current and the previous window segment of every row, and the unfinished segment's

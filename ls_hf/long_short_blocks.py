@@ -224,7 +224,8 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
                           device: torch.device | str | None = None) -> BlockMask:
     """The ``BlockMask`` of ``long_short_mask_mod(layout, key_valid=..., offsets=...)`` (its mask_mod) for
     ``num_queries`` queries, built from the window geometry: O(blocks) per call, the geometry cached per shape (without
-    offsets). FlexAttention calls the mask_mod only on partial blocks: those cut by the window's edges, padding, the
+    offsets), and without padding or offsets the whole mask, which every layer and call of that shape then shares.
+    FlexAttention calls the mask_mod only on partial blocks: those cut by the window's edges, padding, the
     ends of the queries or keys, and the causal projected rows. Equal, block class by block class, to
     ``create_block_mask(mask_mod, B, None, num_queries, L + R, BLOCK_SIZE=block_size)``.
 
@@ -237,13 +238,22 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
     q_block, kv_block = (block_size, block_size) if is_int(block_size) else tuple(block_size)
     if not (is_int(q_block) and is_int(kv_block) and q_block >= 1 and kv_block >= 1):
         raise ValueError(f"block_size must be an integer >= 1 or a pair of them, got {block_size!r}.")
-    batch = _batch_size(layout, key_valid, offsets)
+    _batch_size(layout, key_valid, offsets)
     for tensor in (key_valid, offsets):
         device = tensor.device if device is None and tensor is not None else device
     device = torch.device("cpu" if device is None else device)
+    if key_valid is None and offsets is None and not torch.compiler.is_compiling():  # traced: no cache to look up
+        return _unpadded_block_mask(layout, num_queries, q_block, kv_block, device)
+    return _block_mask(layout, num_queries, q_block, kv_block, device, key_valid=key_valid, offsets=offsets)
 
+
+def _block_mask(layout: KeyLayout, num_queries: int, q_block: int, kv_block: int, device: torch.device, *,
+                key_valid: Tensor | None = None, offsets: Tensor | None = None) -> BlockMask:
+    """``long_short_block_mask`` after its checks."""
+    batch = _batch_size(layout, key_valid, offsets)
     if offsets is None:
-        grids = _cached_block_geometry(layout, num_queries, q_block, kv_block, device)
+        geometry = _block_geometry if torch.compiler.is_compiling() else _cached_block_geometry
+        grids = geometry(layout, num_queries, q_block, kv_block, device)
     else:  # each row's geometry at its offset, computed on the device without reading the offsets back
         grids = _block_geometry(layout, num_queries, q_block, kv_block, device, shift=offsets.to(device)[:, None, None])
     if key_valid is None:
@@ -268,6 +278,10 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
                                     BLOCK_SIZE=(q_block, kv_block),
                                     mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets),
                                     seq_lengths=(num_queries, layout.num_keys))
+
+
+# The mask of a layout without padding or offsets (training on packed or equal-length sequences), per shape.
+_unpadded_block_mask = functools.lru_cache(maxsize=32)(_block_mask)
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention

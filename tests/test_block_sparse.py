@@ -236,7 +236,7 @@ def test_block_structure_at_the_benchmark_settings():
 
 def test_geometry_is_cached_per_shape():
     """A second call with the same shape (and another padding) reuses the geometry; with offsets each row's geometry
-    is computed on the device, without the cache."""
+    is computed on the device, without the cache; without padding or offsets the mask itself is reused."""
     lsb._cached_block_geometry.cache_clear()
     layout = KeyLayout(window_size=16, causal=False, num_window_keys=300, num_extra_keys=8)
     valid = torch.ones(2, 308, dtype=torch.bool)
@@ -246,6 +246,9 @@ def test_geometry_is_cached_per_shape():
     assert (info.hits, info.misses) == (1, 1)
     long_short_block_mask(layout, num_queries=300, offsets=torch.tensor([0, 5, 5]))
     assert lsb._cached_block_geometry.cache_info().misses == 1
+    # without padding or offsets the whole mask is built once per shape, and every layer and call shares it
+    assert long_short_block_mask(layout, num_queries=300) is long_short_block_mask(layout, num_queries=300)
+    assert long_short_block_mask(layout, num_queries=300) is not long_short_block_mask(layout, num_queries=299)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
