@@ -27,6 +27,7 @@ source's function (tested to 1e-5 on the logits or hidden states, with global to
 """
 
 import argparse
+import difflib
 import re
 import sys
 from collections import Counter
@@ -47,7 +48,7 @@ from .configuration_long_short import LongShortConfig
 from .hub import is_local_path, save_for_hub
 from .modeling_long_short import ROBERTA_KEY_MAPPING, LongShortForCausalLM, LongShortForMaskedLM, LongShortModel
 
-__all__ = ["ROBERTA_FAMILY", "SOURCES", "Source", "causal_tokenizer", "convert_roberta", "main"]
+__all__ = ["ROBERTA_FAMILY", "SOURCES", "Source", "causal_tokenizer", "convert_roberta", "main", "misspelt_folder"]
 
 POSITIONS = "embeddings.position_embeddings.weight"
 OUTPUT_DENSE = {r"\.attention\.output\.dense\.": ".attention.self.output."}
@@ -102,6 +103,18 @@ def _pattern(key: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", key)
 
 
+def misspelt_folder(name) -> str | None:
+    """For a ``name`` that is no local path but reads as a Hub id: a model folder (one with a ``config.json``) beside
+    where it would be whose name is close to it, as a typo makes, else None. Asked before the Hub, whose retries take
+    half a minute without a network."""
+    path = Path(str(name)).expanduser()
+    if is_local_path(name) or not path.parent.is_dir():
+        return None
+    folders = [entry.name for entry in path.parent.iterdir() if (entry / "config.json").is_file()]
+    close = difflib.get_close_matches(path.name, folders, n=1, cutoff=0.8)
+    return str(path.parent / close[0]) if close else None
+
+
 def _load_source(src: str):
     """Source config, masked LM and tokenizer; ``ValueError`` naming the problem if SRC is unusable."""
     src = str(src)
@@ -109,11 +122,15 @@ def _load_source(src: str):
     local = is_local_path(src)
     if local and not path.is_dir():
         raise ValueError(f"SRC {src!r}: no such folder. Pass a local checkpoint folder or a Hub id (roberta-base).")
+    if (close := misspelt_folder(src)) is not None:
+        raise ValueError(f"SRC {src!r}: no such local folder; did you mean {close!r}? (A Hub model: give its id with "
+                         f"the owner, owner/name.)")
     src = str(path) if local else src
     try:
         config = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as err:
-        raise ValueError(f"SRC {src!r}: could not load a config.json from it ({err}).") from err
+        where = "" if local else " no local folder of that name, and"
+        raise ValueError(f"SRC {src!r}:{where} could not load a config.json from it ({err}).") from err
     if config.model_type not in SOURCES:
         raise ValueError(
             f"SRC {src!r} is a {config.model_type!r} checkpoint (architectures {config.architectures}), which "

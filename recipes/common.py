@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 from ls_hf import LongShortConfig, LongShortXLConfig
+from ls_hf.convert_roberta import misspelt_folder
 from ls_hf.hub import is_local_path
 
 logger = logging.getLogger("recipes")
@@ -49,7 +50,8 @@ def long_short_config(name, argument: str, trust_remote_code: bool = False,
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise UsageError(f"{argument} {str(name)!r}: no model there ({err}).") from err
+        where = "no model there" if is_local_path(name) else "no local folder of that name, and no model on the Hub"
+        raise UsageError(f"{argument} {str(name)!r}: {where} ({err}).") from err
     if config.model_type not in model_types:
         if config.model_type == LongShortXLConfig.model_type:
             raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model (LongShortXLForCausalLM, "
@@ -70,17 +72,24 @@ class ModelArguments:
     )
 
     def check(self) -> None:
-        path = Path(self.model_name_or_path).expanduser()
-        if is_local_path(self.model_name_or_path) and not (path / "config.json").is_file():
-            raise ValueError(
-                f"--model_name_or_path {self.model_name_or_path!r}: no model folder there (no config.json); pass a "
-                f"folder written by ls-convert-roberta or a recipe, or a Hub id."
-            )
+        name = self.model_name_or_path
+        if is_local_path(name) and not (Path(name).expanduser() / "config.json").is_file():
+            raise ValueError(f"--model_name_or_path {name!r}: no model folder there (no config.json); pass a folder "
+                             f"written by ls-convert-roberta or a recipe, or a Hub id.")
+        if (close := misspelt_folder(name)) is not None:
+            raise ValueError(f"--model_name_or_path {name!r}: no such local folder; did you mean {close!r}? (A Hub "
+                             f"model: give its id with the owner, owner/name.)")
+
+    def config(self):
+        """The LongShort config of the model (``long_short_config``): read first, so that a model that is not there
+        stops the run before its data are loaded."""
+        return long_short_config(self.model_name_or_path, "--model_name_or_path",
+                                 trust_remote_code=self.trust_remote_code)
 
     def load(self, auto_class, **kwargs):
         """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config)."""
         name, remote = self.model_name_or_path, self.trust_remote_code
-        long_short_config(name, "--model_name_or_path", trust_remote_code=remote)
+        self.config()
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
         return tokenizer, auto_class.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote, **kwargs)
 
@@ -131,6 +140,9 @@ class DataArguments:
         """Raise ``ValueError`` naming the argument if the data cannot be loaded."""
         if self.dataset_name is None and self.train_file is None:
             raise ValueError("no data: pass --dataset_name (a Hub dataset) or --train_file (a local file).")
+        if self.train_file is None and is_local_path(self.dataset_name) and not Path(self.dataset_name).exists():
+            raise ValueError(f"--dataset_name {self.dataset_name!r}: no such local folder; pass a dataset folder or a "
+                             f"Hub id (owner/name).")
         files = self.files()
         if files and self.train_file is None:
             raise ValueError(f"--{next(iter(files))}_file needs --train_file (local files are used together).")
@@ -191,6 +203,17 @@ def setup_logging(training_args) -> None:
     transformers.utils.logging.set_verbosity(level)
 
 
+def hub_dataset(name: str, config_name: str | None, **kwargs):
+    """``load_dataset(name, config_name, **kwargs)`` for --dataset_name; a ``UsageError`` naming the fix when the Hub
+    cannot be reached (offline) or has no such dataset."""
+    try:
+        return load_dataset(name, config_name, **kwargs)
+    except (ConnectionError, FileNotFoundError) as err:  # offline; DatasetNotFoundError is a FileNotFoundError
+        raise UsageError(f"--dataset_name {name!r} could not be loaded ({str(err).splitlines()[0]}): without the Hub, "
+                         f"pass local files (--train_file, --validation_file, --test_file), or use a copy in the "
+                         f"datasets cache with HF_HUB_OFFLINE=1.") from err
+
+
 def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, need_test: bool = False) -> DatasetDict:
     """``train``, ``validation`` if ``need_eval`` and ``test`` if ``need_test``, with ``columns`` checked.
 
@@ -206,7 +229,7 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
                              f"header row and at least one example row.") from err
         sources = {split: split for split in files}
     else:
-        raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        raw = hub_dataset(data_args.dataset_name, data_args.dataset_config_name)
         sources = data_args.hub_splits()
     wanted = {"train": True, "validation": need_eval, "test": need_test}
     data = DatasetDict({split: raw[source] for split, source in sources.items() if source in raw and wanted[split]})

@@ -18,6 +18,7 @@ scores the kept model once on the test data (``test_accuracy``). The kept model 
 interrupted run resumes from its last checkpoint. Runs under ``accelerate launch`` as is.
 """
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +106,7 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
+    model_args.config()
 
     text, pair, label = data_args.text_column_name, data_args.text_pair_column_name, data_args.label_column_name
     data = load_data(data_args, [text, label], training_args.do_eval, training_args.do_predict)
@@ -148,9 +150,10 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
             desc="Tokenizing",
         )
     truncated = {f"truncated_{split}": int(sum(dataset["truncated"])) for split, dataset in data.items()}
-    for split, dataset in data.items():
-        logger.info("%s: %d of %d documents are longer than %d tokens and were truncated.", split,
-                    truncated[f"truncated_{split}"], len(dataset), length)
+    for split, dataset in data.items():  # a warning when documents were cut: shown at the default log level
+        count = truncated[f"truncated_{split}"]
+        logger.log(logging.WARNING if count else logging.INFO, "%s: %d of %d documents are longer than %d tokens and "
+                   "were truncated (--max_seq_length).", split, count, len(dataset), length)
 
     trainer = Trainer(
         model=model,

@@ -111,6 +111,7 @@ def main(argv=None) -> dict:
     model_args, data_args, training_args = parse_args((ModelArguments, MlmDataArguments, MlmTrainingArguments), argv)
     setup_logging(training_args)
     set_seed(training_args.seed)
+    model_args.config()
 
     data = load_data(data_args, [data_args.text_column_name], need_eval=training_args.do_eval)
     tokenizer, model = model_args.load(AutoModelForMaskedLM)

@@ -183,7 +183,7 @@ def test_default_conversion_initialises_new_parameters(roberta, tmp_path, capsys
         assert torch.isfinite(model(ids).logits).all()
 
 
-def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
+def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys, monkeypatch):
     tiny = {"vocab_size": 50, "num_attention_heads": 2}
     DistilBertForMaskedLM(DistilBertConfig(dim=8, n_layers=1, hidden_dim=16, n_heads=2, vocab_size=50)).save_pretrained(
         tmp_path / "distilbert")
@@ -207,6 +207,9 @@ def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys):
         convert_roberta(bare, tmp_path / "out")
     with pytest.raises(ValueError, match="no such folder"):
         convert_roberta(str(tmp_path / "missing"), tmp_path / "out")
+    monkeypatch.chdir(roberta.parent)  # a folder name with a typo: said at once, not after the Hub's retries
+    with pytest.raises(ValueError, match=f"SRC 'robreta': no such local folder; did you mean '{roberta.name}'"):
+        convert_roberta("robreta", tmp_path / "out")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         convert_roberta(roberta, tmp_path / "out", max_position_embeddings=0)
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)

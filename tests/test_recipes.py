@@ -4,7 +4,10 @@ the artefacts appear, an interrupted run resumes, and bad arguments exit with a 
 import csv
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,7 +109,7 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
 
 
 def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_count(model_dir, tmp_path,
-                                                                                 capsys):
+                                                                                 capsys, caplog):
     """JSON Lines with renamed columns, a text pair and string labels: trains, selects the best epoch on the validation
     file, scores the test file once, and reports how many documents --max_seq_length cut."""
     rows = {split: list(load_dataset("csv", data_files=str(path))["train"])
@@ -126,6 +129,9 @@ def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_
     lengths = [len(text.split()) for text in (json.loads(line)["review"] for line in files["train"].open())]
     assert metrics["max_seq_length"] == 48 and 0 < metrics["truncated_train"] <= 96
     assert metrics["truncated_train"] >= sum(n > 48 for n in lengths)  # a word is one token or more
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert f"train: {metrics['truncated_train']} of 96 documents are longer than 48 tokens and were truncated" \
+        " (--max_seq_length)." in warned
     assert {"truncated_validation", "truncated_test", "test_accuracy", "eval_accuracy"} <= metrics.keys()
     assert metrics["eval_dataset"] == "dev.jsonl" and metrics["test_dataset"] == "test.jsonl"
     state = json.loads((out / "trainer_state.json").read_text())
@@ -289,6 +295,10 @@ def test_best_epoch_among_equal_accuracies_has_the_lowest_loss(model_dir, tmp_pa
          "is a zip archive of 2 files"),
         (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
                    "--per_device_train_batch_size", "10000000"], "a training step needs about"),
+        (finetune_imdb, ["--model_name_or_path", "ls-tiny-modle", "--output_dir", "o", "--do_train", "--train_file",
+                         str(IMDB_TRAIN)], "'ls-tiny-modle': no such local folder; did you mean 'ls-tiny-model'?"),
+        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--dataset_name",
+                         "./imdb_folder"], "--dataset_name './imdb_folder': no such local folder"),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
@@ -301,6 +311,8 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
     (tmp_path / "empty.csv").write_text("")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one_line.txt").write_text("a single short document\n")
+    (tmp_path / "ls-tiny-model").mkdir()
+    shutil.copy(model_dir / "config.json", tmp_path / "ls-tiny-model")
     with zipfile.ZipFile(tmp_path / "two.zip", "w") as archive:
         archive.writestr("a.txt", "a" * 1000)
         archive.writestr("b.txt", "b" * 1000)
@@ -310,6 +322,18 @@ def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_di
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_hub_dataset_offline_is_a_clear_error(model_dir, tmp_path):
+    """finetune_imdb without local files and without the Hub (offline): an error naming the local-file options, not a
+    traceback, and nothing written."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "recipes.finetune_imdb", "--model_name_or_path", str(model_dir),
+                           "--output_dir", str(tmp_path / "o"), "--do_train"], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--dataset_name 'stanfordnlp/imdb' could not be loaded" in done.stderr and "--train_file" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("script", [finetune_classification, finetune_imdb, pretrain_mlm, char_lm, push_to_hub])
