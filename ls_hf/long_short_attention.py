@@ -772,10 +772,9 @@ class LongShortSelfAttention(nn.Module):
         B, n = q.shape[:2]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
         p0, end = state.seen, state.seen + n
-        q_valid = valid
+        q_valid, offsets = valid, self._first_real(valid, state)
         if valid is None:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden.device)
-        offsets = self._first_real(valid, state)
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
         k_all, v_all, valid_all = (
             torch.cat([old, new], 1) if old is not None else new
@@ -823,16 +822,19 @@ class LongShortSelfAttention(nn.Module):
         return context, attn
 
     @staticmethod
-    def _first_real(valid: Tensor, state: CausalState) -> Tensor | None:
+    def _first_real(valid: Tensor | None, state: CausalState) -> Tensor | None:
         """Each row's first real token, the position its segments count from (B,): a row of padding only so far gets
         the position after this call's tokens, and moves to its first real token when one comes. None while every
         row's first token is real (checked once, in the first call; under ``torch.compile``, which cannot branch on
-        values, the offsets are kept even when all are 0, which gives the same results)."""
+        values, the offsets are kept even when all are 0, which gives the same results). ``valid`` None: every new
+        token is real."""
+        if (state.seen == 0 and valid is None) or (state.seen > 0 and state.offsets is None):
+            return None
+        if valid is None:
+            return torch.where(state.offsets == state.seen, state.seen, state.offsets)
         leading = (valid.cumsum(1) == 0).sum(1)  # this call's padding before the row's first real token
         if state.seen == 0:
             return leading if torch.compiler.is_compiling() or bool(leading.any()) else None
-        if state.offsets is None:
-            return None
         return torch.where(state.offsets == state.seen, state.seen + leading, state.offsets)
 
     def _project_per_row(self, *, state, hidden, keys, values, valid, k_start, end, offsets, lean):
