@@ -2,11 +2,13 @@
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo   runs the main job on built-in small data
 #   bash run.sh test   runs the test suite
-#   bash run.sh gpu-check [tests [float32|bfloat16]|bench]   on a CUDA machine: the attention, model and timm tests
-#                      on CUDA (float32, bfloat16; every test's outcome logged as it finishes, in GPU_CHECK_LOG_DIR,
-#                      default bench/results/), then bench_attention (bf16, n up to 65,536) and bench_models on CUDA,
-#                      JSON under bench/results/; 'tests' or 'bench' runs one half, 'tests <dtype>' one precision of
-#                      the tests; without a GPU it says so and exits 0
+#   bash run.sh gpu-check [tests [float32|bfloat16]|bench]   on a CUDA machine, each half within 5 minutes on one
+#                      H100: the tests that take the device (tests/device_tests.txt) on CUDA in float32 and bfloat16
+#                      side by side (each outcome logged as it finishes in GPU_CHECK_LOG_DIR, default bench/results/),
+#                      then bench.gpu_bars (the GPU bars, one table with each ratio and PASS/MISS; JSON under
+#                      bench/results/ and in GPU_CHECK_LOG_DIR); 'tests' or 'bench' runs one half, 'tests <dtype>'
+#                      one precision. It first says which declared dependencies the environment (VENV, default
+#                      .venv) lacks, and refuses when the check needs one. Without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in  # an unknown command is refused before anything is created or installed
@@ -27,6 +29,10 @@ if [ "$1" = gpu-check ]; then
     if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
         echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
         exit 0
+    fi
+    if [ -x "${VENV:-.venv}/bin/python" ]; then  # an environment made without run.sh is checked before any work
+        "${VENV:-.venv}/bin/python" -m bench.dependencies || exit 1
+        dependencies_checked=1
     fi
 fi
 VENV="${VENV:-.venv}"
@@ -51,25 +57,39 @@ case "${1:-}" in
                  "torch (pip install torch --index-url https://download.pytorch.org/whl/cu128, say)." >&2
             exit 1
         fi
+        [ -n "${dependencies_checked:-}" ] || "$VENV/bin/python" -m bench.dependencies || exit 1
+        log_dir="${GPU_CHECK_LOG_DIR:-bench/results}" limit="${GPU_CHECK_TIME_LIMIT:-270}"
+        mkdir -p "$log_dir"
+        status=0
         if [ "$part" != bench ]; then
-            log_dir="${GPU_CHECK_LOG_DIR:-bench/results}"
-            mkdir -p "$log_dir"
-            status=0
+            pids=()
+            for dtype in $dtypes; do  # the precisions side by side: GPU_CHECK_WORKERS pytest workers each
+                log="$log_dir/gpu_check_tests_$dtype.log"
+                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log as it finishes (at most ${limit} s)"
+                # -v logs each outcome as it finishes, so a run stopped at the limit (SIGINT: pytest still prints its
+                # summary) names what ran; one compile thread per worker, the workers being many; the file list
+                # expanded here, for any pytest version
+                # shellcheck disable=SC2046
+                LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 15 "$limit" \
+                    "$VENV/bin/python" -m pytest -v -p no:cacheprovider --durations=15 -n "${GPU_CHECK_WORKERS:-6}" \
+                    $(cat tests/device_tests.txt) > "$log" 2>&1 &
+                pids+=("$!")
+            done
+            for pid in "${pids[@]}"; do
+                wait "$pid" || status=1
+            done
             for dtype in $dtypes; do
                 log="$log_dir/gpu_check_tests_$dtype.log"
-                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log"
-                # workers share the GPU; the compiled cases (Triton builds) and the property tests take most of the
-                # time. -v writes each test's outcome as it finishes, so a run cut short still names its failures.
-                LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype "$VENV/bin/python" -m pytest -v -p no:cacheprovider \
-                    --durations=15 -n "${GPU_CHECK_WORKERS:-4}" @tests/device_tests.txt > "$log" 2>&1 || status=1
-                grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$log" || true
+                echo "run.sh gpu-check: $dtype ($log):"
+                grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)|no tests ran" "$log" || echo "  no summary"
+                if grep -q KeyboardInterrupt "$log"; then
+                    echo "  stopped after ${limit} s (GPU_CHECK_TIME_LIMIT): the tests the log does not name did not run"
+                fi
             done
             [ "$part" = tests ] && exit "$status"
         fi
-        "$VENV/bin/python" -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536 \
-            --peers long-short sdpa flex-window longformer   # bench/results/attention_cuda_bf16.json
-        "$VENV/bin/python" -m bench.bench_models --device cuda --dtype bf16 --lengths 4096 16384 \
-            --layers 2   # bench/results/models_cuda_bf16.json
+        # the bars, within their own time budget; the table at the end, JSON in bench/results/ and in the log folder
+        "$VENV/bin/python" -m bench.gpu_bars --copy-to "$log_dir" || status=1
         exit "${status:-0}"
         ;;
 esac

@@ -2,8 +2,10 @@
 
 One attention module each (query/key/value/output projections included; hidden 768, 12 heads, batch 1):
 
-* ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512): every window tile gathered
-  at once and kept by autograd;
+* ``long-short``: ``LongShortSelfAttention`` with w = 256, r = 64 (window span 2w = 512), its default path: on CUDA
+  one block-sparse FlexAttention call (compiled once per process by the package), elsewhere every window tile
+  gathered at once and kept by autograd;
+* ``long-short-eager``: the same with ``attn_implementation="eager"``: the grouped SDPA path on every device;
 * ``long-short-recompute``: the same with ``recompute_window_tiles=True``: tiles built chunk by chunk, again in the
   backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``);
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
@@ -11,8 +13,8 @@ One attention module each (query/key/value/output projections included; hidden 7
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
   Linear;
 * ``flex-window``: FlexAttention's own sliding window (keys within w of the query: the same 2w span) on the same
-  projections, a block mask and the compiled kernel. CUDA only (no FlexAttention backward on CPU), and there by
-  default.
+  projections, a block mask and the compiled kernel (one compilation per process, shared by every instance). CUDA
+  only for training (no FlexAttention backward on CPU), and there by default.
 
 On CPU every (peer, n) runs in a forked process so that its peak memory is its own: the RSS high-water mark
 (``VmHWM``) minus the RSS before the first step, and, in a second step, the CPU allocator's own peak of tensor memory
@@ -31,7 +33,9 @@ the performance targets (PASS/MISS). Times are never asserted anywhere.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -57,9 +61,21 @@ from bench.plot import plot_scaling
 from ls_hf.long_short_attention import LongShortSelfAttention
 from ls_hf.long_short_rules import create_block_mask, flex_attention
 
-HIDDEN, HEADS, WINDOW, RANK, BATCH = 768, 12, 256, 64, 1
-LONGFORMER_WINDOW = 2 * WINDOW
-PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-recompute")
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention layer measured: width, heads, Long-Short's w and r (Longformer's window: 2w, the same span;
+    FlexAttention's sliding window: +-w), and the batch."""
+
+    hidden: int = 768
+    heads: int = 12
+    window: int = 256
+    rank: int = 64
+    batch: int = 1
+
+
+SHAPE = Shape()
+PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-recompute", "long-short-eager")
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
@@ -113,100 +129,129 @@ class LongformerAttention(nn.Module):
 class LongShortAttention(nn.Module):
     """``LongShortSelfAttention`` returning only its output."""
 
-    def __init__(self, hidden: int, heads: int, window: int, rank: int, recompute_window_tiles: bool = False):
+    def __init__(self, hidden: int, heads: int, window: int, rank: int, recompute_window_tiles: bool = False,
+                 attn_implementation: str = "sdpa"):
         super().__init__()
-        self.attn = LongShortSelfAttention(hidden, heads, window, rank, recompute_window_tiles=recompute_window_tiles)
+        self.attn = LongShortSelfAttention(hidden, heads, window, rank, recompute_window_tiles=recompute_window_tiles,
+                                           attn_implementation=attn_implementation)
 
     def forward(self, x):
         return self.attn(x)[0]
 
 
+@functools.cache
+def compiled(fn):
+    """``torch.compile(fn)`` made once per process, so that every instance shares its compilations (one per shape at
+    most), as the Long-Short path shares the package's."""
+    return torch.compile(fn)
+
+
+@functools.cache
+def sliding_window(window: int):
+    """FlexAttention's mask_mod for keys at most ``window`` positions from the query (one function per window, so a
+    compiled kernel's guards hold for every instance)."""
+
+    def within(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= window
+
+    return within
+
+
 class FlexWindowAttention(DenseAttention):
     """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
-    a block mask per length and the compiled kernel. The mask is built compiled: built eagerly, ``create_block_mask``
-    evaluates every (query, key) pair (10 GiB at 32,768 tokens), which would dwarf the attention's own memory."""
+    a block mask per length and, on CUDA, the compiled kernel (``compiled``; the CPU runs FlexAttention eagerly, forward
+    only). The mask is built compiled on CUDA: built eagerly, ``create_block_mask`` evaluates every (query, key) pair
+    (10 GiB at 32,768 tokens), which would dwarf the attention's own memory."""
 
     def __init__(self, hidden: int, heads: int, window: int):
         super().__init__(hidden, heads, eager=False)
         self.window = window
-        self.flex = torch.compile(flex_attention, dynamic=False)
-        self.create_block_mask = torch.compile(create_block_mask)
         self.masks = {}
 
     def attend(self, q, k, v):
-        n = q.shape[-2]
+        n, on_cuda = q.shape[-2], q.device.type == "cuda"
         if n not in self.masks:
-            self.masks[n] = self.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= self.window,
-                                                   None, None, n, n, device=q.device)
-        return self.flex(q, k, v, block_mask=self.masks[n])
+            build = compiled(create_block_mask) if on_cuda else create_block_mask
+            self.masks[n] = build(sliding_window(self.window), None, None, n, n, device=q.device)
+        return (compiled(flex_attention) if on_cuda else flex_attention)(q, k, v, block_mask=self.masks[n])
 
 
-def build_peer(peer: str) -> nn.Module:
-    if peer in ("long-short", "long-short-recompute"):
-        return LongShortAttention(HIDDEN, HEADS, WINDOW, RANK, recompute_window_tiles=peer == "long-short-recompute")
+def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
+    hidden, heads = shape.hidden, shape.heads
+    if peer in ("long-short", "long-short-recompute", "long-short-eager"):
+        return LongShortAttention(hidden, heads, shape.window, shape.rank,
+                                  recompute_window_tiles=peer == "long-short-recompute",
+                                  attn_implementation="eager" if peer == "long-short-eager" else "sdpa")
     if peer in ("sdpa", "eager"):
-        return DenseAttention(HIDDEN, HEADS, eager=peer == "eager")
+        return DenseAttention(hidden, heads, eager=peer == "eager")
     if peer == "longformer":
-        return LongformerAttention(HIDDEN, HEADS, LONGFORMER_WINDOW)
+        return LongformerAttention(hidden, heads, 2 * shape.window)
     if peer == "flex-window":
-        return FlexWindowAttention(HIDDEN, HEADS, LONGFORMER_WINDOW // 2)
+        return FlexWindowAttention(hidden, heads, shape.window)
     raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
 
 
 # ------------------------------------------------------------------------------------- models of cost
-def model_flops(peer: str, n: int) -> float:
-    """Forward FLOPs (multiply-add = 2), projections included: performance.md Sec. 5."""
-    d = HIDDEN
+def model_flops(peer: str, n: int, shape: Shape = SHAPE) -> float:
+    """Forward FLOPs of one sequence (multiply-add = 2), projections included: performance.md Sec. 5."""
+    d, window, rank = shape.hidden, shape.window, shape.rank
     projections = 8 * n * d * d
     if peer in ("sdpa", "eager"):
         return projections + 4 * n * n * d
     if peer in ("longformer", "flex-window"):
-        return projections + 4 * n * (LONGFORMER_WINDOW + 1) * d
-    span = WINDOW + 2 * max(WINDOW // 2, 1)
-    dynamic_projection = 2 * n * d * HEADS * RANK + 4 * n * RANK * d
-    return projections + dynamic_projection + 4 * n * (span + RANK) * d
+        return projections + 4 * n * (2 * window + 1) * d
+    span = window + 2 * max(window // 2, 1)
+    dynamic_projection = 2 * n * d * shape.heads * rank + 4 * n * rank * d
+    return projections + dynamic_projection + 4 * n * (span + rank) * d
 
 
-def estimated_bytes(peer: str, n: int, element_size: int) -> float:
+def estimated_bytes(peer: str, n: int, element_size: int, shape: Shape = SHAPE) -> float:
     """Generous estimate of a training step's activations: eager keeps ~3 n x n score tensors per head."""
-    linear = 64 * BATCH * n * HIDDEN * element_size
+    batch, heads = shape.batch, shape.heads
+    linear = 64 * batch * n * shape.hidden * element_size
     if peer == "eager":
-        return linear + 3 * BATCH * HEADS * n * n * element_size
+        return linear + 3 * batch * heads * n * n * element_size
     if peer == "longformer":
-        return linear + 8 * BATCH * HEADS * n * (LONGFORMER_WINDOW + 1) * element_size
+        return linear + 8 * batch * heads * n * (2 * shape.window + 1) * element_size
     return linear
 
 
 # ------------------------------------------------------------------------------------------ one run
-def _inputs(n: int, device: str, dtype: torch.dtype):
+def inputs(n: int, device: str, dtype: torch.dtype, shape: Shape = SHAPE):
+    """The layer's input (batch, n, hidden), which takes gradients, and the gradient its output gets."""
     torch.manual_seed(0)
-    x = torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-    return x, torch.randn(BATCH, n, HIDDEN, device=device, dtype=dtype)
+    x = torch.randn(shape.batch, n, shape.hidden, device=device, dtype=dtype, requires_grad=True)
+    return x, torch.randn(shape.batch, n, shape.hidden, device=device, dtype=dtype)
 
 
-def _step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+def step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, backward: bool = True) -> None:
+    """One forward + backward pass (``backward=False``: a forward pass without autograd)."""
     module.zero_grad(set_to_none=True)
     x.grad = None
+    if not backward:
+        with torch.no_grad():
+            module(x)
+        return
     module(x).backward(grad)
 
 
 def measure_memory(peer: str, n: int, device: str, dtype: torch.dtype) -> dict:
     """Peak memory of one forward + backward step above the memory held before it."""
     module = build_peer(peer).to(device=device, dtype=dtype)
-    x, grad = _inputs(n, device, dtype)
+    x, grad = inputs(n, device, dtype)
     base = reset_peak_memory(device)
-    _step(module, x, grad)
+    step(module, x, grad)
     result = {"peak_mem_bytes": peak_memory_above(device, base)}
     if device == "cpu":
-        result["peak_alloc_bytes"] = peak_allocated_above(lambda: _step(module, x, grad))
+        result["peak_alloc_bytes"] = peak_allocated_above(lambda: step(module, x, grad))
     return result
 
 
 def measure_times(peers: list[str], n: int, device: str, dtype: torch.dtype, repeats: int) -> dict:
     """Forward + backward times of the peers stepped in turn (``interleaved_times``). Median per peer."""
     modules = {peer: build_peer(peer).to(device=device, dtype=dtype) for peer in peers}
-    x, grad = _inputs(n, device, dtype)
-    steps = {peer: (lambda module=module: _step(module, x, grad)) for peer, module in modules.items()}
+    x, grad = inputs(n, device, dtype)
+    steps = {peer: (lambda module=module: step(module, x, grad)) for peer, module in modules.items()}
     times = interleaved_times(steps, repeats, sync=lambda: sync(device))
     return {peer: {"time_s": sorted(t)[len(t) // 2], "times_s": t} for peer, t in times.items()}
 
@@ -326,8 +371,7 @@ def main(argv=None) -> None:
         device=args.device,
         dtype=args.dtype,
         repeats=args.repeats,
-        config={"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK, "batch": BATCH,
-                "longformer_attention_window": LONGFORMER_WINDOW},
+        config=asdict(SHAPE) | {"longformer_attention_window": 2 * SHAPE.window},
         memory="RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
         if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
         time=f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
@@ -353,7 +397,8 @@ def main(argv=None) -> None:
     out = args.out or results_path(f"attention_{args.device}{suffix}", args.quick)
     write_json(out, {"meta": meta, "results": rows, "targets": targets})
     out.with_suffix(".md").write_text(text)
-    title = f"one attention layer, fwd+bwd, d={HIDDEN}, H={HEADS}, w={WINDOW}, r={RANK}, {args.device} {args.dtype}"
+    title = (f"one attention layer, fwd+bwd, d={SHAPE.hidden}, H={SHAPE.heads}, w={SHAPE.window}, r={SHAPE.rank}, "
+             f"{args.device} {args.dtype}")
     plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")
     print(f"wrote {out} and its .md, .png")
 

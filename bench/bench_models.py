@@ -4,7 +4,9 @@ Training: base width (hidden 768, 12 heads, intermediate 3072), batch 1, few lay
 
 * ``long-short``: ``LongShortForMaskedLM`` with w = 256, r = 64;
 * ``roberta-sdpa``: ``RobertaForMaskedLM`` with SDPA attention and n + 2 positions;
-* ``longformer``: ``LongformerForMaskedLM`` with attention_window 512 (the same 2w span), no global tokens.
+* ``longformer``: ``LongformerForMaskedLM`` with attention_window 512 (the same 2w span), no global tokens;
+* ``modernbert``: ``ModernBertForMaskedLM`` from ``ModernBertConfig``'s own (base) widths, random weights, with its
+  fastest attention available here (``modernbert_attention``); not a default peer (``bench.gpu_bars`` runs it).
 
 One step = forward + backward of the MLM loss on all n tokens. The vocabulary is small (``--vocab``, 1024) so that
 the LM head, identical work for every peer (2 n d V FLOPs), does not hide the encoders when only 1-2 layers run.
@@ -42,6 +44,7 @@ Prints markdown tables with ratios and the performance targets (PASS/MISS); time
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from pathlib import Path
 
@@ -50,6 +53,8 @@ from transformers import (
     GenerationConfig,
     LongformerConfig,
     LongformerForMaskedLM,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
     RobertaConfig,
     RobertaForMaskedLM,
     StoppingCriteria,
@@ -82,19 +87,33 @@ TRAIN_TARGETS = (
 DECODE_TARGET = 1.5  # cached per-token time at the longest context / at the shortest
 
 
-def build_mlm(peer: str, n: int, layers: int, vocab: int, recompute_window_tiles: bool = False):
+def modernbert_attention(device: str) -> str:
+    """ModernBERT's fastest attention here: flash attention 2 on CUDA when the ``flash_attn`` package is installed,
+    else SDPA."""
+    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def build_mlm(peer: str, n: int, layers: int, vocab: int, recompute_window_tiles: bool = False, *,
+              width: dict | None = None, window: int = WINDOW, rank: int = RANK, device: str = "cpu"):
     """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows);
-    ``recompute_window_tiles`` for Long-Short (``LongShortConfig``)."""
-    common = {**BASE, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
+    ``recompute_window_tiles``, ``window`` and ``rank`` for Long-Short (``LongShortConfig``). ``width``:
+    hidden_size, num_attention_heads and intermediate_size (default: ``BASE``; ModernBERT: its own config's).
+    ``device``: where it will run (ModernBERT's attention depends on it)."""
+    if peer == "modernbert":  # token ids 0-2 as RoBERTa's, inside any vocabulary
+        return ModernBertForMaskedLM(ModernBertConfig(
+            **(width or {}), num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=n,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2,
+            attn_implementation=modernbert_attention(device)))
+    common = {**(width or BASE), "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
               "type_vocab_size": 1, "layer_norm_eps": 1e-5, "attention_probs_dropout_prob": 0.0}
     if peer == "long-short":
-        return LongShortForMaskedLM(LongShortConfig(**common, window_size=WINDOW, projection_rank=RANK,
+        return LongShortForMaskedLM(LongShortConfig(**common, window_size=window, projection_rank=rank,
                                                     recompute_window_tiles=recompute_window_tiles))
     if peer in ("roberta-sdpa", "roberta-eager"):  # eager: the n x n scores materialised
         return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation=peer.removeprefix("roberta-")))
     if peer == "longformer":
-        return LongformerForMaskedLM(LongformerConfig(**common, attention_window=LONGFORMER_WINDOW))
-    raise ValueError(f"peer must be one of {PEERS + ('roberta-eager',)}, got {peer!r}")
+        return LongformerForMaskedLM(LongformerConfig(**common, attention_window=2 * window))
+    raise ValueError(f"peer must be one of {PEERS + ('roberta-eager', 'modernbert')}, got {peer!r}")
 
 
 def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False) -> float:
@@ -108,13 +127,14 @@ def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: b
 
 
 def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False, global_first: bool = False,
-                  device: str = "cpu", dtype: str = "fp32"):
-    """A closure running one training step (forward + backward of the MLM loss) of a freshly built peer."""
+                  device: str = "cpu", dtype: str = "fp32", *, batch: int = 1, **build):
+    """A closure running one training step (forward + backward of the MLM loss over ``batch`` sequences of n tokens)
+    of a freshly built peer; ``build``: ``build_mlm``'s keyword arguments."""
     torch.manual_seed(0)
-    model = build_mlm(peer, n, layers, vocab).to(device, DTYPES[dtype]).train()
+    model = build_mlm(peer, n, layers, vocab, device=device, **build).to(device, DTYPES[dtype]).train()
     if checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    ids = torch.randint(3, vocab, (1, n), device=device)
+    ids = torch.randint(3, vocab, (batch, n), device=device)
     inputs = {"input_ids": ids, "labels": ids}
     if global_first and peer != "roberta-sdpa":
         inputs["global_attention_mask"] = torch.zeros_like(ids)
@@ -196,11 +216,13 @@ class StepClock(StoppingCriteria):
 
 
 def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int, device: str = "cpu",
-                       dtype: str = "fp32") -> dict:
-    """Median per-token decoding time after a ``context``-token prompt, with or without the cache."""
+                       dtype: str = "fp32", *, width: dict | None = None, window: int = WINDOW) -> dict:
+    """Median per-token decoding time after a ``context``-token prompt, with or without the cache; ``width`` as
+    ``build_mlm``'s."""
     torch.manual_seed(0)
-    config = LongShortConfig(**BASE, num_hidden_layers=layers, vocab_size=vocab, is_decoder=True, window_size=WINDOW,
-                             projection_rank=1, causal_segment_length=16, max_position_embeddings=context + new_tokens + 3)
+    config = LongShortConfig(**(width or BASE), num_hidden_layers=layers, vocab_size=vocab, is_decoder=True,
+                             window_size=window, projection_rank=1, causal_segment_length=16,
+                             max_position_embeddings=context + new_tokens + 3)
     model = LongShortForCausalLM(config).to(device, DTYPES[dtype]).eval()
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=1, bos_token_id=0)
     prompt = torch.randint(3, vocab, (1, context), device=device)

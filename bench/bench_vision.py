@@ -67,13 +67,14 @@ COLUMNS = {
 
 
 def build(name: str, resolution: int, reparam: bool = False) -> torch.nn.Module:
-    """The model; with ``reparam``, cvt_ls_13 with its convs fused for inference (``reparameterize_model``, as timm's
-    own benchmark script's ``--reparam``)."""
+    """``hf_cvt_13``, or the timm model ``name`` built for ``resolution`` (``cvt_ls_13``, ``vil_ls_medium``: with the
+    paper's r and w for it), random weights; with ``reparam``, its convs fused for inference
+    (``reparameterize_model``, as timm's own benchmark script's ``--reparam``)."""
     torch.manual_seed(0)
-    if name == "cvt_ls_13":
-        model = timm.create_model("cvt_ls_13", img_size=resolution)
-        return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
-    return CvtForImageClassification(CvtConfig(num_labels=1000))
+    if name == "hf_cvt_13":
+        return CvtForImageClassification(CvtConfig(num_labels=1000))
+    model = timm.create_model(name, img_size=resolution)
+    return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
 
 
 def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:

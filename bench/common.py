@@ -133,14 +133,25 @@ def peak_memory_above(device: str, base: int) -> int:
     return peak_rss_above(base)
 
 
+# What a measurement reports as its result instead of raising: running out of memory, a shape or dtype a kernel does
+# not support, a compiler's failure (torch.compile raises RuntimeErrors). Other errors are bugs, and raise.
+MEASUREMENT_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError)
+
+
+def failure(error: BaseException) -> dict:
+    """A failed measurement's status ("oom" or "error") and reason (the first line of the error)."""
+    message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    out_of_memory = isinstance(error, torch.OutOfMemoryError) or "allocate" in message
+    return {"status": "oom" if out_of_memory else "error", "reason": message}
+
+
 def _child(conn, fn, args, threads) -> None:
     if threads:
         torch.set_num_threads(threads)
     try:
         conn.send({"status": "ok", **fn(*args)})
-    except (RuntimeError, ValueError) as error:  # reported in the tables, not raised
-        message = str(error).splitlines()[0][:200]
-        conn.send({"status": "oom" if "allocate" in message else "error", "reason": message})
+    except MEASUREMENT_ERRORS as error:  # reported in the tables, not raised
+        conn.send(failure(error))
 
 
 def forked(fn, *args, threads: int = 0) -> dict:
@@ -172,16 +183,64 @@ def isolated(device: str, fn, *args, threads: int = 0) -> dict:
         torch.cuda.empty_cache()
 
 
-def interleaved_times(steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None) -> dict:
-    """Times of the peers' ``steps`` side by side: one warm-up round, then ``repeats`` rounds in which every peer takes
-    one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run order}."""
+def interleaved_times(steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
+                      warmups: int = 1) -> dict:
+    """Times of the peers' ``steps`` side by side: ``warmups`` warm-up rounds, then ``repeats`` rounds in which every
+    peer takes one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run
+    order}."""
     times = {peer: [] for peer in steps}
-    for round_ in range(repeats + 1):
+    for round_ in range(warmups + repeats):
         for peer, step in steps.items():
             sync()
             start = time.perf_counter()
             step()
             sync()
-            if round_:  # round 0 is the warm-up
+            if round_ >= warmups:
                 times[peer].append(time.perf_counter() - start)
     return times
+
+
+def peak_step_memory(step: Callable[[], object], device: str) -> int:
+    """The peak of tensor memory that ``step()`` allocates above what is held before it: CUDA's
+    ``max_memory_allocated``, the CPU allocator's own count (``peak_allocated_above``)."""
+    if device != "cuda":
+        return peak_allocated_above(step)
+    base = reset_peak_memory(device)
+    step()
+    return peak_memory_above(device, base)
+
+
+def side_by_side(steps: dict[str, Callable[[], None]], device: str, repeats: int, warmups: int = 2) -> dict[str, dict]:
+    """The peers' ``steps`` measured in this process: ``warmups`` rounds (where compilation happens), then each peer's
+    peak memory over one step of its own (``peak_step_memory``; every peer's weights and inputs are held), then
+    ``repeats`` timed rounds taken in turn (``interleaved_times``). Returns {peer: {"status": "ok", "time_s": median,
+    "times_s": in run order, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error" and its
+    ``reason``, and leaves the rounds."""
+    results, live = {}, dict(steps)
+
+    def drop(peer: str, error: Exception) -> None:  # reported in the results, not raised
+        results[peer] = failure(error)
+        del live[peer]
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    for _ in range(warmups):
+        for peer, step in list(live.items()):
+            try:
+                step()
+                sync(device)
+            except MEASUREMENT_ERRORS as error:
+                drop(peer, error)
+    for peer, step in list(live.items()):
+        try:
+            results[peer] = {"status": "ok", "peak_mem_bytes": peak_step_memory(step, device)}
+        except MEASUREMENT_ERRORS as error:
+            drop(peer, error)
+    try:
+        times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0)
+    except MEASUREMENT_ERRORS as error:  # rare after a clean warm-up; the failing peer is not known: all are marked
+        times = {}
+        results |= {peer: failure(error) for peer in live}
+    for peer, peer_times in times.items():
+        results[peer] |= {"time_s": sorted(peer_times)[len(peer_times) // 2], "times_s": peer_times}
+    return {peer: results[peer] for peer in steps}

@@ -5,11 +5,15 @@
 
 Tests that compare against a reference take ``device`` and ``dtype`` and check with ``tests.devices.assert_close``
 (tolerances suited to the dtype); ``bash run.sh gpu-check`` runs them on CUDA in float32 and bfloat16.
+
+On a GPU (``LS_TEST_DEVICE=cuda``) only the tests that take the ``device`` fixture run: the others would run on the
+CPU exactly as they do without it, so they are deselected. Property tests draw fewer examples there
+(``tests.devices.property_examples``).
 """
 
 import pytest
 
-from tests.devices import test_device, test_dtype
+from tests.devices import device_selection, test_device, test_dtype
 
 
 def pytest_configure(config):
@@ -17,6 +21,17 @@ def pytest_configure(config):
         test_device(), test_dtype()
     except (ValueError, RuntimeError) as err:
         raise pytest.UsageError(str(err)) from None
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:], deselected = device_selection(items, test_device())
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+
+
+def pytest_report_header(config):
+    if test_device().type != "cpu":
+        return f"LS_TEST_DEVICE={test_device()}: only the tests that take the device fixture run"
 
 
 @pytest.fixture(scope="session")  # session scope: hypothesis's @given tests may take it

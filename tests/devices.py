@@ -10,6 +10,9 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # assert_close's atol below float64, relative to the largest reference magnitude: float32 leaves room for TF32
 # convolutions (cuDNN's default on CUDA, 10-bit mantissa), bfloat16 for its 8-bit mantissa through a few layers.
 RELATIVE_ATOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+# Examples per property test on a GPU: each example draws new shapes, and on CUDA a new shape can cost a kernel
+# compilation (FlexAttention's) where the CPU pays microseconds, so the GPU run draws a sample of them.
+GPU_EXAMPLES = 8
 
 
 def test_device() -> torch.device:
@@ -31,6 +34,21 @@ def test_dtype() -> torch.dtype:
 
 
 test_device.__test__ = test_dtype.__test__ = False  # helpers, not tests
+
+
+def property_examples(cpu: int) -> int:
+    """Hypothesis examples for a property test that draws ``cpu`` of them on the CPU: at most ``GPU_EXAMPLES`` when
+    ``LS_TEST_DEVICE`` names a GPU."""
+    return cpu if test_device().type == "cpu" else min(cpu, GPU_EXAMPLES)
+
+
+def device_selection(items: list, device: torch.device) -> tuple[list, list]:
+    """The collected tests to run on ``device`` and those to deselect: on a GPU, only those that take the ``device``
+    fixture (the others would run on the CPU just as they do without it); on the CPU, all of them."""
+    if device.type == "cpu":
+        return list(items), []
+    kept = [item for item in items if "device" in getattr(item, "fixturenames", ())]
+    return kept, [item for item in items if "device" not in getattr(item, "fixturenames", ())]
 
 
 def cpu64(*objects):

@@ -4,7 +4,6 @@ Everything here is checked, never timed. Shapes are small so the whole file runs
 """
 
 import json
-import math
 from pathlib import Path
 from unittest.mock import patch
 
@@ -16,12 +15,12 @@ from hypothesis import strategies as st
 
 from ls_hf import long_short_kernels, long_short_rules
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
-from tests.devices import assert_close, cpu64, test_dtype
+from tests.devices import assert_close, cpu64, property_examples, test_dtype
 from tests.reference import reference_attention
 
 TOL = 1e-5
 FIXTURES = Path(__file__).resolve().parent / "fixtures"  # produced by the official code (fixtures/README.md)
-PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------------------------------- helpers

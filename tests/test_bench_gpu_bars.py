@@ -1,0 +1,142 @@
+"""bench.gpu_bars: the verdicts and ratios from given numbers, every bar's row, the time guard, and the whole script on
+the CPU with tiny shapes (``--smoke``). Times are measured there, never asserted."""
+
+import json
+import time
+
+import pytest
+import timm
+import torch
+
+import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
+from bench import gpu_bars
+from bench.common import side_by_side
+from bench.gpu_bars import BARS, UNITS, bar_rows, table, time_limit, verdict
+
+
+def test_verdict_on_made_up_numbers():
+    assert verdict(1.3, "<=", 1.3) == verdict(2.5, ">=", 2.5) == verdict(0.5, "<=", 1.3) == "PASS"
+    assert verdict(1.31, "<=", 1.3) == verdict(2.49, ">=", 2.5) == verdict(16.0, "<=", 15.0) == "MISS"
+    assert verdict(0.7, "", None) == "ref"
+    assert verdict(None, ">=", 1.5) == verdict(None, "", None) == "not run"
+
+
+def _made_up_measurements() -> dict:
+    """Every key a bar reads, each with its own made-up value of every quantity (1, 2, 3, ... in key order)."""
+    keys = sorted({key for bar in BARS for key in (bar.numerator, bar.denominator)})
+    return {key: {"status": "ok", **dict.fromkeys(UNITS, float(i + 1))} for i, key in enumerate(keys)}
+
+
+def test_every_bar_has_a_row_with_its_ratio_and_verdict():
+    measurements = _made_up_measurements()
+    rows = bar_rows(measurements, notes={})
+    assert [row["bar"] for row in rows] == [bar.what for bar in BARS] and len({bar.what for bar in BARS}) == len(BARS)
+    for row, bar in zip(rows, BARS):
+        values = [measurements[key][bar.quantity] for key in (bar.numerator, bar.denominator)]
+        assert row["values"] == values and row["ratio"] == values[0] / values[1] and row["reason"] == ""
+        assert row["verdict"] == verdict(row["ratio"], bar.relation, bar.target) != "not run"
+    assert {row["verdict"] for row in rows} == {"PASS", "MISS", "ref"}
+    text = table(rows)
+    assert all(bar.what in text for bar in BARS) and text.count("\n") == len(BARS) + 2
+
+
+def test_ratios_from_given_numbers():
+    """The attention bars against FlexAttention's window (<= 1.3x its time) and flash SDPA (>= 2.5x at 16k)."""
+    measurements = _made_up_measurements()
+    at_16k = {"long-short": 2.8e-3, "flex-window": 2.0e-3, "sdpa": 7.0e-3}
+    for peer, seconds in at_16k.items():
+        measurements[f"attention/{peer}/16k x1"] = {"status": "ok", "time_s": seconds, "peak_mem_bytes": 2**30}
+    rows = {row["bar"]: row for row in bar_rows(measurements, notes={})}
+    window = rows["attention fwd+bwd 16k, batch 1: Long-Short / FlexAttention sliding window, time"]
+    assert window["ratio"] == pytest.approx(1.4) and window["verdict"] == "MISS" and window["target"] == "<= 1.3x"
+    assert window["measured"] == "long-short 2.8 ms / flex-window 2 ms"
+    flash = rows["attention fwd+bwd 16k, batch 1: flash SDPA / Long-Short, time (speedup)"]
+    assert flash["ratio"] == pytest.approx(2.5) and flash["verdict"] == "PASS"
+    memory = rows["attention fwd+bwd 16k, batch 1: Long-Short / flash SDPA, peak memory"]
+    assert memory["ratio"] == 1.0 and memory["measured"] == "long-short 1,024 MiB / sdpa 1,024 MiB"
+
+
+def test_a_missing_or_failed_measurement_says_why():
+    measurements = _made_up_measurements()
+    measurements["attention/sdpa/64k x1"] = {"status": "oom", "reason": "CUDA out of memory"}
+    del measurements["LRA ListOps/full/listops"]
+    measurements["decoding/cached/512"]["per_token_s"] = 0.0
+    rows = {row["bar"]: row for row in bar_rows(measurements, notes={"LRA ListOps": "its time ran out"})}
+    oom = rows["attention fwd+bwd 64k, batch 1: flash SDPA / Long-Short, time (speedup)"]
+    assert oom["verdict"] == "not run" and oom["reason"] == "oom: CUDA out of memory" and oom["ratio"] is None
+    assert rows["LRA ListOps training step: full attention / Long-Short, time"]["reason"] == "its time ran out"
+    zero = rows["cached decoding: per-token time after 8k / after 512 tokens"]
+    assert zero["verdict"] == "not run" and "is 0" in zero["reason"]
+
+
+def test_time_limit_stops_a_section_and_restores_the_alarm():
+    start = time.perf_counter()
+    with pytest.raises(gpu_bars.OutOfTime), time_limit(0.2):
+        while True:
+            time.sleep(0.01)
+    assert 0.2 <= time.perf_counter() - start < 5
+    with pytest.raises(gpu_bars.OutOfTime), time_limit(0):
+        pytest.fail("a section with no time left must not start")
+    with time_limit(5):
+        pass
+    time.sleep(0.05)  # the alarm was cancelled: nothing raised later
+
+
+def test_side_by_side_reports_a_failing_peer_and_measures_the_others():
+    x = torch.randn(64, 64)
+
+    def broken():
+        raise RuntimeError("this peer breaks")
+
+    results = side_by_side({"matmul": lambda: x @ x, "broken": broken}, "cpu", repeats=3, warmups=1)
+    assert results["broken"] == {"status": "error", "reason": "this peer breaks"}
+    ok = results["matmul"]
+    assert ok["status"] == "ok" and len(ok["times_s"]) == 3 and ok["time_s"] == sorted(ok["times_s"])[1]
+    assert ok["peak_mem_bytes"] >= 64 * 64 * 4  # the product's output
+
+
+def test_both_plans_build_models_that_exist():
+    """The GPU plan's models are those the smoke run stands in for, and timm knows each of them."""
+    gpu, smoke = gpu_bars.GPU.vision_models, gpu_bars.SMOKE.vision_models
+    assert set(gpu) == set(smoke) == set(gpu_bars.VISION_MODELS) and all(gpu[name] == name for name in gpu)
+    assert all(timm.is_model(name) for name in {*gpu.values(), *smoke.values()} - {"hf_cvt_13"})
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # FlexAttention's window, on the CPU
+def test_smoke_run_measures_every_bar_on_the_cpu(tmp_path, capsys):
+    """The whole script on the CPU with tiny shapes: every section runs, every bar gets a ratio and a verdict, the JSON
+    and the table are written, and a copy lands in --copy-to."""
+    out = tmp_path / "bars" / "gpu_bars.json"
+    rows = gpu_bars.main(["--smoke", "--out", str(out), "--copy-to", str(tmp_path / "copy")])
+    assert [row["bar"] for row in rows] == [bar.what for bar in BARS]
+    assert all(row["verdict"] in ("PASS", "MISS", "ref") for row in rows), [r for r in rows if r["ratio"] is None]
+    saved = json.loads(out.read_text())
+    assert saved["bars"] == json.loads(json.dumps(rows)) and saved["meta"]["device"] == "cpu"
+    assert all(note.startswith("ran in") for note in saved["meta"]["sections"].values())
+    assert {key.split("/")[0] for key in saved["measurements"]} == {name for name, *_ in gpu_bars.SECTIONS}
+    assert (tmp_path / "copy" / "gpu_bars.json").read_text() == out.read_text()
+    assert out.with_suffix(".md").read_text() == (tmp_path / "copy" / "gpu_bars.md").read_text()
+    assert table(rows) in capsys.readouterr().out
+
+
+def test_no_time_left_marks_every_bar_not_run(tmp_path):
+    rows = gpu_bars.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "bars.json")])
+    assert len(rows) == len(BARS) and {row["verdict"] for row in rows} == {"not run"}
+    assert all("its time ran out" in row["reason"] for row in rows)
+
+
+@pytest.mark.parametrize("args, message", [(["--smoke", "--budget-s", "-1"], "--budget-s must be >= 0"),
+                                           (["--smoke", "--out", "bars.txt"], "--out must name a .json file")])
+def test_bad_arguments_are_refused_before_any_work(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_bars.main(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_without_cuda_the_gpu_plan_is_refused(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the GPU plan runs here")
+    with pytest.raises(SystemExit):
+        gpu_bars.main([])
+    assert "no CUDA device" in capsys.readouterr().err
