@@ -2,6 +2,7 @@
 the CPU with tiny shapes (``--smoke``). Times are measured there, never asserted."""
 
 import json
+import signal
 import time
 
 import pytest
@@ -70,16 +71,15 @@ def test_a_missing_or_failed_measurement_says_why():
 
 
 def test_time_limit_stops_a_section_and_restores_the_alarm():
-    start = time.perf_counter()
+    handler = signal.getsignal(signal.SIGALRM)
     with pytest.raises(gpu_bars.OutOfTime), time_limit(0.2):
-        while True:
+        for _ in range(1000):  # 10 s unless the alarm stops it
             time.sleep(0.01)
-    assert 0.2 <= time.perf_counter() - start < 5
     with pytest.raises(gpu_bars.OutOfTime), time_limit(0):
         pytest.fail("a section with no time left must not start")
     with time_limit(5):
         pass
-    time.sleep(0.05)  # the alarm was cancelled: nothing raised later
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is handler
 
 
 def test_side_by_side_reports_a_failing_peer_and_measures_the_others():
