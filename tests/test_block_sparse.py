@@ -144,7 +144,7 @@ def block_classes(block_mask):
     grids = []
     for counts, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
                             (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
-        counts, indices = counts[:, 0].long(), indices[:, 0].long()
+        counts, indices = counts[:, 0].long().cpu(), indices[:, 0].long().cpu()
         chosen = torch.arange(indices.shape[-1]) < counts[..., None]
         grid = torch.zeros(*indices.shape[:-1], key_blocks + 1, dtype=torch.bool)
         grid.scatter_(-1, torch.where(chosen, indices, key_blocks), True)
@@ -359,3 +359,21 @@ def test_compiled_flex_honours_the_block_mask():
     wrong = BlockMask.from_kv_blocks(*lsb._ordered(partial), *lsb._ordered(full), BLOCK_SIZE=32,
                                      mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
     assert (flex_attend(q, k, v, wrong, compiled=True).double() - expected).abs().max() > 100 * tolerance
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_block_mask_is_built_on_the_test_device(causal, device):
+    """The mask is built where the keys are (on CUDA without a round trip through the CPU, offsets included) and
+    equals create_block_mask's there, block class by block class."""
+    n, rows = 700, 44 if causal else 64
+    layout = KeyLayout(window_size=128, causal=causal, num_window_keys=n, num_extra_keys=rows,
+                       segment_length=16 if causal else None, projection_rank=1 if causal else None)
+    key_valid = torch.ones(2, n + rows, dtype=torch.bool, device=device)
+    key_valid[1, :90] = False
+    offsets = torch.tensor([0, 90], device=device) if causal else None
+    ours = long_short_block_mask(layout, num_queries=n, key_valid=key_valid, offsets=offsets)
+    assert ours.kv_indices.device.type == device.type
+    mask_mod = long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets)
+    expected = create_block_mask(mask_mod, 2, None, n, n + rows, device=device)
+    for got, want in zip(block_classes(ours), block_classes(expected)):
+        assert torch.equal(got, want)

@@ -233,3 +233,32 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
     default.train()
     default.attention_dropout = 0.1
     assert fused_calls(default, x, mask)[1] == 0
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_default_matches_the_portable_path_on_the_test_device(causal, device, dtype, monkeypatch):
+    """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask; here
+    on any test device, the CPU standing in) against "eager" (grouped SDPA everywhere) on the test device, with
+    padding (right; causal: left) and 128-token blocks: outputs, and where FlexAttention has a backward (not on the
+    CPU) the input's gradient."""
+    from ls_hf import long_short_attention
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
+    config = {"hidden": 32, "heads": 2, "window": 64, "rank": 4, "causal": causal, "segment_length": 8 if causal else None}
+    default = make(**config, device=device, dtype=dtype)
+    eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")
+    x, _ = inputs(default, 2, 300)
+    mask = make_mask("left" if causal else "right", 2, 300, 70, device=device)
+    grads = device.type != "cpu"
+    outs = []
+    for module in (default, eager):
+        with torch.set_grad_enabled(grads):
+            x_in = x.clone().requires_grad_(grads)
+            out, _ = module(x_in, mask)
+            if grads:
+                out.float().square().sum().backward()
+        outs.append((out.detach(), x_in.grad))
+    (out, grad), (expected, expected_grad) = outs
+    assert_close(out, expected, atol=EXACT)
+    if grads:
+        assert_close(grad, expected_grad, atol=EXACT)
