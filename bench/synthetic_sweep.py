@@ -3,7 +3,7 @@
 accuracy of 0.9, over lengths, vocabulary sizes, with and without a global first token, and seeds.
 
     OMP_NUM_THREADS=1 nice -n 10 nohup python -m bench.synthetic_sweep > runs/synthetic_sweep.log 2>&1 &
-    python -m bench.synthetic_sweep --report        # the table, in markdown
+    python -m bench.synthetic_sweep --report        # the table, in markdown, unfinished runs marked *
 
 The model is the README's: 2 layers, width 64, w = 16, r = 8 (``window``: r = 0), AdamW 1e-3, batch 16, balanced
 labels. Every --eval_every steps the accuracy on a fixed held-out set of --eval_size sequences is measured; a run stops
@@ -29,6 +29,7 @@ from recipes.lra.synthetic import ATTENTIONS, Task, train
 from .common import RESULTS, machine
 
 CHOICES = {"yes": (True,), "no": (False,), "both": (True, False)}
+NAMES = {"long_short": "Long-Short", "window": "window only", "full": "full attention"}
 RUN_KEYS = ("attention", "length", "vocab_size", "global_first_token", "seed", "max_steps")
 
 
@@ -47,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS / "synthetic_sweep.jsonl")
     p.add_argument("--checkpoint_dir", type=Path, default=Path("runs/synthetic_sweep"))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--report", action="store_true", help="print the table of --out and exit")
+    p.add_argument("--report", action="store_true",
+                   help="print the table of the runs in --out and --checkpoint_dir (unfinished) and exit")
     return p
 
 
@@ -60,6 +62,11 @@ def reached(run: dict, target: float) -> int | None:
     return next((h["step"] for h in run["history"] if h["accuracy"] >= target), None)
 
 
+def checkpoint_path(checkpoint_dir: Path, key: tuple) -> Path:
+    """Where the run of ``key`` (values of ``RUN_KEYS``) is saved until it finishes."""
+    return checkpoint_dir / ("_".join(map(str, key)) + ".pt")
+
+
 def sweep(args) -> None:
     done = {tuple(run[k] for k in RUN_KEYS) for run in finished(args.out)}
     grid = itertools.product(sorted(args.lengths), CHOICES[args.global_first_token], sorted(args.vocab_sizes),
@@ -70,7 +77,7 @@ def sweep(args) -> None:
         key = (attention, task.length, task.vocab_size, task.global_first_token, seed, args.steps)
         if key in done:
             continue
-        checkpoint = args.checkpoint_dir / ("_".join(map(str, key)) + ".pt")
+        checkpoint = checkpoint_path(args.checkpoint_dir, key)
         run = train(attention, task, args.steps, eval_every=args.eval_every, eval_size=args.eval_size, seed=seed,
                     target=args.target, checkpoint=checkpoint)
         run |= {"max_steps": args.steps, "target": args.target, "reached_at": reached(run, args.target),
@@ -83,18 +90,26 @@ def sweep(args) -> None:
         print(json.dumps({k: run[k] for k in (*RUN_KEYS, "reached_at", "best_accuracy")}), flush=True)
 
 
+def unfinished(checkpoint_dir: Path) -> list[dict]:
+    """The settings and history of the runs saved in ``checkpoint_dir`` and not finished yet."""
+    return [{**state["settings"], "history": state["history"]}
+            for state in map(torch.load, sorted(checkpoint_dir.glob("*.pt")))]
+
+
 def report(runs: list[dict]) -> str:
-    """One row per length and vocabulary; per attention and global first token, each seed's step at 0.9 (``> S
-    (a)``: not reached in S steps, best accuracy a)."""
-    columns = sorted({(r["attention"], r["global_first_token"]) for r in runs}, key=lambda c: (c[1], c[0] != "long_short"))
+    """One row per length and vocabulary, a column per attention and global first token: each seed's step at which
+    the held-out accuracy reached the target; ``> S (a)``: not within S steps, best accuracy a; ``*``: unfinished."""
     cells = {}
     for r in sorted(runs, key=lambda r: r["seed"]):
-        shown = str(r["reached_at"]) if r["reached_at"] else f"> {r['history'][-1]['step']} ({r['best_accuracy']:.2f})"
-        cells.setdefault((r["length"], r["vocab_size"], r["attention"], r["global_first_token"]), []).append(shown)
-    head = [f"{a}{', global first token' if g else ''}" for a, g in columns]
+        best = max(h["accuracy"] for h in r["history"])
+        shown = str(r.get("reached_at")) if r.get("reached_at") else f"> {r['history'][-1]['step']:,} ({best:.2f})"
+        cells.setdefault((r["length"], r["vocab_size"], r["attention"], r["global_first_token"]), []).append(
+            shown + ("" if "reached_at" in r else "*"))
+    columns = sorted({key[2:] for key in cells}, key=lambda c: (c[1], c[0] != "long_short", c[0]))
+    head = [f"{NAMES[a]}, {'first token global' if g else 'no global token'}" for a, g in columns]
     lines = ["| n | vocabulary | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(columns)]
-    for n, v in sorted({(r["length"], r["vocab_size"]) for r in runs}):
-        lines.append(f"| {n:,} | {v} | " + " | ".join(" / ".join(cells.get((n, v, a, g), ["-"])) for a, g in columns)
+    for n, v in sorted({key[:2] for key in cells}):
+        lines.append(f"| {n:,} | {v} | " + " | ".join(" / ".join(cells.get((n, v, *c), ["-"])) for c in columns)
                      + " |")
     return "\n".join(lines)
 
@@ -102,7 +117,7 @@ def report(runs: list[dict]) -> str:
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.report:
-        print(report(finished(args.out)))
+        print(report(finished(args.out) + unfinished(args.checkpoint_dir)))
         return
     torch.set_num_threads(args.threads)
     sweep(args)
