@@ -148,9 +148,8 @@ class LayerNormInPlace(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        y, weight, bias, rstd = ctx.saved_tensors
-        dtype = torch.promote_types(y.dtype, torch.float32)
-        width = y.shape[-1]
+        y, weight, bias, rstd = ctx.saved_tensors  # read once: gradient checkpointing allows one unpacking
+        shape, dtype, width = y.shape, torch.promote_types(y.dtype, torch.float32), y.shape[-1]
         y, grad_y, rstd = y.reshape(-1, width), grad_y.reshape(-1, width), rstd.reshape(-1, 1)
         gamma, beta = weight.to(dtype), bias.to(dtype)
         grad_x = torch.empty_like(y)
@@ -167,7 +166,7 @@ class LayerNormInPlace(torch.autograd.Function):
             mean_g = g.mean(-1, keepdim=True)
             mean_gx = (g * x_hat).mean(-1, keepdim=True)
             grad_x[part] = g.sub_(mean_g).sub_(x_hat.mul_(mean_gx)).mul_(rstd[part].to(dtype))
-        return grad_x.view_as(ctx.saved_tensors[0]), grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None
+        return grad_x.view(shape), grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None
 
 
 LN_MIN_GAMMA = 1e-3

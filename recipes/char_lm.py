@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -65,6 +65,7 @@ from recipes.common import (
     checkpoint_to_resume,
     cli,
     finish,
+    hub_dataset,
     long_short_config,
     parse_args,
     setup_logging,
@@ -95,6 +96,12 @@ class CharLmArguments:
         "help": "New long_short model: longest block of any later phase (long_short_xl has relative positions and "
                 "no such limit)."})
     dropout: float = field(default=0.2, metadata={"help": "New model: hidden and attention dropout."})
+    attention_dropout: float | None = field(default=None, metadata={
+        "help": "New long_short model: attention dropout (default: --dropout; 0 lets --recompute_window_tiles "
+                "take effect)."})
+    recompute_window_tiles: bool = field(default=False, metadata={
+        "help": "long_short: memory-lean training on CPU (window tiles built again in the backward pass; needs no "
+                "attention dropout)."})
     model_type: str = field(default="long_short", metadata={
         "help": "New model: long_short (Post-LN, absolute positions) or long_short_xl (the paper's official model: "
                 "Pre-LN, relative positions, memory).", "choices": ["long_short", "long_short_xl"]})
@@ -153,7 +160,7 @@ def read_splits(args: CharLmArguments) -> dict[str, bytes]:
     if args.train_file is not None:
         text = read_text_file(args.train_file, "--train_file")
     else:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name, split="train")
+        raw = hub_dataset(args.dataset_name, args.dataset_config_name, split="train")
         if args.text_column_name not in raw.column_names:
             raise UsageError(f"--dataset_name {args.dataset_name!r} has no column {args.text_column_name!r} "
                              f"(columns: {raw.column_names}); name it with --text_column_name.")
@@ -207,15 +214,18 @@ def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
         if not config.is_decoder or config.vocab_size != len(tokenizer):
             raise UsageError(f"--model_name_or_path {name!r} is not a byte-level LongShort decoder (an earlier "
                              f"output of this recipe); start a new model by leaving it out.")
+        config.recompute_window_tiles = args.recompute_window_tiles
         return AutoModelForCausalLM.from_pretrained(name, config=config)
+    attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     config = LongShortConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,
         window_size=args.window_size, projection_rank=args.projection_rank,
         causal_segment_length=args.causal_segment_length, is_decoder=True,
         max_position_embeddings=args.max_positions + tokenizer.pad_token_id + 1,
-        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout, use_dual_ln=args.use_dual_ln,
+        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=attention_dropout, use_dual_ln=args.use_dual_ln,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        recompute_window_tiles=args.recompute_window_tiles,
     )
     return LongShortForCausalLM(config)
 
@@ -343,7 +353,8 @@ def main(argv=None) -> dict:
                          f"positions of the model; raise --max_positions for a new model.")
     checkpoint = checkpoint_to_resume(training_args, model)
     if training_args.do_train:
-        check_memory(model, training_args.per_device_train_batch_size, args.max_seq_length, training_args)
+        check_memory(model, training_args.per_device_train_batch_size, args.max_seq_length, training_args,
+                     dropout_option="--attention_dropout")
     offset = tokenizer("\x00", add_special_tokens=False).input_ids[0]
     needed = {"train": training_args.do_train, "test": training_args.do_predict,
               "validation": training_args.do_eval or training_args.eval_strategy != "no"}

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import psutil
 import torch
 import transformers
 from datasets import DatasetDict, load_dataset
@@ -19,6 +18,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ls_hf import LongShortConfig, LongShortXLConfig
 from ls_hf.convert_roberta import misspelt_folder
 from ls_hf.hub import is_local_path
+from recipes import memory
 
 logger = logging.getLogger("recipes")
 # File extension -> datasets builder for --train_file / --validation_file.
@@ -70,9 +70,16 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run the checkpoint's own code (a Hub LongShort model without ls_hf)."}
     )
+    recompute_window_tiles: bool = field(default=False, metadata={
+        "help": "Memory-lean training on CPU: window tiles built again in the backward pass (needs no attention "
+                "dropout: --attention_probs_dropout_prob 0)."})
+    attention_probs_dropout_prob: float | None = field(default=None, metadata={
+        "help": "Attention dropout, instead of the checkpoint's (0 lets --recompute_window_tiles take effect)."})
 
     def check(self) -> None:
-        name = self.model_name_or_path
+        name, dropout = self.model_name_or_path, self.attention_probs_dropout_prob
+        if dropout is not None and not 0 <= dropout < 1:
+            raise ValueError(f"--attention_probs_dropout_prob is a probability, 0 <= p < 1; got {dropout}.")
         if is_local_path(name) and not (Path(name).expanduser() / "config.json").is_file():
             raise ValueError(f"--model_name_or_path {name!r}: no model folder there (no config.json); pass a folder "
                              f"written by ls-convert-roberta or a recipe, or a Hub id.")
@@ -87,9 +94,13 @@ class ModelArguments:
                                  trust_remote_code=self.trust_remote_code)
 
     def load(self, auto_class, **kwargs):
-        """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config)."""
+        """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config, with
+        --recompute_window_tiles and --attention_probs_dropout_prob)."""
         name, remote = self.model_name_or_path, self.trust_remote_code
         self.config()
+        kwargs["recompute_window_tiles"] = self.recompute_window_tiles
+        if self.attention_probs_dropout_prob is not None:
+            kwargs["attention_probs_dropout_prob"] = self.attention_probs_dropout_prob
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
         return tokenizer, auto_class.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote, **kwargs)
 
@@ -312,35 +323,29 @@ class TiedKeysFilter(logging.Filter):
         return not set(ast.literal_eval(message[len(prefix) :].rstrip("."))) <= self.tied
 
 
-def check_memory(model, batch_size: int, seq_length: int, training_args) -> None:
-    """A ``UsageError`` before training when a step cannot fit: a rough estimate of its memory, the weights, gradients
-    and AdamW moments (16 bytes a parameter) plus the activations kept for the backward pass (per layer and token
-    about 34 d + 5 H S bytes at 2 bytes a value, S keys per query: Korthikanti et al. 2022, Sec. 4.1; twice that in
-    float32),
-    against the memory available (psutil; on a GPU its free memory)."""
+def check_memory(model, batch_size: int, seq_length: int, training_args,
+                 dropout_option: str = "--attention_probs_dropout_prob") -> None:
+    """A ``UsageError`` before training when a Trainer step of ``model`` on ``batch_size`` blocks of ``seq_length``
+    tokens needs more memory than the device has available (``recipes.memory``), naming the fixes with their
+    estimates: --gradient_checkpointing, --recompute_window_tiles (with ``dropout_option`` 0 when the model has
+    attention dropout, which that path skips; not for ``long_short_xl``) and a smaller --per_device_train_batch_size."""
     config = model.config
-    w, H, d = config.window_size, config.num_attention_heads, config.hidden_size
-    if config.is_decoder:  # 2w window keys plus r rows for every finished segment (Eq. 5), on average half of them
-        keys = 2 * w + config.projection_rank * seq_length // (2 * config.causal_segment_length)
-    else:
-        keys = w + 2 * max(w // 2, 1) + config.projection_rank
-    value_bytes = 2 if training_args.bf16 or training_args.fp16 else 4
-    per_layer = batch_size * seq_length * (34 * d + 5 * H * keys) * value_bytes // 2
-    layers = config.num_hidden_layers
-    activations = (layers * batch_size * seq_length * d * value_bytes + per_layer if training_args.gradient_checkpointing
-                   else layers * per_layer)
-    logits = 3 * batch_size * seq_length * config.vocab_size * 4
-    need = 16 * model.num_parameters() + activations + logits
-    device = training_args.device
-    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    if device.type in ("cpu", "cuda") and need > available:
-        raise UsageError(
-            f"a training step needs about {need / 2**30:.1f} GiB ({activations / 2**30:.1f} GiB of activations for "
-            f"{batch_size} blocks of {seq_length} tokens through {layers} layers of width {d}), but {device.type} has "
-            f"{available / 2**30:.1f} GiB available; lower --per_device_train_batch_size (raising "
-            f"--gradient_accumulation_steps keeps the batch), --max_seq_length or the model size, or pass "
-            f"--gradient_checkpointing."
-        )
+    vocab = config.vocab_size if model.get_output_embeddings() is not None else 0  # an LM head's logits
+    has_lean_path = hasattr(config, "recompute_window_tiles")
+
+    def step(batch_size: int, checkpointing: bool, lean: bool) -> memory.TrainingStep:
+        return memory.TrainingStep(model.num_parameters(), memory.long_short_layers(config, seq_length, lean=lean),
+                                   batch_size, vocab, seq_length, checkpointing,
+                                   half_precision=training_args.bf16 or training_args.fp16)
+
+    lean = has_lean_path and config.recompute_window_tiles and not config.attention_probs_dropout_prob
+    fixes = {"checkpointing": "--gradient_checkpointing", "batch_size": "--per_device_train_batch_size"}
+    if has_lean_path:
+        fixes["lean"] = "--recompute_window_tiles" + (f" {dropout_option} 0" if config.attention_probs_dropout_prob
+                                                      else "")
+    settings = {"batch_size": batch_size, "checkpointing": training_args.gradient_checkpointing, "lean": lean}
+    memory.check_memory(step, settings, training_args.device, fixes, error=UsageError,
+                        note=" A smaller batch with more --gradient_accumulation_steps keeps the batch trained on.")
 
 
 def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:

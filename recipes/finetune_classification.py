@@ -38,6 +38,7 @@ from recipes.common import (
     DataArguments,
     ModelArguments,
     UsageError,
+    check_memory,
     checkpoint_to_resume,
     cli,
     finish,
@@ -129,6 +130,8 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
         label2id={name: i for i, name in enumerate(names)},
     )
     length = max_tokens(model.config, tokenizer, data_args.max_seq_length)
+    if training_args.do_train:  # batches are padded to their longest document: up to `length` tokens
+        check_memory(model, training_args.per_device_train_batch_size, length, training_args)
 
     def tokenize(batch):
         unknown = set(batch[label]) - set(label_ids)

@@ -157,6 +157,7 @@ def test_model_keeps_its_input_size_without_img_size():
     (["--batch-size", "7"], "must be even"),
     (["--batch-size", "64"], "--batch-size 64: larger than the 24 training images"),
     (["--model-kwargs", "depths=(1,1)"], "depths"),
+    (["--img-size", "8192"], "a training step needs about"),  # before training: the estimate names --batch-size
 ])
 def test_bad_arguments_exit_with_a_message(data_dir, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -33,6 +33,9 @@ from timm.utils import AverageMeter, ModelEmaV3, ParseKwargs, accuracy, update_s
 from torch.utils.data import DataLoader
 
 import ls_timm  # noqa: F401  (registers the vil_ls_* and cvt_ls_* models)
+from ls_timm.hierarchical import HierarchicalTransformer
+from ls_timm.long_short_attention_2d import LongShortAttention2d
+from recipes.memory import AttentionLayer, TrainingStep, check_memory
 
 EVAL_SPLITS = ("val", "validation")
 WARMUP_FACTOR = 0.002  # official SOLVER.WARMUP_FACTOR: warm-up starts from 0.002 x the peak learning rate
@@ -157,6 +160,47 @@ def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_
     return model
 
 
+def attention_layers(model: HierarchicalTransformer, input_size: tuple[int, int, int]) -> tuple[AttentionLayer, ...]:
+    """Every block of an ``ls_timm`` model as ``recipes.memory`` estimates it, with the tokens of an image of
+    ``input_size`` (each stage's conv embedding sets its map size; its global tokens come on top): a Long-Short
+    block's queries share a w x w window tile and see (w + 2e)^2 window keys, r projected rows and the global tokens
+    (Sec. 3.2 in 2-D, e = max(w // 2, 1)); a full-attention block's see every token."""
+    height, width = input_size[1:]
+    layers = []
+    for stage in model.stages:
+        conv = stage.embed.proj
+        height, width = ((size + 2 * pad - kernel) // stride + 1 for size, pad, kernel, stride
+                         in zip((height, width), conv.padding, conv.kernel_size, conv.stride))
+        tokens = height * width + stage.num_prefix_tokens
+        for block in stage.blocks:
+            attn = block.attn
+            if isinstance(attn, LongShortAttention2d):
+                w = attn.window_size
+                keys, window = (w + 2 * max(w // 2, 1)) ** 2 + attn.projection_rank + attn.num_prefix_tokens, w * w
+            else:
+                keys = window = tokens
+            layers.append(AttentionLayer(tokens, block.norm1.normalized_shape[0], block.mlp.fc1.out_features,
+                                         attn.num_heads, keys, window,
+                                         probabilities=getattr(attn, "attn_drop", 0) > 0))
+    return tuple(layers)
+
+
+def check_training_memory(parser: argparse.ArgumentParser, model: torch.nn.Module, data_config: dict, args,
+                          device: torch.device) -> None:
+    """Exit before training when a step of --batch-size images cannot fit the device's memory (``recipes.memory``),
+    naming --batch-size. The estimate describes ``ls_timm``'s models; another timm model is not checked."""
+    if not isinstance(model, HierarchicalTransformer):
+        return
+    layers = attention_layers(model, data_config["input_size"])
+    parameters = sum(p.numel() for p in model.parameters())
+
+    def step(batch_size: int, checkpointing: bool, lean: bool) -> TrainingStep:
+        return TrainingStep(parameters, layers, batch_size, half_precision=args.mixed_precision in ("fp16", "bf16"))
+
+    settings = {"batch_size": args.batch_size, "checkpointing": False, "lean": False}
+    check_memory(step, settings, device, {"batch_size": "--batch-size"}, error=parser.error)
+
+
 def evaluate(model, loader, accelerator: Accelerator) -> dict[str, float]:
     """Cross-entropy loss, top-1 and top-5 accuracy (%) over the whole loader (all processes)."""
     model.eval()
@@ -219,6 +263,7 @@ def main(argv=None) -> dict[str, float]:
     if len(train_set) < args.batch_size * accelerator.num_processes:
         parser.error(f"--batch-size {args.batch_size}: larger than the {len(train_set)} training images per step; "
                      f"lower it.")
+    check_training_memory(parser, model, data_config, args, accelerator.device)
     train_set.transform = create_transform(**data_config, is_training=True, re_prob=args.reprob, re_mode="pixel",
                                            auto_augment=None if args.aa == "none" else args.aa)
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers)

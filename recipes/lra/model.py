@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ls_hf.long_short_attention import LongShortSelfAttention, masked_sdpa, validate_long_short_args
+from recipes.memory import AttentionLayer
 
 ATTENTIONS = ("long_short", "full", "window", "projection")
 
@@ -38,6 +39,7 @@ class LRAConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     dual: bool = False
+    recompute_window_tiles: bool = False  # memory, not function: LongShortSelfAttention's, in training on CPU
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -66,6 +68,18 @@ class LRAConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def attention_layers(self, seq_length: int, lean: bool = False) -> tuple[AttentionLayer, ...]:
+        """The layers as ``recipes.memory`` estimates them, training on ``seq_length`` tokens (the CLS a key more);
+        ``lean``: on the memory-lean path (``recompute_window_tiles``; Long-Short attention only)."""
+        if self.attention == "full":  # every query sees every key: one tile
+            keys, window, lean = seq_length + 1, seq_length + 1, False
+        else:
+            keys, window = self.window + 2 * max(self.window // 2, 1) + self.rank + 1, self.window
+        probabilities = not lean and self.attention_dropout > 0
+        layer = AttentionLayer(seq_length, self.hidden_size, self.intermediate_size, self.num_heads, keys, window,
+                               self.dropout > 0, probabilities, lean)
+        return (layer,) * self.num_layers
 
 
 class DenseSelfAttention(nn.Module):
@@ -101,7 +115,8 @@ class Block(nn.Module):
             self.attention = DenseSelfAttention(config.hidden_size, config.num_heads, config.attention_dropout)
         else:
             self.attention = LongShortSelfAttention(config.hidden_size, config.num_heads, config.window,
-                                                    config.rank, attention_dropout=config.attention_dropout)
+                                                    config.rank, attention_dropout=config.attention_dropout,
+                                                    recompute_window_tiles=config.recompute_window_tiles)
         self.dropout1 = nn.Dropout(config.dropout)
         self.norm2 = nn.LayerNorm(config.hidden_size)
         self.mlp = nn.Sequential(

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from recipes.memory import TrainingStep, check_memory
+
 from .data import LISTOPS_VOCAB, SPLITS, ListOpsRules, listops, load_user_data
 from .model import ATTENTIONS, LRAClassifier, LRAConfig
 
@@ -73,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--listops_{split}", type=int, default=size, help=f"generated {split} examples")
     p.add_argument("--device", help="where to train, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--recompute_window_tiles", action="store_true",
+                   help="memory-lean training on CPU: window tiles built again in the backward pass (no attention "
+                        "dropout)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
 
@@ -119,7 +124,8 @@ def model_config(args) -> LRAConfig:
     return LRAConfig(vocab_size=TASKS[args.task]["vocab_size"], max_length=args.max_length,
                      num_classes=TASKS[args.task]["num_classes"], attention=args.attention,
                      window_size=args.window_size, projection_rank=args.projection_rank, dropout=args.dropout,
-                     attention_dropout=args.attention_dropout, dual=args.task == "retrieval")
+                     attention_dropout=args.attention_dropout, dual=args.task == "retrieval",
+                     recompute_window_tiles=args.recompute_window_tiles)
 
 
 def listops_rules(args) -> ListOpsRules:
@@ -218,6 +224,24 @@ def saved_settings(results: dict | None, last: dict | None) -> dict | None:
     return None
 
 
+def check_training_memory(model: LRAClassifier, args) -> None:
+    """Exit before any work when a training step cannot fit the device's memory (``recipes.memory``: batches of
+    --batch_size examples of up to --max_length tokens), naming --batch_size and --recompute_window_tiles."""
+    config = model.config
+    parameters = sum(p.numel() for p in model.parameters())
+
+    def step(batch_size: int, checkpointing: bool, lean: bool) -> TrainingStep:
+        return TrainingStep(parameters, config.attention_layers(args.max_length, lean=lean),
+                            examples=(2 if config.dual else 1) * batch_size)  # Retrieval: two documents each
+
+    lean = config.recompute_window_tiles and not config.attention_dropout
+    fixes = {"batch_size": "--batch_size"}
+    if config.attention != "full":
+        fixes["lean"] = "--recompute_window_tiles" + (" --attention_dropout 0" if config.attention_dropout else "")
+    settings = {"batch_size": args.batch_size, "checkpointing": False, "lean": lean}
+    check_memory(step, settings, args.device, fixes, error=lambda message: SystemExit(f"error: {message}"))
+
+
 def machine(where: torch.device) -> str:
     if where.type == "cuda":
         return f"{torch.cuda.get_device_name(where)}, torch {torch.__version__}"
@@ -248,6 +272,7 @@ def main(argv=None):
         raise SystemExit(f"error: {err}") from err
     torch.manual_seed(args.seed)
     model = LRAClassifier(config)
+    check_training_memory(model, args)
     try:
         splits = load_splits(args)
     except ValueError as err:
