@@ -217,10 +217,11 @@ def causal_tokenizer(tokenizer):
         raise TypeError(f"a causal checkpoint needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}.")
     specials = {name: getattr(tokenizer, name) for name in tokenizer.SPECIAL_TOKENS_ATTRIBUTES
                 if getattr(tokenizer, name) is not None}
+    start = tokenizer.bos_token or tokenizer.cls_token  # a byte tokenizer has none: nothing is added then
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
-        **{**specials, "bos_token": tokenizer.bos_token or tokenizer.cls_token},
-        add_bos_token=True,
+        **{**specials, **({"bos_token": start} if start else {})},
+        add_bos_token=start is not None,
         add_eos_token=False,
         padding_side="left",
         model_max_length=tokenizer.model_max_length,

@@ -12,7 +12,7 @@ as the paper does. ``--dataset_name`` reads a Hub dataset's text column instead 
 loading scripts that some Hub copies of enwik8 hold). Before training, a rough memory estimate of a step refuses a
 configuration that cannot fit in the memory available.
 
-The text is modelled byte by byte (ByT5's byte tokenizer: one token per byte, nothing to download) and split as
+The text is modelled byte by byte (``byte_tokenizer``: ByT5's ids, one per byte, nothing to download) and split as
 enwik8 is: the first 90 % of the bytes for training, the next 5 % for validation and the last 5 % for testing, unless
 --validation_file / --test_file are given. Training blocks are --max_seq_length bytes. Evaluation reports bits per
 character (``eval_bpc``, ``test_bpc``: the loss over ln 2) on consecutive blocks of that length, so the first bytes of
@@ -34,8 +34,8 @@ reporting block-by-block scoring of the same model (``*_block_bpc``: each --max_
 stream starts as the official code starts it, with a full memory of zeros (``--stream_start zeros``:
 ``LongShortXLForCausalLM.initial_memory``); ``--stream_start empty`` starts it with no memory.
 
-The saved tokenizer is ByT5's, which appends ``</s>`` unless told not to; training saw none, so encode prompts with
-``add_special_tokens=False`` (also a ``pipeline("text-generation")`` argument).
+The saved tokenizer adds no special token to a text (training saw none), so ``generate`` and
+``pipeline("text-generation")`` continue a prompt where it ends.
 """
 
 import math
@@ -46,16 +46,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    ByT5Tokenizer,
     DataCollatorForLanguageModeling,
+    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.trainer_utils import PredictionOutput
 
 from ls_hf import LongShortConfig, LongShortForCausalLM, LongShortXLConfig, LongShortXLForCausalLM
@@ -204,7 +206,21 @@ def bits_per_character(metrics: dict) -> dict:
     return {key[: -len("loss")] + "bpc": metrics[key] / math.log(2)}
 
 
-def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """ByT5's byte tokenizer (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, byte b -> b + 3, ``<extra_id_i>`` 259 + i: the
+    same ids and decoding) as a fast tokenizer that adds nothing to a text, where ``ByT5Tokenizer`` appends ``</s>``,
+    which would end a prompt with an end token. ``AutoTokenizer`` loads it anywhere."""
+    chars = bytes_to_unicode()  # byte-level BPE's one character per byte; no merges: one token per byte
+    backend = Tokenizer(models.BPE(vocab={"<pad>": 0, "</s>": 1, "<unk>": 2, **{chars[b]: b + 3 for b in range(256)}},
+                                   merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    pad, eos, unk = (AddedToken(token, lstrip=True, rstrip=True) for token in ("<pad>", "</s>", "<unk>"))  # as ByT5
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk,
+                                   extra_special_tokens=[f"<extra_id_{i}>" for i in range(125)], padding_side="left")
+
+
+def build_model(args: CharLmArguments, tokenizer: PreTrainedTokenizerFast):
     """A new ``LongShortForCausalLM`` of the requested shape, or the byte-level one in --model_name_or_path."""
     if args.model_type == LongShortXLConfig.model_type:
         return build_xl_model(args, tokenizer)
@@ -230,7 +246,7 @@ def build_model(args: CharLmArguments, tokenizer: ByT5Tokenizer):
     return LongShortForCausalLM(config)
 
 
-def build_xl_model(args: CharLmArguments, tokenizer: ByT5Tokenizer) -> LongShortXLForCausalLM:
+def build_xl_model(args: CharLmArguments, tokenizer: PreTrainedTokenizerFast) -> LongShortXLForCausalLM:
     """A new ``LongShortXLForCausalLM`` (the official model: dropout on hidden states, embeddings and positions, none
     on attention probabilities), or the byte-level one in --model_name_or_path with --memory_length if given."""
     memory_length = args.max_seq_length if args.memory_length is None else args.memory_length
@@ -346,7 +362,7 @@ def main(argv=None) -> dict:
     setup_logging(training_args)
     set_seed(training_args.seed)
 
-    tokenizer = ByT5Tokenizer()
+    tokenizer = byte_tokenizer()
     model = build_model(args, tokenizer)
     if not isinstance(model, LongShortXLForCausalLM) and args.max_seq_length > model.config.max_input_length:
         raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "

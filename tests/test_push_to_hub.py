@@ -211,7 +211,7 @@ def test_official_char_lm_folder_is_complete_and_loads_without_ls_hf(trained_xl,
 
     loaded = run_without_ls_hf(CHILD_XL, folder, tmp_path)
     assert loaded["classes"][0].startswith("transformers_modules")
-    assert loaded["classes"][1:] == ["LongShortXLForCausalLM", "ByT5Tokenizer", "LongShortXLModel"]
+    assert loaded["classes"][1:] == ["LongShortXLForCausalLM", "TokenizersBackend", "LongShortXLModel"]
     model = LongShortXLForCausalLM.from_pretrained(trained_xl).eval()
     ids = torch.tensor(loaded["ids"])
     assert ids.tolist() == [[3 + byte for byte in b"the plot was "]]

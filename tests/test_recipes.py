@@ -416,7 +416,7 @@ def test_char_lm_splits_like_enwik8(tmp_path):
 def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
     """A tiny byte-level model learns the sample text; eval/test BPC are its losses over ln 2; the folder generates
     through the Auto classes; a second phase continues from it with longer blocks."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, pipeline
 
     text = tmp_path / "reviews.txt"
     text.write_text("\n\n".join(sample_texts()))
@@ -432,11 +432,19 @@ def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
         assert metrics[f"{split}_bpc"] == pytest.approx(metrics[f"{split}_loss"] / math.log(2))
         assert metrics[f"{split}_bpc"] < 8 and metrics[f"{split}_dataset"] == "reviews.txt"
 
+    # The saved tokenizer has ByT5's ids and adds nothing to a prompt, so the text-generation pipeline continues it.
     tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
-    prompt = tokenizer("This movie ", add_special_tokens=False, return_tensors="pt").input_ids
+    text, byt5 = "This movie, héllo 日本 </s>", ByT5Tokenizer()
+    ids = tokenizer(text).input_ids
+    assert ids == byt5(text, add_special_tokens=False).input_ids and tokenizer.decode(ids) == byt5.decode(ids)
+    assert len(tokenizer) == len(byt5)
+    prompt = tokenizer("This movie ", return_tensors="pt").input_ids
     generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
     assert generated.shape == (1, prompt.shape[1] + 12)
-    assert tokenizer.decode(generated[0]).startswith("This movie ")
+    generate = pipeline("text-generation", model=str(out))
+    assert generate.preprocess("This movie ")["input_ids"].tolist() == prompt.tolist()
+    assert generate("This movie ", max_new_tokens=12, do_sample=False)[0]["generated_text"] == \
+        tokenizer.decode(generated[0])
 
     phase2 = char_lm.main([*args[: args.index("--max_steps")], "--model_name_or_path", str(out), "--max_seq_length",
                            "256", "--output_dir", str(tmp_path / "phase2"), "--max_steps", "2",
