@@ -128,15 +128,15 @@ def test_declared_dependencies_come_from_pyproject():
 
 def test_report_names_what_is_missing_and_refuses_only_for_what_gpu_check_needs():
     requirements = dependencies.declared()
-    image = {"datasets": None, "evaluate": None, "torch": "2.11.0", "scikit-learn": "1.3.0"}  # an offline GPU image
+    image = {"datasets": None, "accelerate": None, "torch": "2.11.0", "scikit-learn": "1.3.0"}  # an offline GPU image
 
     def version_of(name, changed=image):
         return changed[name] if name in changed else dependencies.installed_version(name)
 
     found = dependencies.problems(requirements, version_of)
-    assert [(str(req), version) for req, version in found] == [("datasets>=3.0", None), ("evaluate>=0.4", None)]
+    assert [(str(req), version) for req, version in found] == [("accelerate>=1.0", None), ("datasets>=3.0", None)]
     lines, runnable = dependencies.report(found)
-    assert runnable and len(lines) == 1 and "datasets>=3.0, evaluate>=0.4" in lines[0] and "not used by" in lines[0]
+    assert runnable and len(lines) == 1 and "accelerate>=1.0, datasets>=3.0" in lines[0] and "not used by" in lines[0]
     other_torch = dependencies.problems(requirements, lambda name: version_of(name, {**image, "torch": "2.10.1"}))
     lines, runnable = dependencies.report(other_torch)
     assert runnable and "outside the declared range (gpu-check runs with them): torch>=2.11 (2.10.1 installed)" in lines[1]
