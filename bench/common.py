@@ -154,10 +154,14 @@ def _child(conn, fn, args, threads) -> None:
         conn.send(failure(error))
 
 
-def forked(fn, *args, threads: int = 0) -> dict:
+def forked(fn, *args, threads: int = 0, fresh: bool = False) -> dict:
     """``{"status": "ok", **fn(*args)}`` computed in a forked process: its own memory high-water mark and OpenMP pool,
-    the parent's imports; ``threads`` torch threads (0: torch's default). A killed child is reported as OOM."""
-    ctx = multiprocessing.get_context("fork")
+    the parent's imports; ``threads`` torch threads (0: torch's default). A killed child is reported as OOM.
+
+    ``fresh``: a new interpreter instead (``fn`` importable by name). A fork inherits the parent's heap and reuses the
+    blocks the parent freed without growing its RSS, so the RSS growth of a step is only its own when the parent has
+    run no work before (a benchmark's main process), not in a test worker that ran other tests."""
+    ctx = multiprocessing.get_context("spawn" if fresh else "fork")
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, fn, args, threads))
     proc.start()

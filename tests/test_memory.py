@@ -12,7 +12,7 @@ from recipes.lra.train import main as lra_main
 from recipes.memory import CALIBRATED, AttentionLayer, TrainingStep, long_short_layers
 from recipes.tiny import IMDB_TRAIN, tiny_long_short
 
-# Small models, one of each kind the recipes train: each step measured in its own process (peak RSS growth over three
+# Small models, one of each kind the recipes train: each step measured in a fresh process (peak RSS growth over three
 # Trainer steps, as bench/memory_calibration.py measures), a few seconds each.
 SMALL = {
     "classifier, attention dropout": {"family": "hf", "head": "classification", "width": 128, "layers": 2,
@@ -30,7 +30,7 @@ SMALL = {
 @pytest.mark.parametrize("name", SMALL)
 def test_estimate_is_within_a_quarter_of_a_measured_step(name):
     spec = SMALL[name]
-    measured = forked(functools.partial(measure, spec), threads=1)
+    measured = forked(functools.partial(measure, spec), threads=1, fresh=True)
     assert measured["status"] == "ok", measured
     estimate = training_step(spec, measured["parameters"]).bytes()
     assert abs(estimate / measured["measured_bytes"] - 1) <= 0.25, (estimate, measured)
