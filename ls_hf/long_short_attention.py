@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .long_short_blocks import KeyLayout, flex_attend, long_short_block_mask
+from .long_short_blocks import FUSED_DTYPES, KeyLayout, flex_attend, long_short_block_mask
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
@@ -74,11 +74,18 @@ __all__ = [
     "ExtraKeys",
     "JointInputs",
     "LongShortSelfAttention",
+    "fused_by_default",
 ]
 
 # Where attn_implementation="sdpa" (the default) runs the fused FlexAttention path: one block-sparse kernel per layer
 # and direction, compiled once per process. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
 FUSED_DEVICES = ("cuda",)
+
+
+def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
+    """Whether ``attn_implementation="sdpa"`` runs the fused path for the input ``x``: on ``FUSED_DEVICES``, in
+    ``FUSED_DTYPES`` (float64 stays on SDPA), and with no attention dropout active (FlexAttention has none)."""
+    return x.device.type in FUSED_DEVICES and x.dtype in FUSED_DTYPES and not dropout
 
 
 class BatchFirstState:
@@ -303,16 +310,16 @@ class LongShortSelfAttention(nn.Module):
         its tensors are (a model built on the CPU and moved to the GPU gets the GPU's choice).
 
         ``"maps"`` when attention maps are asked for. ``"flex"`` for ``attn_implementation="flex_attention"``, and for
-        ``"sdpa"`` (Transformers' default) on ``FUSED_DEVICES`` when no attention dropout is active; not for a causal
-        call of fewer than ``w`` tokens (a decoding step: its queries see one cached window, a single small tile,
-        where building a block mask costs more than it saves). ``"lean"`` with ``recompute_window_tiles`` when it
+        ``"sdpa"`` (Transformers' default) where ``fused_by_default`` says (CUDA, not float64, no active attention
+        dropout); not for a causal call of fewer than ``w`` tokens (a decoding step: its queries see one cached
+        window, a single small tile, where building a block mask costs more than it saves). ``"lean"`` with ``recompute_window_tiles`` when it
         saves memory (training on CPU: gradients taken, one head dim for queries and values, no active attention
         dropout). Else ``"sdpa"``; ``"eager"`` always takes it, the portable reference."""
         if output_attentions:
             return "maps"
         decoding_step = self.causal and hidden_states.shape[1] < self.window_size
         dropout = self.training and self.attention_dropout > 0
-        fused_default = attn_implementation == "sdpa" and hidden_states.device.type in FUSED_DEVICES and not dropout
+        fused_default = attn_implementation == "sdpa" and fused_by_default(hidden_states, dropout=dropout)
         if (attn_implementation == "flex_attention" or fused_default) and not decoding_step:
             return "flex"
         lean = (self.recompute_window_tiles and FUSED_CPU is not None and hidden_states.device.type == "cpu"

@@ -33,6 +33,7 @@ from .long_short_rules import finished_segments, is_int, segment_rule, window_bo
 
 __all__ = [
     "FLEX_MIN_HEAD_DIM",
+    "FUSED_DTYPES",
     "KeyLayout",
     "compiled_flex_attention",
     "flex_attend",
@@ -42,6 +43,8 @@ __all__ = [
 
 # Compiled FlexAttention on CUDA refuses head dims below this ("NYI: embedding dimension ... at least 16").
 FLEX_MIN_HEAD_DIM = 16
+# The dtypes compiled FlexAttention takes on CUDA (Triton's kernel fails to build for float64, torch 2.11).
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BLOCK_SIZE = 128
 
 
@@ -285,30 +288,53 @@ _unpadded_block_mask = functools.lru_cache(maxsize=32)(_block_mask)
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
+# Compilations the package's FlexAttention kernel may make before dynamo falls back to the unfused kernel, which
+# materialises every score: one per grad mode, batch size, stride pattern and mask closure a process meets (8, dynamo's
+# default, was reached by one process training and evaluating several models).
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def compiled_flex_attention() -> Callable:
-    """``torch.compile(flex_attention)``, made once per process (as Transformers' flex integration does): the fused
-    kernel, which skips the blocks that no query sees."""
-    return torch.compile(flex_attention)
+    """``flex_attention`` compiled once per process (as Transformers' flex integration does): the fused kernel, which
+    skips the blocks that no query sees. It is compiled as a function of its own, so its compilations count against
+    their own limit (``FLEX_RECOMPILE_LIMIT``, raised while it runs), not against those of every other
+    ``torch.compile(flex_attention)`` in the process."""
+    flex = flex_attention  # bound now: a later patch of this module's name does not reach it
+
+    def long_short_flex_attention(query, key, value, *, score_mod=None, block_mask=None, scale=None):
+        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+    compiled = torch.compile(long_short_flex_attention)
+
+    @functools.wraps(long_short_flex_attention)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:
-    """x (..., E) zero-padded to ``FLEX_MIN_HEAD_DIM`` features when narrower: dot products and the weighted values'
-    first E features are unchanged."""
-    return F.pad(x, (0, FLEX_MIN_HEAD_DIM - x.shape[-1])) if x.shape[-1] < FLEX_MIN_HEAD_DIM else x
+    """x (..., E) on CUDA zero-padded to ``FLEX_MIN_HEAD_DIM`` features when narrower: dot products and the weighted
+    values' first E features are unchanged. The CPU kernel takes any head dim."""
+    return F.pad(x, (0, FLEX_MIN_HEAD_DIM - x.shape[-1])) if x.is_cuda and x.shape[-1] < FLEX_MIN_HEAD_DIM else x
 
 
-def flex_attend(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, scale: float | None = None,
-                compiled: bool | None = None) -> Tensor:
-    """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask``:
-    (B, H, m, Ev). A query that sees no key gets 0.
+def flex_attend(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, score_mod: Callable | None = None,
+                scale: float | None = None, compiled: bool | None = None) -> Tensor:
+    """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
+    optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0.
 
-    ``compiled``: use ``compiled_flex_attention`` (default: on CUDA; inside a function being compiled, the plain
-    ``flex_attention``, which the outer compilation fuses). ``scale``: default ``1 / sqrt(E)``. Head dims below
-    ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the output is cut back to Ev.
+    ``compiled``: use ``compiled_flex_attention`` (default: on CUDA in ``FUSED_DTYPES``; inside a function being
+    compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default ``1 / sqrt(E)``.
+    On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the output is cut back to
+    Ev.
     """
-    compiled = query.device.type == "cuda" if compiled is None else compiled
+    compiled = query.device.type == "cuda" and query.dtype in FUSED_DTYPES if compiled is None else compiled
     kernel = compiled_flex_attention() if compiled and not torch.compiler.is_compiling() else flex_attention
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out = kernel(_pad_head_dim(query), _pad_head_dim(key), _pad_head_dim(value), block_mask=block_mask, scale=scale)
-    return out[..., : value.shape[-1]]
+    value_dim = value.shape[-1]
+    query, key, value = (_pad_head_dim(x) for x in (query, key, value))
+    out = kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return out[..., :value_dim]

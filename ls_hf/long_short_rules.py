@@ -200,14 +200,16 @@ def project_rows(
     scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
-    scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``.
+    scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``, multiplied in the dtype
+    of the keys and values (in half precision as the official code under autocast: the softmax in float32, its
+    products on the half-precision GEMM, which accumulates in float32).
 
     scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
     -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
     finite rows (uniform weights), which the caller marks invalid.
     """
     prob = projection_weights(scores, valid)
-    return (prob @ keys.to(prob.dtype)).to(keys.dtype), (prob @ values.to(prob.dtype)).to(values.dtype)
+    return prob.to(keys.dtype) @ keys, prob.to(values.dtype) @ values
 
 
 def projection_weights(scores: Tensor, valid: Tensor | None, *, in_place: bool = False) -> Tensor:

@@ -28,9 +28,11 @@ Both layouts' index tensors and masks depend on the map size only (``window_layo
 size and shared by every layer of a stage. Maps whose sides are not multiples of ``w`` get partial last blocks:
 positions outside the map are masked keys and dropped queries, so any input size works.
 
-``attn_implementation="flex_attention"`` instead hands FlexAttention the keys [patches in raster order; extra keys]
-and the same rule as a block mask (``flex_block_mask``), gathering nothing (``_attend_flex``; compile the model for
-its fused kernel).
+The fused path (``_attend_flex``: ``attn_implementation="sdpa"`` on ``FUSED_DEVICES``, i.e. CUDA, or
+``"flex_attention"``) makes one FlexAttention call instead, over the patches in window-tile order (each w x w query
+block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks to visit than raster order) and the
+extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled once per process
+on CUDA.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -44,20 +46,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ls_hf import long_short_attention
+from ls_hf.long_short_blocks import flex_attend
 from ls_hf.long_short_rules import (
     check_attn_implementation,
     check_flex_call,
-    create_block_mask,
-    flex_attention,
     project_rows,
     window_extent,
     window_rule,
 )
 
 from .conv_layers import ConvBn, StdConv2d
+from .long_short_blocks_2d import (
+    cached_tile_block_mask,
+    from_tile_order,
+    tile_geometry,
+    tile_position,
+    to_tile_order,
+)
 
-__all__ = ["LongShortAttention2d", "WindowLayout", "flex_block_mask", "validate_ls_2d_args", "window_keep_2d",
-           "window_layout"]
+__all__ = ["LongShortAttention2d", "WindowLayout", "validate_ls_2d_args", "window_keep_2d", "window_layout"]
 
 
 def validate_ls_2d_args(
@@ -173,23 +181,6 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
     return WindowLayout(target, k_index, keep, patch_slots, halo, bias_index)
 
 
-@functools.lru_cache(maxsize=64)
-def flex_block_mask(feat_size: tuple[int, int], window: int, extra: int, device: torch.device):
-    """FlexAttention's block mask for the keys [the (H, W) map in raster order; ``extra`` keys] of the map's queries:
-    every query sees the patches of its window (``window_keep_2d``'s rule, per axis) and the extra keys. Cached like
-    ``window_layout`` (and built outside inference mode for the same reason). The patches come first so that the rule
-    reads key positions without an offset: compiled on CPU (torch 2.14), the offset form fails to build."""
-    H, W = feat_size
-
-    def keep(b, h, q_idx, kv_idx):
-        in_window = window_rule(q_idx // W, kv_idx // W, window, causal=False) & window_rule(
-            q_idx % W, kv_idx % W, window, causal=False)
-        return (kv_idx >= H * W) | in_window
-
-    with torch.inference_mode(False):
-        return create_block_mask(keep, None, None, H * W, H * W + extra, device=device)
-
-
 # Parameter names of LongShortAttention2d before it took ls_hf's (LongShortSelfAttention's) -> their names now.
 EARLIER_NAMES = {"dynamic_proj.": "dynamic_projection.", "dual_ln_local_k.": "dual_ln_local_key.",
                  "dual_ln_global_k.": "dual_ln_global_key."}
@@ -224,10 +215,12 @@ class LongShortAttention2d(nn.Module):
         use_dual_ln: DualLN (Eq. 7); False is the paper's ablation (CvT*-LS-13 without DualLN, Appendix E): no LN on
             the keys/values of the window or of the projected rows.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
-        attn_implementation: ``"sdpa"`` (or ``"eager"``, the same code; the ``ls_hf`` names): the strip/blocked SDPA
-            layouts; ``"flex_attention"``: FlexAttention with a block mask (``_attend_flex``), forward only on CPU, no
-            attention dropout; the global tokens' own rows stay on SDPA (dense, no window to mask). Compile it with
-            ``dynamic=False`` on CPU: torch 2.14's CPU kernel fails to build with symbolic map sizes.
+        attn_implementation: chosen at each call from where the input is, as ``ls_hf``'s ``LongShortSelfAttention``:
+            ``"sdpa"`` (the default): the fused path (``_attend_flex``) on ``FUSED_DEVICES`` (CUDA) while no attention
+            dropout is active, the strip/blocked SDPA layouts otherwise; ``"eager"``: the SDPA layouts everywhere (the
+            portable reference); ``"flex_attention"``: the fused path everywhere, forward only on CPU, no attention
+            dropout. The global tokens' own rows stay on SDPA (dense, no window to mask). Compile a model using
+            FlexAttention on CPU with ``dynamic=False``: torch 2.14's CPU kernel fails to build with symbolic map sizes.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
@@ -410,27 +403,42 @@ class LongShortAttention2d(nn.Module):
 
     def _attend_flex(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
                      feat_size: tuple[int, int]) -> Tensor:
-        """``_attend_blocked`` (same arguments) on FlexAttention: the keys are [patches; extra keys], the block mask
-        is the window rule on their 2-D positions (``flex_block_mask``), and the ViL-LS window bias is a score_mod
-        reading its table at the query-minus-key offset. Nothing is gathered; under ``torch.compile`` this is a fused
-        kernel that skips the blocks no query sees."""
-        B, HW, _ = q.shape
-        W, w, X = feat_size[1], self.window_size, keys[1].shape[1]
-        block_mask = flex_block_mask.__wrapped__ if torch.compiler.is_compiling() else flex_block_mask
-        mask = block_mask(tuple(feat_size), w, X, q.device)
-        table = self.relative_position_bias_table
-        score_mod = None
-        if table is not None:
-            def score_mod(score, b, h, q_idx, kv_idx):
-                row = _vil_bias_row(q_idx // W - kv_idx // W, q_idx % W - kv_idx % W, w).clamp(0, table.shape[0] - 1)
-                return torch.where(kv_idx >= HW, score, score + table[row, h].to(score.dtype))
+        """``_attend_blocked`` (same arguments) in one FlexAttention call: the queries and the patch keys/values in
+        window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry and the
+        ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
+        w = self.window_size
+        block_mask = (cached_tile_block_mask.__wrapped__ if torch.compiler.is_compiling() else cached_tile_block_mask)(
+            tuple(feat_size), w, keys[1].shape[1], q.device)
+        q, k, v = (to_tile_order(t, feat_size, w, heads=self.num_heads) for t in (q, keys[0], values[0]))
+        k, v = (torch.cat([tiles, self._heads(rows.to(q.dtype))], 2) for tiles, rows in ((k, keys[1]), (v, values[1])))
+        out = flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
+        return from_tile_order(out, feat_size, w)
 
-        # Heads-first copies, even of one head (where the view is already contiguous): compiled on CPU (torch 2.14),
-        # FlexAttention refuses a query that is a view of a matmul.
-        q, k, v = (self._heads(t.to(q.dtype)).clone(memory_format=torch.contiguous_format)
-                   for t in (q, torch.cat(keys, 1), torch.cat(values, 1)))
-        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
-        return out.transpose(1, 2).reshape(B, HW, -1)
+    def _window_bias_mod(self, feat_size: tuple[int, int], device: torch.device):
+        """The ViL-LS window bias as FlexAttention's score_mod in tile order: its table read at the query-minus-key
+        offset for the patch keys (None without the table); the map's ``tile_geometry`` on ``device``."""
+        table = self.relative_position_bias_table
+        if table is None:
+            return None
+        geometry = (tile_geometry.__wrapped__ if torch.compiler.is_compiling() else tile_geometry)(
+            tuple(feat_size), self.window_size, device)
+        w = self.window_size
+
+        def window_bias(score, b, h, q_idx, kv_idx):
+            W, patches = geometry[1], geometry[2]
+            (qy, qx), (ky, kx) = tile_position(q_idx, W, w), tile_position(kv_idx, W, w)
+            row = _vil_bias_row(qy - ky, qx - kx, w).clamp(0, table.shape[0] - 1)
+            return torch.where(kv_idx >= patches, score, score + table[row, h].to(score.dtype))
+
+        return window_bias
+
+    def _fused(self, x: Tensor) -> bool:
+        """Whether this call runs the fused path (``_attend_flex``): with ``"flex_attention"``, and with ``"sdpa"``
+        where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout)."""
+        if self.attn_implementation == "flex_attention":
+            return True
+        dropout = self.training and self.attn_drop > 0
+        return self.attn_implementation == "sdpa" and long_short_attention.fused_by_default(x, dropout=dropout)
 
     def _in_strips(self, feat_size: tuple[int, int]) -> bool:
         """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
@@ -473,10 +481,12 @@ class LongShortAttention2d(nn.Module):
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        Maps of at most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not divide H) use the strip
-        layout, larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches',
-        and the extra rows [projected rows; global tokens].
+        The fused path (``_fused``) makes one FlexAttention call; otherwise maps of at most ``strip_max_tokens``
+        patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout, larger ones the blocked
+        layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
+        global tokens].
         """
+        fused = self._fused(x)
         if self.attn_implementation == "flex_attention":
             check_flex_call(x, self.proj.weight, training=self.training, dropout=self.attn_drop,
                             dropout_name="attn_drop", dropout_setting="attn_drop_rate")
@@ -497,7 +507,7 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        if self.attn_implementation == "flex_attention":
+        if fused:
             attend = self._attend_flex
         else:
             attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked

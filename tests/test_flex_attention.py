@@ -202,9 +202,10 @@ def test_default_stays_sdpa():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
-    """attn_implementation="sdpa" (the default) runs FlexAttention on ``FUSED_DEVICES`` (CUDA; here the CPU stands in),
-    decided at each call from where the tensors are, with the output of the grouped SDPA path; not for attention maps,
-    active attention dropout or a decoding step (fewer than w causal tokens); "eager" never does."""
+    """attn_implementation="sdpa" (the default) runs FlexAttention on ``FUSED_DEVICES`` in ``FUSED_DTYPES`` (CUDA, not
+    float64; here the CPU in float64 stands in), decided at each call from where the tensors are, with the output of
+    the grouped SDPA path; not for attention maps, active attention dropout or a decoding step (fewer than w causal
+    tokens); "eager" never does."""
     from ls_hf import long_short_attention
 
     built = []
@@ -224,6 +225,8 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
     expected, calls = fused_calls(default, x, mask)
     assert calls == 0  # the CPU is not a fused device
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    assert fused_calls(default, x, mask)[1] == 0  # nor is float64 a fused dtype
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     out, calls = fused_calls(default, x, mask)
     assert calls == 1
     assert_close(out, expected, atol=EXACT)
@@ -244,6 +247,7 @@ def test_default_matches_the_portable_path_on_the_test_device(causal, device, dt
     from ls_hf import long_short_attention
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
     config = {"hidden": 32, "heads": 2, "window": 64, "rank": 4, "causal": causal, "segment_length": 8 if causal else None}
     default = make(**config, device=device, dtype=dtype)
     eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")

@@ -1,6 +1,7 @@
-"""attn_implementation="flex_attention" in the 2-D attention (``ls_timm``): FlexAttention against the SDPA layouts
-(themselves checked against the per-query reference in test_timm_attention.py), eager over a grid of shapes, compiled
-on two, the timm models, and its errors.
+"""The fused path of the 2-D attention (``ls_timm``): FlexAttention over the patches in window-tile order against the
+SDPA layouts (themselves checked against the per-query reference in test_timm_attention.py), eager over a grid of
+shapes, compiled on two maps of several 128-token blocks (where the kernel skips blocks by the BlockMask), the timm
+models, where ``attn_implementation="sdpa"`` takes it, and its errors. Its block structure: test_timm_blocks_2d.py.
 
 Checked, never timed. Eager FlexAttention warns that it materialises the scores; that is expected at these sizes.
 """
@@ -10,6 +11,8 @@ import timm
 import torch
 
 import ls_hf.long_short_rules as rules
+from ls_hf import long_short_attention, long_short_blocks
+from ls_timm import long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.devices import assert_close
 from tests.test_timm_attention import CASES, _randomise
@@ -42,16 +45,21 @@ def test_flex_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, strips, use_dual_l
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("case", [CASES[2], (8, 6, 16, 1, 2, 4, 1, CASES[3][-1])], ids=["vil_bias_cls", "cvt_one_head"])
-def test_compiled_flex_matches_sdpa(case, device):
-    """torch.compile'd FlexAttention (the fused kernel), float32, tolerance scaled to the outputs' magnitude; one head
-    (CvT stage 1), where the heads-first view of the projection needs its own copy."""
-    sdpa, flex, x = pair(*case, device, torch.float32)
-    H, W = case[:2]
-    with torch.no_grad():
-        expected = sdpa(x, (H, W))
-        out = torch.compile(flex, fullgraph=True, dynamic=False)(x, (H, W))
-    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+@pytest.mark.parametrize("case", [(19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), (20, 18, 16, 1, 4, 4, 1, CASES[3][-1])],
+                         ids=["vil_bias_cls", "cvt_one_head"])
+def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
+    """The package's compiled FlexAttention kernel (``compiled_flex_attention``, as CUDA runs it: the fused kernel, which
+    skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32, tolerance scaled to the
+    outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS (w = 7, 8-wide heads);
+    one head (CvT stage 1). Two map sizes each, so that the second compiles with symbolic sizes."""
+    monkeypatch.setattr(long_short_blocks, "flex_attention", long_short_blocks.compiled_flex_attention())
+    for shrink in (0, 3):
+        H, W = case[0] - shrink, case[1] - shrink
+        sdpa, flex, x = pair(H, W, *case[2:], device, torch.float32)
+        with torch.no_grad():
+            expected = sdpa(x, (H, W))
+            out = flex(x, (H, W))
+        torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("name,kwargs", [
@@ -112,3 +120,47 @@ def test_unknown_implementation_and_missing_flex_are_refused(monkeypatch):
 
 def test_default_stays_sdpa():
     assert LongShortAttention2d(16, 2, 3, 2).attn_implementation == "sdpa"
+
+
+def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch):
+    """attn_implementation="sdpa" (the default) runs FlexAttention in tile order on ``ls_hf``'s ``FUSED_DEVICES`` in
+    ``FUSED_DTYPES`` (CUDA, not float64; here the CPU in float64 stands in), decided at each call from where the input
+    is, with the SDPA path's outputs: one BlockMask per Long-Short stage, shared by the stage's layers and by later
+    calls; not with active attention dropout, and never with "eager". ViL-LS: window bias, a global token, maps of
+    16 x 16 and 8 x 8 (w = 7: partial tiles)."""
+    built = []
+    real = long_short_blocks_2d.tile_block_mask
+    monkeypatch.setattr(long_short_blocks_2d, "tile_block_mask", lambda *a, **k: built.append(a) or real(*a, **k))
+    long_short_blocks_2d.cached_tile_block_mask.cache_clear()
+    kwargs = {"depths": (1, 2, 1, 1), "img_size": 64}
+    default = timm.create_model("vil_ls_small", **kwargs)
+    _randomise(default)
+    eager = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager")
+    eager.load_state_dict(default.state_dict())
+    default, eager = default.double().eval(), eager.double().eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def builds(model):
+        built.clear()
+        with torch.no_grad():
+            out = model(x)
+        return out, len(built)
+
+    expected, count = builds(default)
+    assert count == 0  # the CPU is not a fused device
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    assert builds(default)[1] == 0  # nor is float64 a fused dtype
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    out, count = builds(default)
+    assert count == 2
+    assert_close(out, expected, atol=EXACT)
+    assert builds(default)[1] == 0  # cached
+    long_short_blocks_2d.cached_tile_block_mask.cache_clear()  # from here on, a fused call would build them again
+    out, count = builds(eager)
+    assert count == 0
+    assert torch.equal(out, expected)
+    default.train()
+    for m in default.modules():
+        if isinstance(m, LongShortAttention2d):
+            m.attn_drop = 0.1
+    assert builds(default)[1] == 0
