@@ -6,12 +6,13 @@ there), with the operators that take the most device time listed per peer.
     python -m bench.profile_attention --device cpu --dtype fp32 --n 1024 --steps 2
 
 Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and writes them to
-``bench/results/profile_attention_<device>.txt``.
+``bench/results/profile_attention_<device>.txt`` (``--out``: another file).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmups", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25, help="operators listed per peer")
+    parser.add_argument("--out", default=None, help="default: bench/results/profile_attention_<device>.txt")
     args = parser.parse_args(argv)
     if args.n < 1 or args.steps < 1 or args.warmups < 0:
         parser.error(f"--n and --steps must be >= 1 and --warmups >= 0, got {args.n}, {args.steps}, {args.warmups}")
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         table = profile_peer(peer, args.n, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows)
         report.append(f"== {peer}, n = {args.n}, {args.steps} forward + backward steps\n{table}")
         print(report[-1], flush=True)
-    path = RESULTS / f"profile_attention_{args.device}.txt"
+    path = Path(args.out) if args.out else RESULTS / f"profile_attention_{args.device}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(report))
     print(f"wrote {path}")
