@@ -97,7 +97,9 @@ class DenseAttention(nn.Module):
         self.query, self.key, self.value, self.output = (nn.Linear(hidden, hidden) for _ in range(4))
 
     def forward(self, x):
-        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value))
+        q, k, v = (
+            proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value)
+        )
         return self.output(self.attend(q, k, v).transpose(1, 2).flatten(2))
 
     def attend(self, q, k, v):
@@ -129,11 +131,24 @@ class LongformerAttention(nn.Module):
 class LongShortAttention(nn.Module):
     """``LongShortSelfAttention`` returning only its output."""
 
-    def __init__(self, hidden: int, heads: int, window: int, rank: int, recompute_window_tiles: bool = False,
-                 attn_implementation: str = "sdpa"):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        window: int,
+        rank: int,
+        recompute_window_tiles: bool = False,
+        attn_implementation: str = "sdpa",
+    ):
         super().__init__()
-        self.attn = LongShortSelfAttention(hidden, heads, window, rank, recompute_window_tiles=recompute_window_tiles,
-                                           attn_implementation=attn_implementation)
+        self.attn = LongShortSelfAttention(
+            hidden,
+            heads,
+            window,
+            rank,
+            recompute_window_tiles=recompute_window_tiles,
+            attn_implementation=attn_implementation,
+        )
 
     def forward(self, x):
         return self.attn(x)[0]
@@ -179,9 +194,14 @@ class FlexWindowAttention(DenseAttention):
 def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
     hidden, heads = shape.hidden, shape.heads
     if peer in ("long-short", "long-short-recompute", "long-short-eager"):
-        return LongShortAttention(hidden, heads, shape.window, shape.rank,
-                                  recompute_window_tiles=peer == "long-short-recompute",
-                                  attn_implementation="eager" if peer == "long-short-eager" else "sdpa")
+        return LongShortAttention(
+            hidden,
+            heads,
+            shape.window,
+            shape.rank,
+            recompute_window_tiles=peer == "long-short-recompute",
+            attn_implementation="eager" if peer == "long-short-eager" else "sdpa",
+        )
     if peer in ("sdpa", "eager"):
         return DenseAttention(hidden, heads, eager=peer == "eager")
     if peer == "longformer":
@@ -303,8 +323,9 @@ def tables(rows, peers, ns, memory_label) -> str:
         (f"{memory_label} (MiB); (x) = peer / long-short", "peak_mem_bytes", 2.0**-20, ".0f"),
     ]
     if any("peak_alloc_bytes" in row for row in rows):
-        metrics.append(("peak tensor memory, CPU allocator (MiB); (x) = peer / long-short", "peak_alloc_bytes",
-                        2.0**-20, ".0f"))
+        metrics.append(
+            ("peak tensor memory, CPU allocator (MiB); (x) = peer / long-short", "peak_alloc_bytes", 2.0**-20, ".0f")
+        )
     for title, key, scale, fmt in metrics:
         lines += [f"**{title}**", "", "| n | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
         for n in ns:
@@ -320,7 +341,9 @@ def tables(rows, peers, ns, memory_label) -> str:
     ]
     for n in ns:
         cells = [_cell(_get(rows, p, n), "gflop_per_s", 1.0, ".0f") for p in peers]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {model_flops('sdpa', n) / model_flops('long-short', n):.2f}x |")
+        lines.append(
+            f"| {n} | " + " | ".join(cells) + f" | {model_flops('sdpa', n) / model_flops('long-short', n):.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -346,10 +369,17 @@ def main(argv=None) -> None:
     parser.add_argument("--min-n", type=int, default=1024)
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps after one warm-up (default 3)")
-    parser.add_argument("--peers", nargs="+", default=None, choices=PEERS,
-                        help="default: the first four, and flex-window on CUDA (no FlexAttention backward on CPU); "
-                             "long-short-recompute is Long-Short with recompute_window_tiles=True")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)")
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        default=None,
+        choices=PEERS,
+        help="default: the first four, and flex-window on CUDA (no FlexAttention backward on CPU); "
+        "long-short-recompute is Long-Short with recompute_window_tiles=True",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default bench/results/[quick/]attention_<device>...)"
+    )
     args = parser.parse_args(argv)
     args.peers = args.peers or [*PEERS[:4], *(["flex-window"] if args.device == "cuda" else [])]
     if args.quick:
@@ -367,13 +397,15 @@ def main(argv=None) -> None:
             print(f"  n={n:<6} {row['peer']:<11} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
 
     meta = run_meta(
-        "bench_attention", argv,
+        "bench_attention",
+        argv,
         device=args.device,
         dtype=args.dtype,
         repeats=args.repeats,
         config=asdict(SHAPE) | {"longformer_attention_window": 2 * SHAPE.window},
         memory="RSS high-water mark (VmHWM) minus RSS before the first step, forked process per (peer, n)"
-        if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated minus memory_allocated before the first step",
         time=f"median of {args.repeats} forward + backward steps after 1 warm-up, the peers of one n stepped in "
         "turn in one process",
     )
@@ -397,10 +429,13 @@ def main(argv=None) -> None:
     out = args.out or results_path(f"attention_{args.device}{suffix}", args.quick)
     write_json(out, {"meta": meta, "results": rows, "targets": targets})
     out.with_suffix(".md").write_text(text)
-    title = (f"one attention layer, fwd+bwd, d={SHAPE.hidden}, H={SHAPE.heads}, w={SHAPE.window}, r={SHAPE.rank}, "
-             f"{args.device} {args.dtype}")
+    title = (
+        f"one attention layer, fwd+bwd, d={SHAPE.hidden}, H={SHAPE.heads}, w={SHAPE.window}, r={SHAPE.rank}, "
+        f"{args.device} {args.dtype}"
+    )
     plot_scaling(rows, out.with_suffix(".png"), title, memory_label + " (MiB)")
     print(f"wrote {out} and its .md, .png")
+
 
 if __name__ == "__main__":
     main()

@@ -52,8 +52,11 @@ def build_vision(name: str, img_size: int, device: str) -> dict:
     sdpa = timm.create_model(name, img_size=img_size).to(device).eval()
     flex = timm.create_model(name, img_size=img_size, attn_implementation="flex_attention")
     flex.load_state_dict(sdpa.state_dict())
-    return {"sdpa": sdpa, "sdpa_compiled": torch.compile(sdpa, dynamic=False),
-            "flex": torch.compile(flex.to(device).eval(), dynamic=False)}
+    return {
+        "sdpa": sdpa,
+        "sdpa_compiled": torch.compile(sdpa, dynamic=False),
+        "flex": torch.compile(flex.to(device).eval(), dynamic=False),
+    }
 
 
 def compare(peers: dict, x: torch.Tensor, device: str, repeats: int) -> dict:
@@ -61,8 +64,9 @@ def compare(peers: dict, x: torch.Tensor, device: str, repeats: int) -> dict:
     and each output's largest difference from its output, over the largest output."""
     with torch.inference_mode():
         outputs = {name: module(x) for name, module in peers.items()}  # also compiles for this shape
-        times = interleaved_times({name: (lambda m=module: m(x)) for name, module in peers.items()}, repeats,
-                                  lambda: sync(device))
+        times = interleaved_times(
+            {name: (lambda m=module: m(x)) for name, module in peers.items()}, repeats, lambda: sync(device)
+        )
     outputs = {name: out[0] if isinstance(out, tuple) else out for name, out in outputs.items()}
     scale = outputs["sdpa"].abs().max().item()
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -70,8 +74,9 @@ def compare(peers: dict, x: torch.Tensor, device: str, repeats: int) -> dict:
         "times_s": times,
         "median_s": medians,
         **{f"{name}_over_sdpa": medians[name] / medians["sdpa"] for name in peers if name != "sdpa"},
-        "max_rel_diff": {name: (out - outputs["sdpa"]).abs().max().item() / scale
-                         for name, out in outputs.items() if name != "sdpa"},
+        "max_rel_diff": {
+            name: (out - outputs["sdpa"]).abs().max().item() / scale for name, out in outputs.items() if name != "sdpa"
+        },
     }
 
 
@@ -83,21 +88,29 @@ def run_length(peers: dict, n: int, device: str, repeats: int) -> dict:
 
 def run_vision(args, argv) -> None:
     """``--vision``: each model's three peers on one batch, a row per model."""
-    meta = run_meta("bench_flex", argv, vision=args.vision, img_size=args.img_size, batch=args.batch,
-                    repeats=args.repeats)
+    meta = run_meta(
+        "bench_flex", argv, vision=args.vision, img_size=args.img_size, batch=args.batch, repeats=args.repeats
+    )
     rows = []
-    print("| model | SDPA path (s) | compiled SDPA path (s) | compiled flex (s) | compiled SDPA / SDPA | flex / SDPA | "
-          "flex / compiled SDPA | max |diff| / max |out| (flex) |")
+    print(
+        "| model | SDPA path (s) | compiled SDPA path (s) | compiled flex (s) | compiled SDPA / SDPA | flex / SDPA | "
+        "flex / compiled SDPA | max |diff| / max |out| (flex) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.vision:
         x = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=torch.Generator().manual_seed(0))
-        row = {"model": name, **compare(build_vision(name, args.img_size, args.device), x.to(args.device),
-                                        args.device, args.repeats)}
+        row = {
+            "model": name,
+            **compare(build_vision(name, args.img_size, args.device), x.to(args.device), args.device, args.repeats),
+        }
         rows.append(row)
         med = row["median_s"]
-        print(f"| {name} | {med['sdpa']:.3f} | {med['sdpa_compiled']:.3f} | {med['flex']:.3f} | "
-              f"{row['sdpa_compiled_over_sdpa']:.2f}x | {row['flex_over_sdpa']:.2f}x | "
-              f"{med['flex'] / med['sdpa_compiled']:.2f}x | {row['max_rel_diff']['flex']:.1e} |", flush=True)
+        print(
+            f"| {name} | {med['sdpa']:.3f} | {med['sdpa_compiled']:.3f} | {med['flex']:.3f} | "
+            f"{row['sdpa_compiled_over_sdpa']:.2f}x | {row['flex_over_sdpa']:.2f}x | "
+            f"{med['flex'] / med['sdpa_compiled']:.2f}x | {row['max_rel_diff']['flex']:.1e} |",
+            flush=True,
+        )
         write_json(results_path(f"flex_vision_{args.device}", quick=False), {"meta": meta, "rows": rows})
 
 
@@ -117,16 +130,24 @@ def main(argv=None) -> None:
         return run_vision(args, argv)
     peers = build(args.causal, args.device)
     name = f"flex_{args.device}" + ("_causal" if args.causal else "")
-    meta = run_meta("bench_flex", argv, causal=args.causal, repeats=args.repeats,
-                    module={"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK})
+    meta = run_meta(
+        "bench_flex",
+        argv,
+        causal=args.causal,
+        repeats=args.repeats,
+        module={"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "rank": RANK},
+    )
     rows = []
     print("| n | SDPA path (s) | compiled flex (s) | flex / SDPA | max |diff| / max |out| |")
     print("|---|---|---|---|---|")
     for n in args.n:
         row = run_length(peers, n, args.device, args.repeats)
         rows.append(row)
-        print(f"| {n} | {row['median_s']['sdpa']:.3f} | {row['median_s']['flex']:.3f} | "
-              f"{row['flex_over_sdpa']:.2f}x | {row['max_rel_diff']:.1e} |", flush=True)
+        print(
+            f"| {n} | {row['median_s']['sdpa']:.3f} | {row['median_s']['flex']:.3f} | "
+            f"{row['flex_over_sdpa']:.2f}x | {row['max_rel_diff']:.1e} |",
+            flush=True,
+        )
         write_json(results_path(name, quick=False), {"meta": meta, "rows": rows})  # after each n: a cut run keeps it
 
 

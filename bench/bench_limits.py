@@ -137,15 +137,27 @@ def search(passes, start: int) -> tuple[int | None, int | None]:
     return low, high
 
 
-def find_limits(peer: str, memory_budget: int, time_budget: float, start: int, max_seconds: float, threads: int,
-                runs: list[dict], budgets: tuple[str, ...] = ("time", "memory")) -> dict:
+def find_limits(
+    peer: str,
+    memory_budget: int,
+    time_budget: float,
+    start: int,
+    max_seconds: float,
+    threads: int,
+    runs: list[dict],
+    budgets: tuple[str, ...] = ("time", "memory"),
+) -> dict:
     """The time search (runs stopped at ``time_budget``, or at twice the memory budget or 60 % of the free memory),
     then the memory search (runs stopped at ``memory_budget`` or ``max_seconds``), those named in ``budgets``; every
     run goes into ``runs``."""
 
     def measured(n, max_bytes, seconds):
         for row in runs:  # a finished run answers both questions
-            if row["peer"] == peer and row["n"] == n and (row["status"] == "ok" or row.get("limit") == (max_bytes, seconds)):
+            if (
+                row["peer"] == peer
+                and row["n"] == n
+                and (row["status"] == "ok" or row.get("limit") == (max_bytes, seconds))
+            ):
                 return row
         row = run(peer, n, max_bytes, seconds, threads) | {"limit": (max_bytes, seconds)}
         runs.append(row)
@@ -184,8 +196,10 @@ def table(limits: list[dict], memory_budget: int, time_budget: float) -> str:
             return f">= {low} (larger not measured)"
         return f"{low} (fails at {high})" if low else f"< {high}"
 
-    lines = [f"| peer | longest n within {memory_budget / 2**30:g} GiB | longest n within {time_budget:g} s |",
-             "|---|---|---|"]
+    lines = [
+        f"| peer | longest n within {memory_budget / 2**30:g} GiB | longest n within {time_budget:g} s |",
+        "|---|---|---|",
+    ]
     lines += [f"| {row['peer']} | {cell(row.get('memory'))} | {cell(row.get('time'))} |" for row in limits]
     return "\n".join(lines) + "\n"
 
@@ -196,11 +210,20 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-gib", type=float, default=8.0, help="memory budget: peak RSS growth (GiB)")
     parser.add_argument("--seconds", type=float, default=30.0, help="time budget of one step (s)")
     parser.add_argument("--start", type=int, default=4096, help="first n of the doubling")
-    parser.add_argument("--max-seconds", type=float, default=900.0,
-                        help="a memory-search run still going after this long ends the search (limit unknown above)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=900.0,
+        help="a memory-search run still going after this long ends the search (limit unknown above)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch default)")
-    parser.add_argument("--budgets", nargs="+", default=["time", "memory"], choices=("time", "memory"),
-                        help="which limits to search (default both)")
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        default=["time", "memory"],
+        choices=("time", "memory"),
+        help="which limits to search (default both)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/limits_cpu.json)")
     args = parser.parse_args(argv)
     if args.start < GRANULE or args.start % GRANULE:
@@ -210,13 +233,34 @@ def main(argv=None) -> None:
     memory_budget = int(args.memory_gib * 2**30)
     runs, limits = [], []
     for peer in args.peers:
-        limits.append(find_limits(peer, memory_budget, args.seconds, args.start, args.max_seconds, args.threads, runs,
-                                  budgets=tuple(args.budgets)))
+        limits.append(
+            find_limits(
+                peer,
+                memory_budget,
+                args.seconds,
+                args.start,
+                args.max_seconds,
+                args.threads,
+                runs,
+                budgets=tuple(args.budgets),
+            )
+        )
     meta = run_meta(
-        "bench_limits", argv, measurement_threads=args.threads or torch.get_num_threads(), dtype="fp32",
-        config={"layers": 1, "hidden": 768, "heads": 12, "intermediate": 3072, "vocab": VOCAB, "batch": 1,
-                "masked_fraction": MASKED_FRACTION, "long_short": "LongShortConfig defaults (w = 256, r = 64), recompute_window_tiles=True",
-                "longformer_attention_window": 512},
+        "bench_limits",
+        argv,
+        measurement_threads=args.threads or torch.get_num_threads(),
+        dtype="fp32",
+        config={
+            "layers": 1,
+            "hidden": 768,
+            "heads": 12,
+            "intermediate": 3072,
+            "vocab": VOCAB,
+            "batch": 1,
+            "masked_fraction": MASKED_FRACTION,
+            "long_short": "LongShortConfig defaults (w = 256, r = 64), recompute_window_tiles=True",
+            "longformer_attention_window": 512,
+        },
         budgets={"memory_bytes": memory_budget, "seconds": args.seconds, "max_seconds": args.max_seconds},
         memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process per run",
         time="wall time of that one step (no warm-up), on a machine shared with other jobs: an upper bound",

@@ -93,22 +93,52 @@ def modernbert_attention(device: str) -> str:
     return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def build_mlm(peer: str, n: int, layers: int, vocab: int, recompute_window_tiles: bool = False, *,
-              width: dict | None = None, window: int = WINDOW, rank: int = RANK, device: str = "cpu"):
+def build_mlm(
+    peer: str,
+    n: int,
+    layers: int,
+    vocab: int,
+    recompute_window_tiles: bool = False,
+    *,
+    width: dict | None = None,
+    window: int = WINDOW,
+    rank: int = RANK,
+    device: str = "cpu",
+):
     """The peer's masked LM with ``layers`` layers and room for n tokens (RoBERTa positions: n + 2 rows);
     ``recompute_window_tiles``, ``window`` and ``rank`` for Long-Short (``LongShortConfig``). ``width``:
     hidden_size, num_attention_heads and intermediate_size (default: ``BASE``; ModernBERT: its own config's).
     ``device``: where it will run (ModernBERT's attention depends on it)."""
     if peer == "modernbert":  # token ids 0-2 as RoBERTa's, inside any vocabulary
-        return ModernBertForMaskedLM(ModernBertConfig(
-            **(width or {}), num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=n,
-            pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2,
-            attn_implementation=modernbert_attention(device)))
-    common = {**(width or BASE), "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": n + 2,
-              "type_vocab_size": 1, "layer_norm_eps": 1e-5, "attention_probs_dropout_prob": 0.0}
+        return ModernBertForMaskedLM(
+            ModernBertConfig(
+                **(width or {}),
+                num_hidden_layers=layers,
+                vocab_size=vocab,
+                max_position_embeddings=n,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+                cls_token_id=0,
+                sep_token_id=2,
+                attn_implementation=modernbert_attention(device),
+            )
+        )
+    common = {
+        **(width or BASE),
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": n + 2,
+        "type_vocab_size": 1,
+        "layer_norm_eps": 1e-5,
+        "attention_probs_dropout_prob": 0.0,
+    }
     if peer == "long-short":
-        return LongShortForMaskedLM(LongShortConfig(**common, window_size=window, projection_rank=rank,
-                                                    recompute_window_tiles=recompute_window_tiles))
+        return LongShortForMaskedLM(
+            LongShortConfig(
+                **common, window_size=window, projection_rank=rank, recompute_window_tiles=recompute_window_tiles
+            )
+        )
     if peer in ("roberta-sdpa", "roberta-eager"):  # eager: the n x n scores materialised
         return RobertaForMaskedLM(RobertaConfig(**common, attn_implementation=peer.removeprefix("roberta-")))
     if peer == "longformer":
@@ -120,14 +150,29 @@ def estimated_bytes(peer: str, n: int, layers: int, vocab: int, checkpointing: b
     """Generous fp32 estimate of a training step: ~64 d floats per token and layer held (one layer and every layer's
     input with checkpointing), logits x3, Longformer's bands."""
     held = 1 if checkpointing else layers
-    need = held * 64 * n * BASE["hidden_size"] * 4 + 3 * n * vocab * 4 + checkpointing * layers * n * BASE["hidden_size"] * 8
+    need = (
+        held * 64 * n * BASE["hidden_size"] * 4
+        + 3 * n * vocab * 4
+        + checkpointing * layers * n * BASE["hidden_size"] * 8
+    )
     if peer == "longformer":
         need += held * 8 * BASE["num_attention_heads"] * n * (LONGFORMER_WINDOW + 1) * 4
     return need
 
 
-def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False, global_first: bool = False,
-                  device: str = "cpu", dtype: str = "fp32", *, batch: int = 1, **build):
+def training_step(
+    peer: str,
+    n: int,
+    layers: int,
+    vocab: int,
+    checkpointing: bool = False,
+    global_first: bool = False,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    *,
+    batch: int = 1,
+    **build,
+):
     """A closure running one training step (forward + backward of the MLM loss over ``batch`` sequences of n tokens)
     of a freshly built peer; ``build``: ``build_mlm``'s keyword arguments."""
     torch.manual_seed(0)
@@ -147,8 +192,16 @@ def training_step(peer: str, n: int, layers: int, vocab: int, checkpointing: boo
     return step
 
 
-def measure_memory(peer: str, n: int, layers: int, vocab: int, checkpointing: bool = False,
-                   global_first: bool = False, device: str = "cpu", dtype: str = "fp32") -> dict:
+def measure_memory(
+    peer: str,
+    n: int,
+    layers: int,
+    vocab: int,
+    checkpointing: bool = False,
+    global_first: bool = False,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> dict:
     """Peak memory (RSS; CUDA: allocated) of one training step above that of the built model, and that step's time."""
     step = training_step(peer, n, layers, vocab, checkpointing, global_first, device, dtype)
     base = reset_peak_memory(device)
@@ -158,16 +211,36 @@ def measure_memory(peer: str, n: int, layers: int, vocab: int, checkpointing: bo
     return {"single_step_s": time.perf_counter() - start, "peak_mem_bytes": peak_memory_above(device, base)}
 
 
-def measure_times(peers, n: int, layers: int, vocab: int, repeats: int, checkpointing: bool = False,
-                  global_first: bool = False, device: str = "cpu", dtype: str = "fp32") -> dict:
+def measure_times(
+    peers,
+    n: int,
+    layers: int,
+    vocab: int,
+    repeats: int,
+    checkpointing: bool = False,
+    global_first: bool = False,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> dict:
     """Step times of all peers built in one process and stepped in turn (``interleaved_times``). Returns
     {peer: times in run order}."""
     steps = {peer: training_step(peer, n, layers, vocab, checkpointing, global_first, device, dtype) for peer in peers}
     return interleaved_times(steps, repeats, sync=lambda: sync(device))
 
 
-def run_training(peers, lengths, layers, vocab, repeats, threads, checkpointing=False, global_first=False,
-                 single_step=False, device="cpu", dtype="fp32") -> list[dict]:
+def run_training(
+    peers,
+    lengths,
+    layers,
+    vocab,
+    repeats,
+    threads,
+    checkpointing=False,
+    global_first=False,
+    single_step=False,
+    device="cpu",
+    dtype="fp32",
+) -> list[dict]:
     """Per n: peak memory of each peer in its own process (CUDA: in this one), then the interleaved timing of the
     peers that fit (with ``single_step``, the memory step's time instead)."""
     rows = []
@@ -184,16 +257,24 @@ def run_training(peers, lengths, layers, vocab, repeats, threads, checkpointing=
                 if row["status"] == "ok":
                     fitting.append(peer)
             rows.append(row)
-            print(f"  memory n={n:<6} {peer:<13} {row['status']:<8} "
-                  f"{row.get('peak_mem_bytes', 0) / 2**20:8.0f} MiB {row.get('single_step_s', 0):8.1f} s "
-                  f"{row.get('reason', '')}", flush=True)
+            print(
+                f"  memory n={n:<6} {peer:<13} {row['status']:<8} "
+                f"{row.get('peak_mem_bytes', 0) / 2**20:8.0f} MiB {row.get('single_step_s', 0):8.1f} s "
+                f"{row.get('reason', '')}",
+                flush=True,
+            )
         if single_step:
-            timed = {"status": "ok", **{row["peer"]: [row["single_step_s"]] for row in rows[-len(peers):]
-                                        if row["peer"] in fitting}}
+            timed = {
+                "status": "ok",
+                **{row["peer"]: [row["single_step_s"]] for row in rows[-len(peers) :] if row["peer"] in fitting},
+            }
         else:
-            timed = isolated(device, measure_times, fitting, n, layers, vocab, repeats, *setup,
-                             threads=threads) if fitting else {}
-        for row in rows[-len(peers):]:
+            timed = (
+                isolated(device, measure_times, fitting, n, layers, vocab, repeats, *setup, threads=threads)
+                if fitting
+                else {}
+            )
+        for row in rows[-len(peers) :]:
             if row["peer"] in fitting and timed["status"] == "ok":
                 times = timed[row["peer"]]
                 median = sorted(times)[len(times) // 2]
@@ -215,35 +296,63 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def measure_generation(context: int, new_tokens: int, use_cache: bool, layers: int, vocab: int, device: str = "cpu",
-                       dtype: str = "fp32", *, width: dict | None = None, window: int = WINDOW) -> dict:
+def measure_generation(
+    context: int,
+    new_tokens: int,
+    use_cache: bool,
+    layers: int,
+    vocab: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    *,
+    width: dict | None = None,
+    window: int = WINDOW,
+) -> dict:
     """Median per-token decoding time after a ``context``-token prompt, with or without the cache; ``width`` as
     ``build_mlm``'s."""
     torch.manual_seed(0)
-    config = LongShortConfig(**(width or BASE), num_hidden_layers=layers, vocab_size=vocab, is_decoder=True,
-                             window_size=window, projection_rank=1, causal_segment_length=16,
-                             max_position_embeddings=context + new_tokens + 3)
+    config = LongShortConfig(
+        **(width or BASE),
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        is_decoder=True,
+        window_size=window,
+        projection_rank=1,
+        causal_segment_length=16,
+        max_position_embeddings=context + new_tokens + 3,
+    )
     model = LongShortForCausalLM(config).to(device, DTYPES[dtype]).eval()
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=1, bos_token_id=0)
     prompt = torch.randint(3, vocab, (1, context), device=device)
     clock = StepClock()
     start = time.perf_counter()
-    model.generate(prompt, max_new_tokens=new_tokens + 1, do_sample=False, use_cache=use_cache,
-                   stopping_criteria=StoppingCriteriaList([clock]))
+    model.generate(
+        prompt,
+        max_new_tokens=new_tokens + 1,
+        do_sample=False,
+        use_cache=use_cache,
+        stopping_criteria=StoppingCriteriaList([clock]),
+    )
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     per_token = sorted(steps)[len(steps) // 2]
-    return {"prefill_s": clock.times[0] - start, "per_token_s": per_token, "per_token_times_s": steps,
-            "tokens_per_s": 1 / per_token}
+    return {
+        "prefill_s": clock.times[0] - start,
+        "per_token_s": per_token,
+        "per_token_times_s": steps,
+        "tokens_per_s": 1 / per_token,
+    }
 
 
-def run_generation(contexts, layers, vocab, cached_tokens, uncached_tokens, threads, device="cpu",
-                   dtype="fp32") -> list[dict]:
+def run_generation(
+    contexts, layers, vocab, cached_tokens, uncached_tokens, threads, device="cpu", dtype="fp32"
+) -> list[dict]:
     rows = []
     for context in contexts:
         for use_cache, tokens in ((True, cached_tokens), (False, uncached_tokens)):
             row = {"context": context, "use_cache": use_cache, "new_tokens": tokens}
-            row |= isolated(device, measure_generation, context, tokens, use_cache, layers, vocab, device, dtype,
-                            threads=threads)
+            row |= isolated(
+                device, measure_generation, context, tokens, use_cache, layers, vocab, device, dtype, threads=threads
+            )
             rows.append(row)
             shown = f"{row['per_token_s'] * 1e3:9.1f} ms/token" if row["status"] == "ok" else row.get("reason", "")
             print(f"  generate context={context:<6} cache={use_cache!s:<5} {row['status']:<6} {shown}", flush=True)
@@ -268,8 +377,10 @@ def add_ratios(train_rows, gen_rows) -> None:
 
 
 def training_table(rows, peers, lengths) -> str:
-    lines = ["| n | layers | peer | s / step | tokens / s | LS speedup | peak memory above model (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| n | layers | peer | s / step | tokens / s | LS speedup | peak memory above model (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n in lengths:
         for peer in peers:
             row = next(r for r in rows if r["peer"] == peer and r["n"] == n)
@@ -277,19 +388,27 @@ def training_table(rows, peers, lengths) -> str:
                 lines.append(f"| {n} | {row['layers']} | {peer} | {row['status']} ({row.get('reason', '')}) | | | |")
                 continue
             speedup = f"{row['ls_speedup']:.2f}x" if "ls_speedup" in row else ""
-            lines.append(f"| {n} | {row['layers']} | {peer} | {row['time_s']:.2f} | {row['tokens_per_s']:.0f} | "
-                         f"{speedup} | {row['peak_mem_bytes'] / 2**20:.0f} |")
+            lines.append(
+                f"| {n} | {row['layers']} | {peer} | {row['time_s']:.2f} | {row['tokens_per_s']:.0f} | "
+                f"{speedup} | {row['peak_mem_bytes'] / 2**20:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def generation_table(rows, contexts) -> str:
-    lines = ["| context | cached tokens / s | uncached tokens / s | cache speedup | cached ms / token | prefill s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| context | cached tokens / s | uncached tokens / s | cache speedup | cached ms / token | prefill s |",
+        "|---|---|---|---|---|---|",
+    ]
     for context in contexts:
         cached, plain = _find(rows, context=context, use_cache=True), _find(rows, context=context, use_cache=False)
-        cells = [f"{cached['tokens_per_s']:.1f}" if cached else "-", f"{plain['tokens_per_s']:.2f}" if plain else "-",
-                 f"{cached['cache_speedup']:.0f}x" if cached and "cache_speedup" in cached else "-",
-                 f"{cached['per_token_s'] * 1e3:.1f}" if cached else "-", f"{cached['prefill_s']:.2f}" if cached else "-"]
+        cells = [
+            f"{cached['tokens_per_s']:.1f}" if cached else "-",
+            f"{plain['tokens_per_s']:.2f}" if plain else "-",
+            f"{cached['cache_speedup']:.0f}x" if cached and "cache_speedup" in cached else "-",
+            f"{cached['per_token_s'] * 1e3:.1f}" if cached else "-",
+            f"{cached['prefill_s']:.2f}" if cached else "-",
+        ]
         lines.append(f"| {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -335,54 +454,106 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for name in ("layers", "repeats", "vocab", "cached_tokens", "uncached_tokens", "threads"):
         if getattr(args, name) < (0 if name == "threads" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'threads' else 1}, got {getattr(args, name)}")
+            parser.error(
+                f"--{name.replace('_', '-')} must be >= {0 if name == 'threads' else 1}, got {getattr(args, name)}"
+            )
     if min(args.lengths + args.contexts) < 1:
         parser.error("--lengths and --contexts must be positive")
     if args.quick:
         args.lengths, args.layers, args.repeats, args.contexts = [1024], 1, 1, [256, 1024]
         args.cached_tokens, args.uncached_tokens = 8, 2
 
-    train_rows = [] if args.skip_training else run_training(
-        args.peers, args.lengths, args.layers, args.vocab, args.repeats, args.threads,
-        checkpointing=args.gradient_checkpointing, global_first=args.global_first_token, single_step=args.single_step,
-        device=args.device, dtype=args.dtype,
+    train_rows = (
+        []
+        if args.skip_training
+        else run_training(
+            args.peers,
+            args.lengths,
+            args.layers,
+            args.vocab,
+            args.repeats,
+            args.threads,
+            checkpointing=args.gradient_checkpointing,
+            global_first=args.global_first_token,
+            single_step=args.single_step,
+            device=args.device,
+            dtype=args.dtype,
+        )
     )
-    gen_rows = [] if args.skip_generation else run_generation(
-        args.contexts, args.layers, args.vocab, args.cached_tokens, args.uncached_tokens, args.threads, args.device,
-        args.dtype,
+    gen_rows = (
+        []
+        if args.skip_generation
+        else run_generation(
+            args.contexts,
+            args.layers,
+            args.vocab,
+            args.cached_tokens,
+            args.uncached_tokens,
+            args.threads,
+            args.device,
+            args.dtype,
+        )
     )
     add_ratios(train_rows, gen_rows)
     meta = run_meta(
-        "bench_models", argv,
+        "bench_models",
+        argv,
         measurement_threads=args.threads or torch.get_num_threads(),
         device=args.device,
         dtype=args.dtype,
-        config={**BASE, "layers": args.layers, "vocab": args.vocab, "window": WINDOW, "rank": RANK,
-                "longformer_attention_window": LONGFORMER_WINDOW, "batch": 1,
-                "gradient_checkpointing": args.gradient_checkpointing, "global_first_token": args.global_first_token,
-                "generation": {"window": WINDOW, "causal_segment_length": 16, "rank": 1,
-                               "cached_tokens": args.cached_tokens, "uncached_tokens": args.uncached_tokens}},
+        config={
+            **BASE,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "window": WINDOW,
+            "rank": RANK,
+            "longformer_attention_window": LONGFORMER_WINDOW,
+            "batch": 1,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "global_first_token": args.global_first_token,
+            "generation": {
+                "window": WINDOW,
+                "causal_segment_length": 16,
+                "rank": 1,
+                "cached_tokens": args.cached_tokens,
+                "uncached_tokens": args.uncached_tokens,
+            },
+        },
         memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process "
-               "per (peer, n)" if args.device == "cpu" else
-               "torch.cuda.max_memory_allocated over one training step minus memory_allocated of the built model",
-        time=("training: the one MLM step (forward + backward) that measured memory, in its own forked process"
-              if args.single_step else
-              f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
-              "of one n stepped in turn in one forked process (times_s in run order)")
+        "per (peer, n)"
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated over one training step minus memory_allocated of the built model",
+        time=(
+            "training: the one MLM step (forward + backward) that measured memory, in its own forked process"
+            if args.single_step
+            else f"training: median of {args.repeats} MLM steps (forward + backward) after a warm-up round, the peers "
+            "of one n stepped in turn in one forked process (times_s in run order)"
+        )
         + "; generation: median time between consecutive greedy decoding steps (per_token_times_s), prefill excluded",
     )
-    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
-          f"torch {meta['torch']}  {args.device} {args.dtype}\n`{meta['command']}`\n")
+    print(
+        f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']} threads={meta['measurement_threads']}  "
+        f"torch {meta['torch']}  {args.device} {args.dtype}\n`{meta['command']}`\n"
+    )
     if train_rows:
-        timing = ("one step per peer, in its own process" if args.single_step else
-                  f"median of {args.repeats} rounds after a warm-up round, peers interleaved in one process")
-        setup = "gradient checkpointing, " * args.gradient_checkpointing + "global first token, " * args.global_first_token
-        print(f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, {timing}; {setup}"
-              f"LS w={WINDOW} r={RANK}, Longformer window {LONGFORMER_WINDOW}**\n")
+        timing = (
+            "one step per peer, in its own process"
+            if args.single_step
+            else f"median of {args.repeats} rounds after a warm-up round, peers interleaved in one process"
+        )
+        setup = (
+            "gradient checkpointing, " * args.gradient_checkpointing + "global first token, " * args.global_first_token
+        )
+        print(
+            f"**MLM training step (fwd + bwd), batch 1, vocab {args.vocab}, {timing}; {setup}"
+            f"LS w={WINDOW} r={RANK}, Longformer window {LONGFORMER_WINDOW}**\n"
+        )
         print(training_table(train_rows, args.peers, args.lengths))
     if gen_rows:
-        print(f"**Greedy decoding, LongShortForCausalLM d=768, {args.layers} layers, w={WINDOW}, l=16, r=1; median time between "
-              f"decoding steps over {args.cached_tokens} cached / {args.uncached_tokens} uncached steps**\n")
+        print(
+            f"**Greedy decoding, LongShortForCausalLM d=768, {args.layers} layers, w={WINDOW}, l=16, r=1; median time between "
+            f"decoding steps over {args.cached_tokens} cached / {args.uncached_tokens} uncached steps**\n"
+        )
         print(generation_table(gen_rows, args.contexts))
     targets = check_targets(train_rows, gen_rows, args.contexts)
     for target in targets:

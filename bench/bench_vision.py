@@ -60,8 +60,12 @@ MODELS = ("cvt_ls_13", "hf_cvt_13")
 SPEED_TARGETS = ((224, 1.0), (448, 1.5))
 # mode -> table columns (label, key, scale, format); a training step is timed once, cold, so only its memory counts.
 COLUMNS = {
-    "inference": (("img/s", "images_per_s", 1, ".2f"), ("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),
-                  ("GMACs", "gmacs", 1, ".2f"), ("k page faults", "page_faults", 1e-3, ".1f")),
+    "inference": (
+        ("img/s", "images_per_s", 1, ".2f"),
+        ("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),
+        ("GMACs", "gmacs", 1, ".2f"),
+        ("k page faults", "page_faults", 1e-3, ".1f"),
+    ),
     "train": (("peak MiB", "peak_mem_bytes", 2**-20, ".0f"),),
 }
 
@@ -150,8 +154,13 @@ def run(resolution: int, batch: int, train: bool, repeats: int, reparam: bool = 
                 row |= {"status": timed["status"], "reason": timed.get("reason", "")}
                 continue
             times = timed[row["model"]]["times"]
-            row |= {"time_s": times[len(times) // 2], "times_s": times, "images_per_s": batch / times[len(times) // 2],
-                    "page_faults": timed[row["model"]]["page_faults"], "timed_with": fitting}
+            row |= {
+                "time_s": times[len(times) // 2],
+                "times_s": times,
+                "images_per_s": batch / times[len(times) // 2],
+                "page_faults": timed[row["model"]]["page_faults"],
+                "timed_with": fitting,
+            }
     for row in rows:
         shown = row.get("reason", "")
         if row["status"] == "ok":
@@ -178,10 +187,15 @@ def table(rows, mode, resolutions) -> str:
     lines = [f"| {mode} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for res in resolutions:
         found = [_get(rows, mode, m, res) for m in MODELS]
-        cells = [format(row[key] * scale, fmt) if _ok(row, key) else row["status"] if row and not _ok(row) else "-"
-                 for row in found for _, key, scale, fmt in columns]
-        cells += [f"{found[0][key] / found[1][key]:.2f}x" if all(_ok(row, key) for row in found) else "-"
-                  for _, key, *_ in columns]
+        cells = [
+            format(row[key] * scale, fmt) if _ok(row, key) else row["status"] if row and not _ok(row) else "-"
+            for row in found
+            for _, key, scale, fmt in columns
+        ]
+        cells += [
+            f"{found[0][key] / found[1][key]:.2f}x" if all(_ok(row, key) for row in found) else "-"
+            for _, key, *_ in columns
+        ]
         lines.append(f"| {res} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -206,10 +220,18 @@ def main(argv=None) -> None:
     parser.add_argument("--resolutions", type=int, nargs="*", default=[224, 384, 448], help="inference sizes")
     parser.add_argument("--batch", type=int, default=8, help="inference batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed inference passes after one warm-up")
-    parser.add_argument("--train-resolutions", type=int, nargs="*", default=[224, 448, 672, 896, 1120],
-                        help="training-step memory sweep at batch 1 (none: no sweep); sizes that do not fit: skipped")
-    parser.add_argument("--reparam", action="store_true",
-                        help="inference with cvt_ls_13's convs fused once (timm.utils.reparameterize_model)")
+    parser.add_argument(
+        "--train-resolutions",
+        type=int,
+        nargs="*",
+        default=[224, 448, 672, 896, 1120],
+        help="training-step memory sweep at batch 1 (none: no sweep); sizes that do not fit: skipped",
+    )
+    parser.add_argument(
+        "--reparam",
+        action="store_true",
+        help="inference with cvt_ls_13's convs fused once (timm.utils.reparameterize_model)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_cpu.json)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -224,36 +246,48 @@ def main(argv=None) -> None:
     rows += [row for r in args.train_resolutions for row in run(r, 1, True, 0)]
 
     meta = run_meta(
-        "bench_vision", argv,
+        "bench_vision",
+        argv,
         ls_timm_sources_sha256=source_hash,
         reparam=args.reparam,
         memory="RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
-               "and input, forked process per row",
+        "and input, forked process per row",
         time=f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
-             f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
-             "float32; training: one forward + backward at batch 1",
+        f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
+        "float32; training: one forward + backward at batch 1",
     )
     targets = check_targets(rows, args.resolutions)
-    print(f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
-          f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}  "
-          f"allocator {meta['allocator_env'] or 'defaults'}\nmemory: {meta['memory']}\n")
+    print(
+        f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
+        f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}  "
+        f"allocator {meta['allocator_env'] or 'defaults'}\nmemory: {meta['memory']}\n"
+    )
     for mode, sizes in (("inference", args.resolutions), ("train", args.train_resolutions)):
         if sizes:
             print(table(rows, mode, sizes))
     for target in targets:
         value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
-        print(f"{target['verdict']:<5} {target['check']}: {value} (target {'>=' if 'images' in target['check'] else '<'} "
-              f"{target['target']})")
+        print(
+            f"{target['verdict']:<5} {target['check']}: {value} (target {'>=' if 'images' in target['check'] else '<'} "
+            f"{target['target']})"
+        )
 
     out = args.out or results_path("vision_cpu", args.quick)
     write_json(out, {"meta": meta, "results": rows, "targets": targets})
     written = [out]
-    for mode, path, what in (("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
-                             ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1")):
+    for mode, path, what in (
+        ("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
+        ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1"),
+    ):
         points = [r | {"peer": r["model"], "n": r["resolution"]} for r in rows if r["mode"] == mode]
         if points:
-            plot_scaling(points, path, f"CvT*-LS-13 vs CvT-13 (Transformers), {what}, CPU float32",
-                         "peak RSS above baseline (MiB)", xlabel="image side (pixels)")
+            plot_scaling(
+                points,
+                path,
+                f"CvT*-LS-13 vs CvT-13 (Transformers), {what}, CPU float32",
+                "peak RSS above baseline (MiB)",
+                xlabel="image side (pixels)",
+            )
             written.append(path)
     print("\nwrote " + ", ".join(map(str, written)))
 

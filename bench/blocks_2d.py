@@ -49,8 +49,9 @@ def stage_shapes(name: str, side: int) -> dict[tuple[tuple[int, int], int, int],
     return shapes
 
 
-def brute_force_classes(positions: torch.Tensor, feat_size: tuple[int, int], window: int, extra: int,
-                        block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def brute_force_classes(
+    positions: torch.Tensor, feat_size: tuple[int, int], window: int, extra: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The partial and full (query blocks, key blocks) grids of the patch queries at ``positions`` (slots, 2) against
     the keys [the same slots; ``extra`` keys], and how many (query, key) pairs of the map's real queries are kept."""
     slots = len(positions)
@@ -59,11 +60,16 @@ def brute_force_classes(positions: torch.Tensor, feat_size: tuple[int, int], win
     partial, full, kept = [], [], 0
     real = (positions < torch.tensor(feat_size)).all(-1)
     for start in range(0, slots, block):
-        q = positions[start:start + block]
-        keep = torch.cat([window_keep_2d(q, positions, window, feat_size),
-                          torch.ones(len(q), extra, dtype=torch.bool),
-                          torch.zeros(len(q), pad, dtype=torch.bool)], 1)
-        kept += int(keep[real[start:start + block]].sum())
+        q = positions[start : start + block]
+        keep = torch.cat(
+            [
+                window_keep_2d(q, positions, window, feat_size),
+                torch.ones(len(q), extra, dtype=torch.bool),
+                torch.zeros(len(q), pad, dtype=torch.bool),
+            ],
+            1,
+        )
+        kept += int(keep[real[start : start + block]].sum())
         keep = torch.cat([keep, keep.new_zeros(block - len(q), keep.shape[1])]).view(block, -1, block)
         seen, every = keep.any(-1).any(0), keep.all(-1).all(0)
         partial.append(seen & ~every)
@@ -94,10 +100,16 @@ def measure(feat_size: tuple[int, int], window: int, extra: int, block: int) -> 
             if not (torch.equal(built[0], partial) and torch.equal(built[1], full)):
                 raise AssertionError(f"tile_block_mask differs from the rule at {feat_size}, w={window}, X={extra}")
         visited = int(partial.sum() + full.sum())
-        rows[order] = {"slots": len(positions), "query_blocks": partial.shape[0], "key_blocks": partial.shape[1],
-                       "visited": visited, "full": int(full.sum()), "visited_fraction": visited / partial.numel(),
-                       "full_fraction_of_visited": int(full.sum()) / visited,
-                       "computed_per_kept": visited * block * block / kept}
+        rows[order] = {
+            "slots": len(positions),
+            "query_blocks": partial.shape[0],
+            "key_blocks": partial.shape[1],
+            "visited": visited,
+            "full": int(full.sum()),
+            "visited_fraction": visited / partial.numel(),
+            "full_fraction_of_visited": int(full.sum()) / visited,
+            "computed_per_kept": visited * block * block / kept,
+        }
     return rows
 
 
@@ -108,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=128, help="FlexAttention's block size (queries and keys)")
     args = parser.parse_args(argv)
     results = {"meta": run_meta("blocks_2d", argv, block=args.block), "rows": []}
-    print("| model | side | map | w | extra keys | layers | order | slots | visited blocks | visited fraction "
-          "| full of visited | computed / kept |")
+    print(
+        "| model | side | map | w | extra keys | layers | order | slots | visited blocks | visited fraction "
+        "| full of visited | computed / kept |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals = []
     for name in args.models:
@@ -118,18 +132,32 @@ def main(argv: list[str] | None = None) -> None:
             for (feat_size, window, extra), layers in stage_shapes(name, side).items():
                 for order, row in measure(feat_size, window, extra, args.block).items():
                     total[order] += layers * row["visited"]
-                    results["rows"].append({"model": name, "side": side, "map": feat_size, "window": window,
-                                            "extra": extra, "layers": layers, "order": order, **row})
-                    print(f"| `{name}` | {side} | {feat_size[0]} x {feat_size[1]} | {window} | {extra} | {layers} | "
-                          f"{order} | {row['slots']} | {row['visited']} / {row['query_blocks'] * row['key_blocks']} | "
-                          f"{row['visited_fraction']:.0%} | {row['full_fraction_of_visited']:.0%} | "
-                          f"{row['computed_per_kept']:.1f}x |")
+                    results["rows"].append(
+                        {
+                            "model": name,
+                            "side": side,
+                            "map": feat_size,
+                            "window": window,
+                            "extra": extra,
+                            "layers": layers,
+                            "order": order,
+                            **row,
+                        }
+                    )
+                    print(
+                        f"| `{name}` | {side} | {feat_size[0]} x {feat_size[1]} | {window} | {extra} | {layers} | "
+                        f"{order} | {row['slots']} | {row['visited']} / {row['query_blocks'] * row['key_blocks']} | "
+                        f"{row['visited_fraction']:.0%} | {row['full_fraction_of_visited']:.0%} | "
+                        f"{row['computed_per_kept']:.1f}x |"
+                    )
             totals.append(total)
     print("\n| model | side | blocks visited by all Long-Short layers, raster | tile | tile / raster |")
     print("|---|---|---|---|---|")
     for total in totals:
-        print(f"| `{total['model']}` | {total['side']} | {total['raster']} | {total['tile']} | "
-              f"{total['tile'] / total['raster']:.2f} |")
+        print(
+            f"| `{total['model']}` | {total['side']} | {total['raster']} | {total['tile']} | "
+            f"{total['tile'] / total['raster']:.2f} |"
+        )
     results["totals"] = totals
     write_json(results_path("blocks_2d", False), results)
 

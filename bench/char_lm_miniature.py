@@ -44,8 +44,22 @@ from pathlib import Path
 ROOT = Path("runs/char_lm_mini")
 # tests, the IDLE application, installed packages and the generated codec tables (encodings/: hex maps, not code)
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "encodings"}
-MODEL = ["--num_hidden_layers", "4", "--hidden_size", "256", "--num_attention_heads", "4", "--window_size", "128",
-         "--causal_segment_length", "16", "--projection_rank", "1", "--dropout", "0.1"]
+MODEL = [
+    "--num_hidden_layers",
+    "4",
+    "--hidden_size",
+    "256",
+    "--num_attention_heads",
+    "4",
+    "--window_size",
+    "128",
+    "--causal_segment_length",
+    "16",
+    "--projection_rank",
+    "1",
+    "--dropout",
+    "0.1",
+]
 VARIANTS = {
     "official": ["--model_type", "long_short_xl"],
     "official_no_dual_ln": ["--model_type", "long_short_xl", "--use_dual_ln", "False"],
@@ -71,8 +85,13 @@ def build_corpus(path: Path, size: int) -> dict:
     data = b"".join(chunks)[:size]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    info = {"source": str(stdlib), "python": sysconfig.get_python_version(), "files": len(chunks), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    info = {
+        "source": str(stdlib),
+        "python": sysconfig.get_python_version(),
+        "files": len(chunks),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     path.with_suffix(".json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -84,14 +103,47 @@ def run_args(variant: str, seed: int, args) -> list[str]:
     model = [a for pair in zip(MODEL[::2], MODEL[1::2]) if pair[0] not in overrides for a in pair]
     out = args.root / f"{variant}-s{seed}"
     return [
-        "--train_file", str(args.root / "corpus.txt"), "--output_dir", str(out), *model, *extra,
-        "--max_seq_length", str(args.block), "--max_positions", str(args.block),
-        "--per_device_train_batch_size", str(args.streams), "--max_steps", str(args.steps),
-        "--learning_rate", str(args.lr), "--warmup_steps", str(args.warmup), "--weight_decay", "0.01",
-        "--logging_steps", "25", "--save_steps", str(args.save_steps), "--save_total_limit", "1",
-        "--eval_memory_length", str(args.eval_memory), "--eval_block_length", "256",
-        "--seed", str(seed), "--disable_tqdm", "True", "--report_to", "none", "--dataloader_num_workers", "0",
-        "--do_train", "--do_eval", "--do_predict",
+        "--train_file",
+        str(args.root / "corpus.txt"),
+        "--output_dir",
+        str(out),
+        *model,
+        *extra,
+        "--max_seq_length",
+        str(args.block),
+        "--max_positions",
+        str(args.block),
+        "--per_device_train_batch_size",
+        str(args.streams),
+        "--max_steps",
+        str(args.steps),
+        "--learning_rate",
+        str(args.lr),
+        "--warmup_steps",
+        str(args.warmup),
+        "--weight_decay",
+        "0.01",
+        "--logging_steps",
+        "25",
+        "--save_steps",
+        str(args.save_steps),
+        "--save_total_limit",
+        "1",
+        "--eval_memory_length",
+        str(args.eval_memory),
+        "--eval_block_length",
+        "256",
+        "--seed",
+        str(seed),
+        "--disable_tqdm",
+        "True",
+        "--report_to",
+        "none",
+        "--dataloader_num_workers",
+        "0",
+        "--do_train",
+        "--do_eval",
+        "--do_predict",
     ]
 
 
@@ -138,8 +190,11 @@ def load_runs(root: Path) -> list[Run]:
     """Every run folder in ``root`` with a training log, in ``VARIANTS`` order and then by seed."""
     runs = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        states = [folder / "trainer_state.json"] if (folder / "trainer_state.json").is_file() else sorted(
-            folder.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+        states = (
+            [folder / "trainer_state.json"]
+            if (folder / "trainer_state.json").is_file()
+            else sorted(folder.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+        )
         if not states:
             continue
         state = json.loads(states[-1].read_text())
@@ -152,37 +207,54 @@ def load_runs(root: Path) -> list[Run]:
         variant, _, seed = folder.name.rpartition("-s")
         if not variant or not seed.isdigit():
             variant, seed = folder.name, None
-        runs.append(Run(
-            variant=variant, seed=None if seed is None else int(seed), use_dual_ln=config.get("use_dual_ln"),
-            step=state["global_step"], max_steps=state["max_steps"],
-            curve=([e["step"] for e in log], [e["loss"] / math.log(2) for e in log]),
-            metrics=json.loads(results.read_text()) if results.is_file() else {}, resumed_from=starts[-1],
-        ))
+        runs.append(
+            Run(
+                variant=variant,
+                seed=None if seed is None else int(seed),
+                use_dual_ln=config.get("use_dual_ln"),
+                step=state["global_step"],
+                max_steps=state["max_steps"],
+                curve=([e["step"] for e in log], [e["loss"] / math.log(2) for e in log]),
+                metrics=json.loads(results.read_text()) if results.is_file() else {},
+                resumed_from=starts[-1],
+            )
+        )
     order = list(VARIANTS)
-    return sorted(runs, key=lambda r: (order.index(r.variant) if r.variant in order else len(order), r.variant,
-                                       -1 if r.seed is None else r.seed))
+    return sorted(
+        runs,
+        key=lambda r: (
+            order.index(r.variant) if r.variant in order else len(order),
+            r.variant,
+            -1 if r.seed is None else r.seed,
+        ),
+    )
 
 
 def scores(metrics: dict) -> dict:
     """Test and validation BPC, streaming and block by block (``causal`` runs have only blocks: their ``*_bpc``)."""
     stream = "eval_block_bpc" in metrics  # long_short_xl runs score both ways
-    keys = {"test_stream": "test_bpc" if stream else None, "test_blocks": "test_block_bpc" if stream else "test_bpc",
-            "val_stream": "eval_bpc" if stream else None, "val_blocks": "eval_block_bpc" if stream else "eval_bpc"}
+    keys = {
+        "test_stream": "test_bpc" if stream else None,
+        "test_blocks": "test_block_bpc" if stream else "test_bpc",
+        "val_stream": "eval_bpc" if stream else None,
+        "val_blocks": "eval_block_bpc" if stream else "eval_bpc",
+    }
     return {name: metrics[key] for name, key in keys.items() if key in metrics}
 
 
 def table(runs: list[Run]) -> str:
     """The markdown table: a row per run, and per variant with two or more finished seeds a row of their means."""
     columns = ["test_stream", "test_blocks", "val_stream", "val_blocks"]
-    header = ("| variant | model and attention | DualLN | seed | steps | test BPC (stream) | test BPC (blocks) | "
-              "val BPC (stream) | val BPC (blocks) | train time (min) |")
+    header = (
+        "| variant | model and attention | DualLN | seed | steps | test BPC (stream) | test BPC (blocks) | "
+        "val BPC (stream) | val BPC (blocks) | train time (min) |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(variant, dual_ln, seed, steps, values: dict, minutes: str) -> str:
         dual = {True: "on", False: "off"}.get(dual_ln, "-")
         cells = " | ".join(f"{values[c]:.3f}" if c in values else "-" for c in columns)
-        return (f"| {variant} | {DESCRIPTIONS.get(variant, '-')} | {dual} | {seed} | {steps} | {cells} | "
-                f"{minutes} |")
+        return f"| {variant} | {DESCRIPTIONS.get(variant, '-')} | {dual} | {seed} | {steps} | {cells} | {minutes} |"
 
     for variant in dict.fromkeys(r.variant for r in runs):
         group = [r for r in runs if r.variant == variant]
@@ -193,8 +265,9 @@ def table(runs: list[Run]) -> str:
                 if r.resumed_from:
                     minutes += f" (steps {r.resumed_from}-{r.step})"
             steps = f"{r.step}" if r.finished else f"{r.step} of {r.max_steps} (running or stopped)"
-            lines.append(row(variant, r.use_dual_ln, "-" if r.seed is None else r.seed, steps, scores(r.metrics),
-                             minutes))
+            lines.append(
+                row(variant, r.use_dual_ln, "-" if r.seed is None else r.seed, steps, scores(r.metrics), minutes)
+            )
         done = [r for r in group if r.finished]
         if len(done) >= 2:
             per_run = [scores(r.metrics) for r in done]
@@ -203,8 +276,16 @@ def table(runs: list[Run]) -> str:
             minutes = f"{sum(r.metrics['train_runtime'] for r in timed) / 60 / len(timed):.1f}" if timed else "-"
             seeds = ", ".join(str(r.seed) for r in done)
             dual = {r.use_dual_ln for r in done}
-            lines.append(row(variant, dual.pop() if len(dual) == 1 else None, f"mean of {seeds}",
-                             ", ".join(dict.fromkeys(str(r.step) for r in done)), means, minutes))
+            lines.append(
+                row(
+                    variant,
+                    dual.pop() if len(dual) == 1 else None,
+                    f"mean of {seeds}",
+                    ", ".join(dict.fromkeys(str(r.step) for r in done)),
+                    means,
+                    minutes,
+                )
+            )
     return "\n".join(lines)
 
 
@@ -240,8 +321,10 @@ def report(root: Path) -> str:
     """``root/table.md`` (``table``) and ``root/curves.png`` (``plot``) from every run folder in ``root``."""
     runs = load_runs(root)
     if not runs:
-        raise SystemExit(f"no run in {root} has a training log yet; start one with `python -m "
-                         f"bench.char_lm_miniature run official --seed 0`.")
+        raise SystemExit(
+            f"no run in {root} has a training log yet; start one with `python -m "
+            f"bench.char_lm_miniature run official --seed 0`."
+        )
     plot(runs, root / "curves.png")
     text = table(runs)
     (root / "table.md").write_text(text + "\n")

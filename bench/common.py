@@ -187,8 +187,9 @@ def isolated(device: str, fn, *args, threads: int = 0) -> dict:
         torch.cuda.empty_cache()
 
 
-def interleaved_times(steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
-                      warmups: int = 1) -> dict:
+def interleaved_times(
+    steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None, warmups: int = 1
+) -> dict:
     """Times of the peers' ``steps`` side by side: ``warmups`` warm-up rounds, then ``repeats`` rounds in which every
     peer takes one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run
     order}."""

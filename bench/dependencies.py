@@ -26,8 +26,21 @@ except ModuleNotFoundError:  # Python 3.10
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 EXTRAS = ("test", "bench")  # the optional dependencies gpu-check uses
-GPU_CHECK_NEEDS = ("torch", "torchvision", "transformers", "timm", "safetensors", "tokenizers", "huggingface-hub",
-                   "pillow", "psutil", "pytest", "pytest-xdist", "hypothesis", "matplotlib")
+GPU_CHECK_NEEDS = (
+    "torch",
+    "torchvision",
+    "transformers",
+    "timm",
+    "safetensors",
+    "tokenizers",
+    "huggingface-hub",
+    "pillow",
+    "psutil",
+    "pytest",
+    "pytest-xdist",
+    "hypothesis",
+    "matplotlib",
+)
 
 
 def normalized(name: str) -> str:
@@ -49,12 +62,16 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def problems(requirements: list[Requirement], version_of: Callable[[str], str | None] = installed_version
-             ) -> list[tuple[Requirement, str | None]]:
+def problems(
+    requirements: list[Requirement], version_of: Callable[[str], str | None] = installed_version
+) -> list[tuple[Requirement, str | None]]:
     """(requirement, installed version or None) for each requirement missing here or installed outside its range."""
     found = [(req, version_of(req.name)) for req in requirements]
-    return [(req, version) for req, version in found
-            if version is None or not req.specifier.contains(version, prereleases=True)]
+    return [
+        (req, version)
+        for req, version in found
+        if version is None or not req.specifier.contains(version, prereleases=True)
+    ]
 
 
 def report(found: list[tuple[Requirement, str | None]]) -> tuple[list[str], bool]:
@@ -67,13 +84,17 @@ def report(found: list[tuple[Requirement, str | None]]) -> tuple[list[str], bool
     elsewhere = [f"{req} ({version} installed)" for req, version in found if version is not None]
     lines = []
     if unused:
-        lines.append(f"not installed, and not used by gpu-check (the recipes' data, scoring and launch tools use "
-                     f"them): {', '.join(map(str, unused))}")
+        lines.append(
+            f"not installed, and not used by gpu-check (the recipes' data, scoring and launch tools use "
+            f"them): {', '.join(map(str, unused))}"
+        )
     if elsewhere:
         lines.append(f"installed outside the declared range (gpu-check runs with them): {', '.join(elsewhere)}")
     if blocking:
-        lines.append(f"gpu-check needs these and this environment lacks them: {', '.join(map(str, blocking))}; "
-                     f"install them (pip install '{blocking[0]}' ...) or carry their wheels, then run it again.")
+        lines.append(
+            f"gpu-check needs these and this environment lacks them: {', '.join(map(str, blocking))}; "
+            f"install them (pip install '{blocking[0]}' ...) or carry their wheels, then run it again."
+        )
     if not found:
         lines.append("every declared dependency is installed, each in its declared range")
     return lines, not blocking

@@ -56,10 +56,17 @@ from recipes.lra import train as lra_train
 
 ATTENTION_PEERS = ("long-short", "long-short-eager", "sdpa", "flex-window")
 # (length label, batch, peers); lengths from Plan.attention_lengths
-ATTENTION_RUNS = (("4k", 1, ATTENTION_PEERS), ("16k", 1, ATTENTION_PEERS), ("64k", 1, ATTENTION_PEERS),
-                  ("4k", 8, ("long-short", "sdpa")))
-MLM_RUNS = (("4k", 8, ("long-short", "roberta-sdpa")), ("16k", 2, ("long-short", "roberta-sdpa")),
-            ("8k", 4, ("long-short", "roberta-sdpa", "modernbert")))
+ATTENTION_RUNS = (
+    ("4k", 1, ATTENTION_PEERS),
+    ("16k", 1, ATTENTION_PEERS),
+    ("64k", 1, ATTENTION_PEERS),
+    ("4k", 8, ("long-short", "sdpa")),
+)
+MLM_RUNS = (
+    ("4k", 8, ("long-short", "roberta-sdpa")),
+    ("16k", 2, ("long-short", "roberta-sdpa")),
+    ("8k", 4, ("long-short", "roberta-sdpa", "modernbert")),
+)
 VISION_MODELS = ("cvt_ls_13", "hf_cvt_13", "deit_small_patch16_224", "vil_ls_medium", "swin_small_patch4_window7_224")
 LRA_ATTENTIONS = ("long_short", "full")
 
@@ -92,26 +99,56 @@ class Plan:
 
 
 GPU = Plan(
-    device="cuda", dtype="bf16", warmups=2, repeats=5,
-    attention=bench_attention.SHAPE, attention_lengths={"4k": 4096, "16k": 16384, "64k": 65536}, backward=True,
-    mlm_lengths={"4k": 4096, "16k": 16384, "8k": 8192}, mlm_width=None, mlm_layers=12,
-    modernbert_layers=bench_models.ModernBertConfig().num_hidden_layers, vocab=1024,
-    decode_contexts={"512": 512, "8k": 8192}, decode_layers=2, decode_tokens=(32, 3),
-    resolutions={"224": 224, "448": 448}, image_batch=32, vision_models={name: name for name in VISION_MODELS},
-    lra_half_steps=40, lra_batch=32, lra_examples=(320, 32, 32),
+    device="cuda",
+    dtype="bf16",
+    warmups=2,
+    repeats=5,
+    attention=bench_attention.SHAPE,
+    attention_lengths={"4k": 4096, "16k": 16384, "64k": 65536},
+    backward=True,
+    mlm_lengths={"4k": 4096, "16k": 16384, "8k": 8192},
+    mlm_width=None,
+    mlm_layers=12,
+    modernbert_layers=bench_models.ModernBertConfig().num_hidden_layers,
+    vocab=1024,
+    decode_contexts={"512": 512, "8k": 8192},
+    decode_layers=2,
+    decode_tokens=(32, 3),
+    resolutions={"224": 224, "448": 448},
+    image_batch=32,
+    vision_models={name: name for name in VISION_MODELS},
+    lra_half_steps=40,
+    lra_batch=32,
+    lra_examples=(320, 32, 32),
 )
 SMOKE = Plan(
-    device="cpu", dtype="fp32", warmups=0, repeats=1,
-    attention=bench_attention.Shape(hidden=32, heads=2, window=16, rank=4), backward=False,
+    device="cpu",
+    dtype="fp32",
+    warmups=0,
+    repeats=1,
+    attention=bench_attention.Shape(hidden=32, heads=2, window=16, rank=4),
+    backward=False,
     attention_lengths={"4k": 64, "16k": 128, "64k": 256},
     mlm_lengths={"4k": 64, "16k": 128, "8k": 96},
-    mlm_width={"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}, mlm_layers=1,
-    modernbert_layers=1, vocab=64,
-    decode_contexts={"512": 16, "8k": 48}, decode_layers=1, decode_tokens=(3, 2),
-    resolutions={"224": 64, "448": 96}, image_batch=2,
-    vision_models={"cvt_ls_13": "cvt_ls_13", "hf_cvt_13": "hf_cvt_13", "deit_small_patch16_224": "deit_tiny_patch16_224",
-                   "vil_ls_medium": "vil_ls_small", "swin_small_patch4_window7_224": "swin_tiny_patch4_window7_224"},
-    lra_half_steps=2, lra_batch=2, lra_examples=(8, 4, 4),
+    mlm_width={"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
+    mlm_layers=1,
+    modernbert_layers=1,
+    vocab=64,
+    decode_contexts={"512": 16, "8k": 48},
+    decode_layers=1,
+    decode_tokens=(3, 2),
+    resolutions={"224": 64, "448": 96},
+    image_batch=2,
+    vision_models={
+        "cvt_ls_13": "cvt_ls_13",
+        "hf_cvt_13": "hf_cvt_13",
+        "deit_small_patch16_224": "deit_tiny_patch16_224",
+        "vil_ls_medium": "vil_ls_small",
+        "swin_small_patch4_window7_224": "swin_tiny_patch4_window7_224",
+    },
+    lra_half_steps=2,
+    lra_batch=2,
+    lra_examples=(8, 4, 4),
 )
 
 
@@ -139,45 +176,178 @@ def _mlm(peer: str, length: str) -> str:
 
 
 BARS = (
-    *(Bar(f"attention fwd+bwd {n}, batch 1: Long-Short / FlexAttention sliding window, time", "attention", "time_s",
-          _attention("long-short", n), _attention("flex-window", n), "<=", 1.3) for n in ("4k", "16k", "64k")),
-    Bar("attention fwd+bwd 16k, batch 1: flash SDPA / Long-Short, time (speedup)", "attention", "time_s",
-        _attention("sdpa", "16k"), _attention("long-short", "16k"), ">=", 2.5),
-    Bar("attention fwd+bwd 64k, batch 1: flash SDPA / Long-Short, time (speedup)", "attention", "time_s",
-        _attention("sdpa", "64k"), _attention("long-short", "64k"), ">=", 15.0),
-    Bar("attention fwd+bwd 4k, batch 8: flash SDPA / Long-Short, time (speedup)", "attention", "time_s",
-        _attention("sdpa", "4k", 8), _attention("long-short", "4k", 8), ">=", 1.5),
-    *(Bar(f"attention fwd+bwd {n}, batch 1: Long-Short / flash SDPA, peak memory", "attention", "peak_mem_bytes",
-          _attention("long-short", n), _attention("sdpa", n), "<=", 1.3) for n in ("4k", "16k", "64k")),
-    *(Bar(f"attention fwd+bwd {n}, batch 1: Long-Short eager (grouped SDPA) / default, time", "attention", "time_s",
-          _attention("long-short-eager", n), _attention("long-short", n)) for n in ("4k", "16k", "64k")),
-    Bar("MLM step 12 x 768, 4k x 8: Long-Short / RoBERTa-SDPA, tokens/s", "masked LM", "tokens_per_s",
-        _mlm("long-short", "4k"), _mlm("roberta-sdpa", "4k"), ">=", 1.3),
-    Bar("MLM step 12 x 768, 16k x 2: Long-Short / RoBERTa-SDPA, tokens/s", "masked LM", "tokens_per_s",
-        _mlm("long-short", "16k"), _mlm("roberta-sdpa", "16k"), ">=", 3.0),
-    Bar("MLM step, 8k x 4: Long-Short (12 layers) / ModernBERT-base (22 layers), tokens/s", "masked LM",
-        "tokens_per_s", _mlm("long-short", "8k"), _mlm("modernbert", "8k")),
-    Bar("MLM step 12 x 768, 8k x 4: Long-Short / RoBERTa-SDPA, tokens/s", "masked LM", "tokens_per_s",
-        _mlm("long-short", "8k"), _mlm("roberta-sdpa", "8k")),
-    *(Bar(f"decoding after {c} tokens: without / with the cache, time per token", "decoding", "per_token_s",
-          f"decoding/uncached/{c}", f"decoding/cached/{c}", ">=", 1.0) for c in ("512", "8k")),
-    Bar("cached decoding: per-token time after 8k / after 512 tokens", "decoding", "per_token_s",
-        "decoding/cached/8k", "decoding/cached/512", "<=", bench_models.DECODE_TARGET),
+    *(
+        Bar(
+            f"attention fwd+bwd {n}, batch 1: Long-Short / FlexAttention sliding window, time",
+            "attention",
+            "time_s",
+            _attention("long-short", n),
+            _attention("flex-window", n),
+            "<=",
+            1.3,
+        )
+        for n in ("4k", "16k", "64k")
+    ),
+    Bar(
+        "attention fwd+bwd 16k, batch 1: flash SDPA / Long-Short, time (speedup)",
+        "attention",
+        "time_s",
+        _attention("sdpa", "16k"),
+        _attention("long-short", "16k"),
+        ">=",
+        2.5,
+    ),
+    Bar(
+        "attention fwd+bwd 64k, batch 1: flash SDPA / Long-Short, time (speedup)",
+        "attention",
+        "time_s",
+        _attention("sdpa", "64k"),
+        _attention("long-short", "64k"),
+        ">=",
+        15.0,
+    ),
+    Bar(
+        "attention fwd+bwd 4k, batch 8: flash SDPA / Long-Short, time (speedup)",
+        "attention",
+        "time_s",
+        _attention("sdpa", "4k", 8),
+        _attention("long-short", "4k", 8),
+        ">=",
+        1.5,
+    ),
+    *(
+        Bar(
+            f"attention fwd+bwd {n}, batch 1: Long-Short / flash SDPA, peak memory",
+            "attention",
+            "peak_mem_bytes",
+            _attention("long-short", n),
+            _attention("sdpa", n),
+            "<=",
+            1.3,
+        )
+        for n in ("4k", "16k", "64k")
+    ),
+    *(
+        Bar(
+            f"attention fwd+bwd {n}, batch 1: Long-Short eager (grouped SDPA) / default, time",
+            "attention",
+            "time_s",
+            _attention("long-short-eager", n),
+            _attention("long-short", n),
+        )
+        for n in ("4k", "16k", "64k")
+    ),
+    Bar(
+        "MLM step 12 x 768, 4k x 8: Long-Short / RoBERTa-SDPA, tokens/s",
+        "masked LM",
+        "tokens_per_s",
+        _mlm("long-short", "4k"),
+        _mlm("roberta-sdpa", "4k"),
+        ">=",
+        1.3,
+    ),
+    Bar(
+        "MLM step 12 x 768, 16k x 2: Long-Short / RoBERTa-SDPA, tokens/s",
+        "masked LM",
+        "tokens_per_s",
+        _mlm("long-short", "16k"),
+        _mlm("roberta-sdpa", "16k"),
+        ">=",
+        3.0,
+    ),
+    Bar(
+        "MLM step, 8k x 4: Long-Short (12 layers) / ModernBERT-base (22 layers), tokens/s",
+        "masked LM",
+        "tokens_per_s",
+        _mlm("long-short", "8k"),
+        _mlm("modernbert", "8k"),
+    ),
+    Bar(
+        "MLM step 12 x 768, 8k x 4: Long-Short / RoBERTa-SDPA, tokens/s",
+        "masked LM",
+        "tokens_per_s",
+        _mlm("long-short", "8k"),
+        _mlm("roberta-sdpa", "8k"),
+    ),
+    *(
+        Bar(
+            f"decoding after {c} tokens: without / with the cache, time per token",
+            "decoding",
+            "per_token_s",
+            f"decoding/uncached/{c}",
+            f"decoding/cached/{c}",
+            ">=",
+            1.0,
+        )
+        for c in ("512", "8k")
+    ),
+    Bar(
+        "cached decoding: per-token time after 8k / after 512 tokens",
+        "decoding",
+        "per_token_s",
+        "decoding/cached/8k",
+        "decoding/cached/512",
+        "<=",
+        bench_models.DECODE_TARGET,
+    ),
     # the paper's Table 5: CvT*-LS-13 0.083 s against CvT-13's 0.122 s at 224 (V100, batch 32)
-    Bar("vision 224, batch 32: cvt_ls_13 / CvT-13 (Transformers), images/s", "vision", "images_per_s",
-        "vision/cvt_ls_13/224", "vision/hf_cvt_13/224", ">=", round(0.122 / 0.083, 2)),
-    Bar("vision 448, batch 32: cvt_ls_13 / CvT-13 (Transformers), images/s", "vision", "images_per_s",
-        "vision/cvt_ls_13/448", "vision/hf_cvt_13/448", ">=", dict(bench_vision.SPEED_TARGETS)[448]),
-    *(Bar(f"vision {r}, batch 32: cvt_ls_13 / DeiT-S (timm), images/s", "vision", "images_per_s",
-          f"vision/cvt_ls_13/{r}", f"vision/deit_small_patch16_224/{r}") for r in ("224", "448")),
-    *(Bar(f"vision {r}, batch 32: vil_ls_medium / Swin-S (timm), images/s", "vision", "images_per_s",
-          f"vision/vil_ls_medium/{r}", f"vision/swin_small_patch4_window7_224/{r}") for r in ("224", "448")),
-    Bar("LRA ListOps training step: full attention / Long-Short, time", "LRA ListOps", "step_s",
-        "LRA ListOps/full/listops", "LRA ListOps/long_short/listops", ">=", 1.0),
+    Bar(
+        "vision 224, batch 32: cvt_ls_13 / CvT-13 (Transformers), images/s",
+        "vision",
+        "images_per_s",
+        "vision/cvt_ls_13/224",
+        "vision/hf_cvt_13/224",
+        ">=",
+        round(0.122 / 0.083, 2),
+    ),
+    Bar(
+        "vision 448, batch 32: cvt_ls_13 / CvT-13 (Transformers), images/s",
+        "vision",
+        "images_per_s",
+        "vision/cvt_ls_13/448",
+        "vision/hf_cvt_13/448",
+        ">=",
+        dict(bench_vision.SPEED_TARGETS)[448],
+    ),
+    *(
+        Bar(
+            f"vision {r}, batch 32: cvt_ls_13 / DeiT-S (timm), images/s",
+            "vision",
+            "images_per_s",
+            f"vision/cvt_ls_13/{r}",
+            f"vision/deit_small_patch16_224/{r}",
+        )
+        for r in ("224", "448")
+    ),
+    *(
+        Bar(
+            f"vision {r}, batch 32: vil_ls_medium / Swin-S (timm), images/s",
+            "vision",
+            "images_per_s",
+            f"vision/vil_ls_medium/{r}",
+            f"vision/swin_small_patch4_window7_224/{r}",
+        )
+        for r in ("224", "448")
+    ),
+    Bar(
+        "LRA ListOps training step: full attention / Long-Short, time",
+        "LRA ListOps",
+        "step_s",
+        "LRA ListOps/full/listops",
+        "LRA ListOps/long_short/listops",
+        ">=",
+        1.0,
+    ),
 )
 # quantity -> (unit, scale) for the table
-UNITS = {"time_s": ("ms", 1e3), "peak_mem_bytes": ("MiB", 2**-20), "tokens_per_s": ("tokens/s", 1.0),
-         "per_token_s": ("ms/token", 1e3), "images_per_s": ("images/s", 1.0), "step_s": ("ms/step", 1e3)}
+UNITS = {
+    "time_s": ("ms", 1e3),
+    "peak_mem_bytes": ("MiB", 2**-20),
+    "tokens_per_s": ("tokens/s", 1.0),
+    "per_token_s": ("ms/token", 1e3),
+    "images_per_s": ("images/s", 1.0),
+    "step_s": ("ms/step", 1e3),
+}
 
 
 def shown_value(value: float | None, quantity: str) -> str:
@@ -207,19 +377,32 @@ def bar_rows(measurements: dict[str, dict], notes: dict[str, str]) -> list[dict]
         found = [measurements.get(key, {}) for key in (bar.numerator, bar.denominator)]
         values = [result.get(bar.quantity) if result.get("status") == "ok" else None for result in found]
         ratio = values[0] / values[1] if None not in values and values[1] else None
-        shown = [f"{key.split('/')[1]} {shown_value(value, bar.quantity)}"
-                 for key, value in zip((bar.numerator, bar.denominator), values)]
+        shown = [
+            f"{key.split('/')[1]} {shown_value(value, bar.quantity)}"
+            for key, value in zip((bar.numerator, bar.denominator), values)
+        ]
         if ratio is not None:
             reason = ""
         elif None not in values:
             reason = f"the {bar.quantity} it divides by is 0"
         else:
-            failed = [f"{result['status']}: {result.get('reason', '')}" for result in found
-                      if result and result["status"] != "ok"]
+            failed = [
+                f"{result['status']}: {result.get('reason', '')}"
+                for result in found
+                if result and result["status"] != "ok"
+            ]
             reason = failed[0] if failed else notes.get(bar.section, "not measured")
-        rows.append({"bar": bar.what, "measured": " / ".join(shown), "values": values,
-                     "target": f"{bar.relation} {bar.target:g}x" if bar.relation else "", "ratio": ratio,
-                     "verdict": verdict(ratio, bar.relation, bar.target), "reason": reason})
+        rows.append(
+            {
+                "bar": bar.what,
+                "measured": " / ".join(shown),
+                "values": values,
+                "target": f"{bar.relation} {bar.target:g}x" if bar.relation else "",
+                "ratio": ratio,
+                "verdict": verdict(ratio, bar.relation, bar.target),
+                "reason": reason,
+            }
+        )
     return rows
 
 
@@ -239,8 +422,10 @@ def attention_section(plan: Plan, record) -> None:
         n, shape = plan.attention_lengths[label], dataclasses.replace(plan.attention, batch=batch)
         modules = {peer: bench_attention.build_peer(peer, shape).to(plan.device, dtype) for peer in peers}
         x, grad = bench_attention.inputs(n, plan.device, dtype, shape)
-        steps = {peer: functools.partial(bench_attention.step, module, x, grad, plan.backward)
-                 for peer, module in modules.items()}
+        steps = {
+            peer: functools.partial(bench_attention.step, module, x, grad, plan.backward)
+            for peer, module in modules.items()
+        }
         for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
             record(_attention(peer, label, batch), result | {"n": n, "batch": batch})
         del modules, x, grad, steps
@@ -249,10 +434,21 @@ def attention_section(plan: Plan, record) -> None:
 def mlm_section(plan: Plan, record) -> None:
     for label, batch, peers in MLM_RUNS:
         n = plan.mlm_lengths[label]
-        steps = {peer: bench_models.training_step(
-            peer, n, plan.modernbert_layers if peer == "modernbert" else plan.mlm_layers, plan.vocab,
-            device=plan.device, dtype=plan.dtype, batch=batch, width=plan.mlm_width, window=plan.attention.window,
-            rank=plan.attention.rank) for peer in peers}
+        steps = {
+            peer: bench_models.training_step(
+                peer,
+                n,
+                plan.modernbert_layers if peer == "modernbert" else plan.mlm_layers,
+                plan.vocab,
+                device=plan.device,
+                dtype=plan.dtype,
+                batch=batch,
+                width=plan.mlm_width,
+                window=plan.attention.window,
+                rank=plan.attention.rank,
+            )
+            for peer in peers
+        }
         for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
             if result["status"] == "ok":
                 result["tokens_per_s"] = batch * n / result["time_s"]
@@ -266,9 +462,20 @@ def decoding_section(plan: Plan, record) -> None:
     for label, context in plan.decode_contexts.items():
         for use_cache, tokens in zip((True, False), plan.decode_tokens):
             try:
-                result = {"status": "ok", **bench_models.measure_generation(
-                    context, tokens, use_cache, plan.decode_layers, plan.vocab, plan.device, plan.dtype,
-                    width=plan.mlm_width, window=plan.attention.window)}
+                result = {
+                    "status": "ok",
+                    **bench_models.measure_generation(
+                        context,
+                        tokens,
+                        use_cache,
+                        plan.decode_layers,
+                        plan.vocab,
+                        plan.device,
+                        plan.dtype,
+                        width=plan.mlm_width,
+                        window=plan.attention.window,
+                    ),
+                }
             except MEASUREMENT_ERRORS as error:  # reported in the table, not raised
                 result = failure(error)
             record(f"decoding/{'cached' if use_cache else 'uncached'}/{label}", result | {"context": context})
@@ -282,15 +489,19 @@ def _infer(model: torch.nn.Module, images: torch.Tensor) -> None:
 def vision_section(plan: Plan, record) -> None:
     dtype = DTYPES[plan.dtype]
     for label, resolution in plan.resolutions.items():
-        models = {name: bench_vision.build(plan.vision_models[name], resolution).eval().to(plan.device, dtype)
-                  for name in VISION_MODELS}
+        models = {
+            name: bench_vision.build(plan.vision_models[name], resolution).eval().to(plan.device, dtype)
+            for name in VISION_MODELS
+        }
         images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
         steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
         for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
             if result["status"] == "ok":
                 result["images_per_s"] = plan.image_batch / result["time_s"]
-            record(f"vision/{name}/{label}", result | {"model": plan.vision_models[name], "resolution": resolution,
-                                                       "batch": plan.image_batch})
+            record(
+                f"vision/{name}/{label}",
+                result | {"model": plan.vision_models[name], "resolution": resolution, "batch": plan.image_batch},
+            )
         del models, steps
 
 
@@ -301,22 +512,58 @@ def lra_section(plan: Plan, record) -> None:
     train, dev, test = plan.lra_examples
     with tempfile.TemporaryDirectory() as folder:
         for attention in LRA_ATTENTIONS:
-            argv = ["--task", "listops", "--attention", attention, "--output_dir", f"{folder}/{attention}",
-                    "--data_dir", f"{folder}/data", "--steps", str(2 * half), "--warmup", "2",
-                    "--eval_every", str(half), "--batch_size", str(plan.lra_batch), "--eval_batch_size", "32",
-                    "--listops_train", str(train), "--listops_dev", str(dev), "--listops_test", str(test),
-                    "--device", plan.device, "--no_progress"]
+            argv = [
+                "--task",
+                "listops",
+                "--attention",
+                attention,
+                "--output_dir",
+                f"{folder}/{attention}",
+                "--data_dir",
+                f"{folder}/data",
+                "--steps",
+                str(2 * half),
+                "--warmup",
+                "2",
+                "--eval_every",
+                str(half),
+                "--batch_size",
+                str(plan.lra_batch),
+                "--eval_batch_size",
+                "32",
+                "--listops_train",
+                str(train),
+                "--listops_dev",
+                str(dev),
+                "--listops_test",
+                str(test),
+                "--device",
+                plan.device,
+                "--no_progress",
+            ]
             results = lra_train.main(argv)
             first_half = results["history"][0]["train_seconds"]  # rounded to 0.1 s by the trainer
-            record(f"LRA ListOps/{attention}/listops", {
-                "status": "ok", "step_s": (results["train_seconds"] - first_half) / half, "steps": 2 * half,
-                "first_half_s": first_half, "batch": plan.lra_batch, "command": "python -m recipes.lra " + " ".join(argv)})
+            record(
+                f"LRA ListOps/{attention}/listops",
+                {
+                    "status": "ok",
+                    "step_s": (results["train_seconds"] - first_half) / half,
+                    "steps": 2 * half,
+                    "first_half_s": first_half,
+                    "batch": plan.lra_batch,
+                    "command": "python -m recipes.lra " + " ".join(argv),
+                },
+            )
 
 
 # section name, function, share of the budget
-SECTIONS = (("attention", attention_section, 0.36), ("masked LM", mlm_section, 0.22),
-            ("decoding", decoding_section, 0.09), ("vision", vision_section, 0.15),
-            ("LRA ListOps", lra_section, 0.18))
+SECTIONS = (
+    ("attention", attention_section, 0.36),
+    ("masked LM", mlm_section, 0.22),
+    ("decoding", decoding_section, 0.09),
+    ("vision", vision_section, 0.15),
+    ("LRA ListOps", lra_section, 0.18),
+)
 
 
 class OutOfTime(BaseException):
@@ -371,10 +618,18 @@ def run_sections(plan: Plan, budget_s: float) -> tuple[dict[str, dict], dict[str
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the CPU, tiny shapes: checks the script in seconds")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for all sections, compilation included (default 270; --smoke: 600)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path, .md beside it (default bench/results/[quick/]gpu_bars_<device>.json)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all sections, compilation included (default 270; --smoke: 600)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path, .md beside it (default bench/results/[quick/]gpu_bars_<device>.json)",
+    )
     parser.add_argument("--copy-to", type=Path, default=None, help="a folder that gets a copy of the JSON and .md")
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
@@ -389,18 +644,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     measurements, notes = run_sections(plan, budget_s)
     rows = bar_rows(measurements, notes)
-    meta = run_meta("gpu_bars", argv, device=plan.device, dtype=plan.dtype, budget_s=budget_s, plan=asdict(plan),
-                    sections=notes,
-                    time=f"median of {plan.repeats} steps after {plan.warmups} warm-up rounds, the peers of one "
-                         "setting stepped in turn in one process (LRA: the trainer's seconds over its second half)",
-                    memory="peak tensor memory over one step above what was held before it "
-                           "(bench.common.peak_step_memory: CUDA's max_memory_allocated, the CPU allocator's count)")
-    text = "\n".join([
-        f"{meta['date']}, {meta.get('gpu', meta['cpu'])}, torch {meta['torch']}, {plan.device} {plan.dtype}"
-        + (" (smoke: tiny shapes)" if args.smoke else ""),
-        f"command: `{meta['command']}`; time: {meta['time']}; memory: {meta['memory']}.",
-        "sections: " + "; ".join(f"{name} {note}" for name, note in notes.items()) + ".",
-        "", table(rows)])
+    meta = run_meta(
+        "gpu_bars",
+        argv,
+        device=plan.device,
+        dtype=plan.dtype,
+        budget_s=budget_s,
+        plan=asdict(plan),
+        sections=notes,
+        time=f"median of {plan.repeats} steps after {plan.warmups} warm-up rounds, the peers of one "
+        "setting stepped in turn in one process (LRA: the trainer's seconds over its second half)",
+        memory="peak tensor memory over one step above what was held before it "
+        "(bench.common.peak_step_memory: CUDA's max_memory_allocated, the CPU allocator's count)",
+    )
+    text = "\n".join(
+        [
+            f"{meta['date']}, {meta.get('gpu', meta['cpu'])}, torch {meta['torch']}, {plan.device} {plan.dtype}"
+            + (" (smoke: tiny shapes)" if args.smoke else ""),
+            f"command: `{meta['command']}`; time: {meta['time']}; memory: {meta['memory']}.",
+            "sections: " + "; ".join(f"{name} {note}" for name, note in notes.items()) + ".",
+            "",
+            table(rows),
+        ]
+    )
     print("\n" + text)
     write_json(out, {"meta": meta, "measurements": measurements, "bars": rows})
     out.with_suffix(".md").write_text(text)

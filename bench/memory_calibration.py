@@ -47,16 +47,27 @@ def hf_config(spec: dict):
     from ls_hf import LongShortConfig, LongShortXLConfig
 
     d = spec["width"]
-    common = {"vocab_size": spec.get("vocab", 1000), "hidden_size": d, "num_hidden_layers": spec["layers"],
-              "num_attention_heads": spec.get("heads", max(d // 64, 1)),
-              "intermediate_size": spec.get("intermediate", 4 * d),
-              "window_size": spec["window"], "projection_rank": spec["rank"],
-              "causal_segment_length": spec.get("segment", 16), "hidden_dropout_prob": spec.get("hidden_dropout", 0.1)}
+    common = {
+        "vocab_size": spec.get("vocab", 1000),
+        "hidden_size": d,
+        "num_hidden_layers": spec["layers"],
+        "num_attention_heads": spec.get("heads", max(d // 64, 1)),
+        "intermediate_size": spec.get("intermediate", 4 * d),
+        "window_size": spec["window"],
+        "projection_rank": spec["rank"],
+        "causal_segment_length": spec.get("segment", 16),
+        "hidden_dropout_prob": spec.get("hidden_dropout", 0.1),
+    }
     if spec["family"] == "xl":
         return LongShortXLConfig(**common, memory_length=spec.get("memory", spec["length"]))
-    return LongShortConfig(**common, attention_probs_dropout_prob=spec.get("attention_dropout", 0.1),
-                           max_position_embeddings=spec["length"] + 2, is_decoder=spec["head"] == "causal_lm",
-                           recompute_window_tiles=spec.get("recompute", False), num_labels=2)
+    return LongShortConfig(
+        **common,
+        attention_probs_dropout_prob=spec.get("attention_dropout", 0.1),
+        max_position_embeddings=spec["length"] + 2,
+        is_decoder=spec["head"] == "causal_lm",
+        recompute_window_tiles=spec.get("recompute", False),
+        num_labels=2,
+    )
 
 
 def build(spec: dict):
@@ -73,10 +84,19 @@ def build(spec: dict):
     from ls_hf import LongShortForCausalLM, LongShortForMaskedLM, LongShortForSequenceClassification
 
     config = hf_config(spec)
-    args = TrainingArguments(tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=B, save_strategy="no",
-                             report_to=[], disable_tqdm=True, logging_strategy="no", use_cpu=True,
-                             gradient_checkpointing=spec.get("checkpointing", False), dataloader_pin_memory=False,
-                             bf16=spec.get("bf16", False))
+    args = TrainingArguments(
+        tempfile.mkdtemp(),
+        max_steps=STEPS,
+        per_device_train_batch_size=B,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        use_cpu=True,
+        gradient_checkpointing=spec.get("checkpointing", False),
+        dataloader_pin_memory=False,
+        bf16=spec.get("bf16", False),
+    )
     ids = torch.randint(3, config.vocab_size, (B * STEPS, n))
     if spec["family"] == "xl":
         from ls_hf import LongShortXLForCausalLM
@@ -85,12 +105,22 @@ def build(spec: dict):
         model = LongShortXLForCausalLM(config)
         args.label_names, args.train_sampling_strategy = ["shift_labels"], "sequential"
         data = Dataset.from_dict({"input_ids": ids, "shift_labels": ids}).with_format("torch")
-        trainer = StreamTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                                texts={}, scoring={}, stream_start="zeros")
+        trainer = StreamTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=default_data_collator,
+            texts={},
+            scoring={},
+            stream_start="zeros",
+        )
         return model, trainer.train
     head = spec["head"]
-    model = {"classification": LongShortForSequenceClassification, "masked_lm": LongShortForMaskedLM,
-             "causal_lm": LongShortForCausalLM}[head](config)
+    model = {
+        "classification": LongShortForSequenceClassification,
+        "masked_lm": LongShortForMaskedLM,
+        "causal_lm": LongShortForCausalLM,
+    }[head](config)
     if head == "classification":
         labels = torch.randint(0, 2, (B * STEPS,))
     else:
@@ -106,10 +136,19 @@ def lra_config(spec: dict):
     """The ``LRAConfig`` of a configuration (the paper's LRA model by default)."""
     from recipes.lra.model import LRAConfig
 
-    return LRAConfig(vocab_size=20, max_length=spec["length"], num_classes=10, window_size=spec["window"],
-                     projection_rank=spec["rank"], hidden_size=spec.get("width", 64), num_heads=spec.get("heads", 2),
-                     intermediate_size=2 * spec.get("width", 64), num_layers=spec["layers"],
-                     dual=spec.get("dual", False), recompute_window_tiles=spec.get("recompute", False))
+    return LRAConfig(
+        vocab_size=20,
+        max_length=spec["length"],
+        num_classes=10,
+        window_size=spec["window"],
+        projection_rank=spec["rank"],
+        hidden_size=spec.get("width", 64),
+        num_heads=spec.get("heads", 2),
+        intermediate_size=2 * spec.get("width", 64),
+        num_layers=spec["layers"],
+        dual=spec.get("dual", False),
+        recompute_window_tiles=spec.get("recompute", False),
+    )
 
 
 def lra_training(spec: dict):
@@ -189,13 +228,19 @@ def training_step(spec: dict, parameters: int):
     if spec["family"] == "vision":
         from recipes.imagenet.train import attention_layers
 
-        return TrainingStep(parameters, attention_layers(vision_model(spec), (3, spec["img"], spec["img"])),
-                            spec["batch"])
+        return TrainingStep(
+            parameters, attention_layers(vision_model(spec), (3, spec["img"], spec["img"])), spec["batch"]
+        )
     layers = long_short_layers(hf_config(spec), spec["length"], lean=spec.get("recompute", False))
-    return TrainingStep(parameters, layers, spec["batch"],
-                        vocab=0 if spec["head"] == "classification" else spec.get("vocab", 1000),
-                        head_tokens=spec["length"], checkpointing=spec.get("checkpointing", False),
-                        half_precision=spec.get("bf16", False))
+    return TrainingStep(
+        parameters,
+        layers,
+        spec["batch"],
+        vocab=0 if spec["head"] == "classification" else spec.get("vocab", 1000),
+        head_tokens=spec["length"],
+        checkpointing=spec.get("checkpointing", False),
+        half_precision=spec.get("bf16", False),
+    )
 
 
 # Coefficients fixed by what they count rather than fitted: a float32 gradient and AdamW's two moments per parameter;
@@ -224,8 +269,11 @@ def fit(rows: list[dict]):
     features = np.array([[step.bytes(unit) for unit in units] for step in steps]) / measured[:, None]
     solution = nnls(features, 1 - known / measured)[0].tolist()
     fitted = Coefficients(**{**FIXED_COEFFICIENTS, **dict(zip(free, solution)), "half": 1.0})
-    half = [(training_step(row["spec"], row["parameters"]), row["measured_bytes"]) for row in rows
-            if row["spec"].get("bf16")]
+    half = [
+        (training_step(row["spec"], row["parameters"]), row["measured_bytes"])
+        for row in rows
+        if row["spec"].get("bf16")
+    ]
     rest = np.array([(m - step.bytes(fitted) + step.activation_bytes(fitted)) / m for step, m in half])
     activations = np.array([step.activation_bytes(fitted) / m for step, m in half])
     return replace(fitted, half=float(activations @ rest / (activations @ activations)))
@@ -250,38 +298,113 @@ def grid() -> list[dict]:
     paths = ({"attention_dropout": 0.1}, {"attention_dropout": 0.0}, {"attention_dropout": 0.0, "recompute": True})
     for path in paths:
         for checkpointing in (False, True):
-            for width, layers, length, batch in ((128, 2, 1024, 4), (256, 1, 2048, 2), (256, 4, 1024, 1),
-                                                 (512, 2, 2048, 1), (768, 1, 4096, 1), (384, 2, 512, 4)):
-                specs.append({**hf, **path, "checkpointing": checkpointing, "width": width, "layers": layers,
-                              "length": length, "batch": batch})
+            for width, layers, length, batch in (
+                (128, 2, 1024, 4),
+                (256, 1, 2048, 2),
+                (256, 4, 1024, 1),
+                (512, 2, 2048, 1),
+                (768, 1, 4096, 1),
+                (384, 2, 512, 4),
+            ):
+                specs.append(
+                    {
+                        **hf,
+                        **path,
+                        "checkpointing": checkpointing,
+                        "width": width,
+                        "layers": layers,
+                        "length": length,
+                        "batch": batch,
+                    }
+                )
     for window, rank in ((64, 16), (256, 64), (32, 8)):
         for path in paths:
-            specs.append({**hf, **path, "width": 256, "layers": 2, "length": 2048, "batch": 2, "window": window,
-                          "rank": rank})
+            specs.append(
+                {**hf, **path, "width": 256, "layers": 2, "length": 2048, "batch": 2, "window": window, "rank": rank}
+            )
     for head, vocab in (("masked_lm", 50265), ("masked_lm", 8000), ("causal_lm", 8000), ("causal_lm", 259)):
         for checkpointing in (False, True):
             for width, layers, length, batch in ((128, 2, 512, 2), (256, 2, 1024, 1)):
-                specs.append({**hf, "head": head, "vocab": vocab, "checkpointing": checkpointing, "width": width,
-                              "layers": layers, "length": length, "batch": batch})
+                specs.append(
+                    {
+                        **hf,
+                        "head": head,
+                        "vocab": vocab,
+                        "checkpointing": checkpointing,
+                        "width": width,
+                        "layers": layers,
+                        "length": length,
+                        "batch": batch,
+                    }
+                )
     for length in (1024, 4096):  # causal: r n / (2 l) projected rows per query on average
-        specs.append({**hf, "head": "causal_lm", "vocab": 259, "width": 256, "layers": 2, "length": length,
-                      "batch": 1, "window": 128, "rank": 4, "segment": 16, "hidden_dropout": 0.2,
-                      "attention_dropout": 0.2})
+        specs.append(
+            {
+                **hf,
+                "head": "causal_lm",
+                "vocab": 259,
+                "width": 256,
+                "layers": 2,
+                "length": length,
+                "batch": 1,
+                "window": 128,
+                "rank": 4,
+                "segment": 16,
+                "hidden_dropout": 0.2,
+                "attention_dropout": 0.2,
+            }
+        )
     for width, length, memory in ((128, 512, 512), (256, 1024, 512)):
-        specs.append({"family": "xl", "head": "causal_lm", "vocab": 259, "width": width, "layers": 2, "length": length,
-                      "batch": 2, "window": 128, "rank": 1, "memory": memory, "hidden_dropout": 0.2})
+        specs.append(
+            {
+                "family": "xl",
+                "head": "causal_lm",
+                "vocab": 259,
+                "width": width,
+                "layers": 2,
+                "length": length,
+                "batch": 2,
+                "window": 128,
+                "rank": 1,
+                "memory": memory,
+                "hidden_dropout": 0.2,
+            }
+        )
     for inner in (2, 8):  # other feed-forward widths than 4 d
         for path in paths:
-            specs.append({**hf, **path, "intermediate": inner * 256, "width": 256, "layers": 2, "length": 1024,
-                          "batch": 2})
+            specs.append(
+                {**hf, **path, "intermediate": inner * 256, "width": 256, "layers": 2, "length": 1024, "batch": 2}
+            )
     for path in paths[:2]:  # bfloat16 autocast (--bf16)
         for head, vocab in (("classification", 1000), ("masked_lm", 8000)):
-            specs.append({**hf, **path, "head": head, "vocab": vocab, "bf16": True, "width": 256, "layers": 2,
-                          "length": 2048, "batch": 2})
+            specs.append(
+                {
+                    **hf,
+                    **path,
+                    "head": head,
+                    "vocab": vocab,
+                    "bf16": True,
+                    "width": 256,
+                    "layers": 2,
+                    "length": 2048,
+                    "batch": 2,
+                }
+            )
     for length, batch, dual in ((2000, 32, False), (4096, 8, True), (1024, 16, False)):
         for recompute in (False, True):
-            specs.append({"family": "lra", "width": 64, "layers": 2, "length": length, "batch": batch, "window": 8,
-                          "rank": 32, "dual": dual, "recompute": recompute})
+            specs.append(
+                {
+                    "family": "lra",
+                    "width": 64,
+                    "layers": 2,
+                    "length": length,
+                    "batch": batch,
+                    "window": 8,
+                    "rank": 32,
+                    "dual": dual,
+                    "recompute": recompute,
+                }
+            )
     return specs
 
 
@@ -289,14 +412,32 @@ def validation() -> list[dict]:
     """Configurations the fit leaves out, at the recipes' real sizes: roberta-base's shape (12 x 768, w = 256,
     r = 64, dropout 0.1) on 4,096 tokens with gradient checkpointing, 4 of its layers without, its masked LM (2
     layers, the full vocabulary), the CPU example of char_lm, and the ImageNet recipe's models."""
-    base = {"family": "hf", "head": "classification", "width": 768, "window": 256, "rank": 64, "length": 4096,
-            "batch": 1}
+    base = {
+        "family": "hf",
+        "head": "classification",
+        "width": 768,
+        "window": 256,
+        "rank": 64,
+        "length": 4096,
+        "batch": 1,
+    }
     return [
         {**base, "layers": 12, "checkpointing": True},
         {**base, "layers": 4},
         {**base, "head": "masked_lm", "vocab": 50265, "layers": 2, "checkpointing": True},
-        {"family": "hf", "head": "causal_lm", "vocab": 384, "width": 256, "layers": 4, "window": 128, "rank": 1,
-         "length": 512, "batch": 4, "hidden_dropout": 0.2, "attention_dropout": 0.2},
+        {
+            "family": "hf",
+            "head": "causal_lm",
+            "vocab": 384,
+            "width": 256,
+            "layers": 4,
+            "window": 128,
+            "rank": 1,
+            "length": 512,
+            "batch": 4,
+            "hidden_dropout": 0.2,
+            "attention_dropout": 0.2,
+        },
         {"family": "vision", "model": "cvt_ls_13", "img": 224, "batch": 4},
         {"family": "vision", "model": "vil_ls_small", "img": 224, "batch": 2},
         {"family": "vision", "model": "cvt_ls_13", "img": 64, "batch": 8},
@@ -313,11 +454,18 @@ def describe(spec: dict) -> str:
         kind = {"classification": "classifier", "masked_lm": "masked LM", "causal_lm": "causal LM"}[spec["head"]]
         kind = ("XL " if spec["family"] == "xl" else "") + kind + (f", V={spec['vocab']}" if "vocab" in spec else "")
     inner = f", I={spec['intermediate']}" if "intermediate" in spec else ""
-    path = ("lean" if spec.get("recompute") else
-            "attn dropout" if spec.get("attention_dropout", 0.1 if spec["family"] == "hf" else 0) else "sdpa")
+    path = (
+        "lean"
+        if spec.get("recompute")
+        else "attn dropout"
+        if spec.get("attention_dropout", 0.1 if spec["family"] == "hf" else 0)
+        else "sdpa"
+    )
     extras = [name for name, on in (("checkpointing", spec.get("checkpointing")), ("bf16", spec.get("bf16"))) if on]
-    return (f"{kind}, {spec['layers']} x {spec['width']}{inner}, w={spec['window']} r={spec['rank']}, "
-            f"{spec['batch']} x {spec['length']}, {', '.join([path, *extras])}")
+    return (
+        f"{kind}, {spec['layers']} x {spec['width']}{inner}, w={spec['window']} r={spec['rank']}, "
+        f"{spec['batch']} x {spec['length']}, {', '.join([path, *extras])}"
+    )
 
 
 def report(rows: list[dict]) -> str:
@@ -329,8 +477,10 @@ def report(rows: list[dict]) -> str:
     for row in sorted(measured, key=lambda row: key(row["spec"]) not in fitted):
         estimate = training_step(row["spec"], row["parameters"]).bytes()
         role = "fit" if key(row["spec"]) in fitted else "held out"
-        lines.append(f"| {describe(row['spec'])} | {role} | {row['measured_bytes'] / 2**20:.0f} | "
-                     f"{estimate / 2**20:.0f} | {100 * (estimate / row['measured_bytes'] - 1):+.1f} % |")
+        lines.append(
+            f"| {describe(row['spec'])} | {role} | {row['measured_bytes'] / 2**20:.0f} | "
+            f"{estimate / 2**20:.0f} | {100 * (estimate / row['measured_bytes'] - 1):+.1f} % |"
+        )
     return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_scaling(rows: list[dict], path: Path, title: str, memory_label: str,
-                 xlabel: str = "sequence length n") -> None:
+def plot_scaling(
+    rows: list[dict], path: Path, title: str, memory_label: str, xlabel: str = "sequence length n"
+) -> None:
     """Two panels (median time, peak memory) against n (named ``xlabel``), one line per peer; the memory panel only
     when no row has a time.
 

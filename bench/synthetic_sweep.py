@@ -34,8 +34,11 @@ RUN_KEYS = ("attention", "length", "vocab_size", "global_first_token", "seed", "
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.synthetic_sweep", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.synthetic_sweep",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--vocab_sizes", type=int, nargs="+", default=[32, 64, 256])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -48,8 +51,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS / "synthetic_sweep.jsonl")
     p.add_argument("--checkpoint_dir", type=Path, default=Path("runs/synthetic_sweep"))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--report", action="store_true",
-                   help="print the table of the runs in --out and --checkpoint_dir (unfinished) and exit")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print the table of the runs in --out and --checkpoint_dir (unfinished) and exit",
+    )
     return p
 
 
@@ -69,20 +75,36 @@ def checkpoint_path(checkpoint_dir: Path, key: tuple) -> Path:
 
 def sweep(args) -> None:
     done = {tuple(run[k] for k in RUN_KEYS) for run in finished(args.out)}
-    grid = itertools.product(sorted(args.lengths), CHOICES[args.global_first_token], sorted(args.vocab_sizes),
-                             args.attentions, args.seeds)
-    plan = [(attention, Task(length, vocab_size, global_first_token=global_first_token), seed)
-            for length, global_first_token, vocab_size, attention, seed in grid]  # every setting checked first
+    grid = itertools.product(
+        sorted(args.lengths), CHOICES[args.global_first_token], sorted(args.vocab_sizes), args.attentions, args.seeds
+    )
+    plan = [
+        (attention, Task(length, vocab_size, global_first_token=global_first_token), seed)
+        for length, global_first_token, vocab_size, attention, seed in grid
+    ]  # every setting checked first
     for attention, task, seed in plan:
         key = (attention, task.length, task.vocab_size, task.global_first_token, seed, args.steps)
         if key in done:
             continue
         checkpoint = checkpoint_path(args.checkpoint_dir, key)
-        run = train(attention, task, args.steps, eval_every=args.eval_every, eval_size=args.eval_size, seed=seed,
-                    target=args.target, checkpoint=checkpoint)
-        run |= {"max_steps": args.steps, "target": args.target, "reached_at": reached(run, args.target),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "load_average": os.getloadavg(), **machine()}
+        run = train(
+            attention,
+            task,
+            args.steps,
+            eval_every=args.eval_every,
+            eval_size=args.eval_size,
+            seed=seed,
+            target=args.target,
+            checkpoint=checkpoint,
+        )
+        run |= {
+            "max_steps": args.steps,
+            "target": args.target,
+            "reached_at": reached(run, args.target),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": os.getloadavg(),
+            **machine(),
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
             f.write(json.dumps(run) + "\n")
@@ -92,8 +114,10 @@ def sweep(args) -> None:
 
 def unfinished(checkpoint_dir: Path) -> list[dict]:
     """The settings and history of the runs saved in ``checkpoint_dir`` and not finished yet."""
-    return [{**state["settings"], "history": state["history"]}
-            for state in map(torch.load, sorted(checkpoint_dir.glob("*.pt")))]
+    return [
+        {**state["settings"], "history": state["history"]}
+        for state in map(torch.load, sorted(checkpoint_dir.glob("*.pt")))
+    ]
 
 
 def report(runs: list[dict]) -> str:
@@ -104,13 +128,13 @@ def report(runs: list[dict]) -> str:
         best = max(h["accuracy"] for h in r["history"])
         shown = str(r.get("reached_at")) if r.get("reached_at") else f"> {r['history'][-1]['step']:,} ({best:.2f})"
         cells.setdefault((r["length"], r["vocab_size"], r["attention"], r["global_first_token"]), []).append(
-            shown + ("" if "reached_at" in r else "*"))
+            shown + ("" if "reached_at" in r else "*")
+        )
     columns = sorted({key[2:] for key in cells}, key=lambda c: (c[1], c[0] != "long_short", c[0]))
     head = [f"{NAMES[a]}, {'first token global' if g else 'no global token'}" for a, g in columns]
     lines = ["| n | vocabulary | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(columns)]
     for n, v in sorted({key[:2] for key in cells}):
-        lines.append(f"| {n:,} | {v} | " + " | ".join(" / ".join(cells.get((n, v, *c), ["-"])) for c in columns)
-                     + " |")
+        lines.append(f"| {n:,} | {v} | " + " | ".join(" / ".join(cells.get((n, v, *c), ["-"])) for c in columns) + " |")
     return "\n".join(lines)
 
 

@@ -140,7 +140,9 @@ class LongShortConfig(PreTrainedConfig):
             )
         for layer_idx in range(self.num_hidden_layers):
             per_layer = {
-                key: f"{key}[{layer_idx}]" for key in ("window_size", "projection_rank") if isinstance(getattr(self, key), list)
+                key: f"{key}[{layer_idx}]"
+                for key in ("window_size", "projection_rank")
+                if isinstance(getattr(self, key), list)
             }
             kwargs = self.attention_kwargs(layer_idx)
             validate_long_short_args(

@@ -66,8 +66,12 @@ class Source(NamedTuple):
     long_short_fields: tuple = ()  # (LongShortConfig field, value) pairs
 
 
-_ROBERTA = Source(AutoModelForMaskedLM, "a *ForMaskedLM checkpoint (e.g. roberta-base), not a bare encoder",
-                  ROBERTA_KEY_MAPPING, LongShortForMaskedLM)
+_ROBERTA = Source(
+    AutoModelForMaskedLM,
+    "a *ForMaskedLM checkpoint (e.g. roberta-base), not a bare encoder",
+    ROBERTA_KEY_MAPPING,
+    LongShortForMaskedLM,
+)
 _BERT_MLM_HEAD = {
     r"^cls\.predictions\.transform\.dense\.": "lm_head.dense.",
     r"^cls\.predictions\.transform\.LayerNorm\.": "lm_head.layer_norm.",
@@ -77,16 +81,32 @@ SOURCES = {
     "roberta": _ROBERTA,
     "xlm-roberta": _ROBERTA,
     "camembert": _ROBERTA,
-    "bert": Source(AutoModelForMaskedLM, "a BertForMaskedLM checkpoint (e.g. bert-base-uncased), not a bare encoder",
-                   {r"^bert\.": "long_short.", **OUTPUT_DENSE, **_BERT_MLM_HEAD}, LongShortForMaskedLM,
-                   positions_from_zero=True),
-    "electra": Source(AutoModelForPreTraining, "an ELECTRA discriminator (ElectraForPreTraining, e.g. "
-                      "google/electra-base-discriminator)", {r"^electra\.": "", **OUTPUT_DENSE}, LongShortModel,
-                      positions_from_zero=True, dropped=r"^discriminator_predictions\."),
-    "longformer": Source(AutoModelForMaskedLM, "a LongformerForMaskedLM checkpoint (e.g. allenai/longformer-base-4096)",
-                         {r"^longformer\.": "long_short.", **OUTPUT_DENSE,
-                          r"\.attention\.self\.(query|key|value)_global\.": r".attention.self.global_\1."},
-                         LongShortForMaskedLM, long_short_fields=(("global_projections", True),)),
+    "bert": Source(
+        AutoModelForMaskedLM,
+        "a BertForMaskedLM checkpoint (e.g. bert-base-uncased), not a bare encoder",
+        {r"^bert\.": "long_short.", **OUTPUT_DENSE, **_BERT_MLM_HEAD},
+        LongShortForMaskedLM,
+        positions_from_zero=True,
+    ),
+    "electra": Source(
+        AutoModelForPreTraining,
+        "an ELECTRA discriminator (ElectraForPreTraining, e.g. google/electra-base-discriminator)",
+        {r"^electra\.": "", **OUTPUT_DENSE},
+        LongShortModel,
+        positions_from_zero=True,
+        dropped=r"^discriminator_predictions\.",
+    ),
+    "longformer": Source(
+        AutoModelForMaskedLM,
+        "a LongformerForMaskedLM checkpoint (e.g. allenai/longformer-base-4096)",
+        {
+            r"^longformer\.": "long_short.",
+            **OUTPUT_DENSE,
+            r"\.attention\.self\.(query|key|value)_global\.": r".attention.self.global_\1.",
+        },
+        LongShortForMaskedLM,
+        long_short_fields=(("global_projections", True),),
+    ),
 }
 # Model types whose masked LM has RoBERTa's exact layout (post-LN encoder, learned positions after pad_token_id).
 ROBERTA_FAMILY = tuple(name for name, source in SOURCES.items() if source is _ROBERTA)
@@ -123,8 +143,10 @@ def _load_source(src: str):
     if local and not path.is_dir():
         raise ValueError(f"SRC {src!r}: no such folder. Pass a local checkpoint folder or a Hub id (roberta-base).")
     if (close := misspelt_folder(src)) is not None:
-        raise ValueError(f"SRC {src!r}: no such local folder; did you mean {close!r}? (A Hub model: give its id with "
-                         f"the owner, owner/name.)")
+        raise ValueError(
+            f"SRC {src!r}: no such local folder; did you mean {close!r}? (A Hub model: give its id with "
+            f"the owner, owner/name.)"
+        )
     src = str(path) if local else src
     try:
         config = AutoConfig.from_pretrained(src)
@@ -163,9 +185,7 @@ def _load_source(src: str):
     except OSError as err:
         raise ValueError(f"SRC {src!r}: could not load masked-LM weights from it ({err}).") from err
     if info["missing_keys"]:
-        raise ValueError(
-            f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass {family.kind}."
-        )
+        raise ValueError(f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass {family.kind}.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as err:
@@ -215,8 +235,11 @@ def causal_tokenizer(tokenizer):
     ``AutoTokenizer`` loads it anywhere, without this package."""
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise TypeError(f"a causal checkpoint needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}.")
-    specials = {name: getattr(tokenizer, name) for name in tokenizer.SPECIAL_TOKENS_ATTRIBUTES
-                if getattr(tokenizer, name) is not None}
+    specials = {
+        name: getattr(tokenizer, name)
+        for name in tokenizer.SPECIAL_TOKENS_ATTRIBUTES
+        if getattr(tokenizer, name) is not None
+    }
     start = tokenizer.bos_token or tokenizer.cls_token  # a byte tokenizer has none: nothing is added then
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
@@ -238,8 +261,11 @@ def _extend_positions(old: torch.Tensor, new_rows: int, offset: int) -> torch.Te
 
 def _copy_weights(source, model, family: Source, log) -> None:
     """Copy the source checkpoint into ``model``; raise if the layouts do not match one to one."""
-    kept = {key: value for key, value in source.state_dict().items()
-            if family.dropped is None or not re.search(family.dropped, key)}
+    kept = {
+        key: value
+        for key, value in source.state_dict().items()
+        if family.dropped is None or not re.search(family.dropped, key)
+    }
     state = {_rename(key, family): value for key, value in kept.items()}
     positions_key = next((key for key in state if key.endswith(POSITIONS)), None)
     if positions_key is None or positions_key not in dict(model.named_parameters()):
@@ -266,8 +292,10 @@ def _copy_weights(source, model, family: Source, log) -> None:
         log(f"  left out {key} (no LongShort counterpart)")
     shifted = f", moved down {offset} rows (positions from 0)" if family.positions_from_zero else ""
     if len(new_positions) >= len(old_positions):
-        log(f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled"
-            f"{shifted})")
+        log(
+            f"extended {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (offset rows kept, rest tiled"
+            f"{shifted})"
+        )
     else:
         log(f"truncated {POSITIONS}: {len(old_positions)} -> {len(new_positions)} rows (the first ones kept{shifted})")
     if new:
@@ -307,12 +335,20 @@ def convert_roberta(
         raise ValueError(f"OUT {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it.")
     config, source, tokenizer, family = _load_source(src)
     if causal and (family.head is not LongShortForMaskedLM or family.long_short_fields):
-        raise ValueError(f"--causal warm-starts a causal LM from a RoBERTa or BERT masked LM; SRC {str(src)!r} is a "
-                         f"{config.model_type!r} checkpoint ({family.kind}), whose extra parts (an ELECTRA "
-                         f"discriminator's head, Longformer's global projections) a causal model has no use for.")
+        raise ValueError(
+            f"--causal warm-starts a causal LM from a RoBERTa or BERT masked LM; SRC {str(src)!r} is a "
+            f"{config.model_type!r} checkpoint ({family.kind}), whose extra parts (an ELECTRA "
+            f"discriminator's head, Longformer's global projections) a causal model has no use for."
+        )
     long_short_config = _long_short_config(
-        config, max_position_embeddings, window_size, projection_rank, use_dual_ln, causal,
-        sep_token_id=tokenizer.sep_token_id, **dict(family.long_short_fields),
+        config,
+        max_position_embeddings,
+        window_size,
+        projection_rank,
+        use_dual_ln,
+        causal,
+        sep_token_id=tokenizer.sep_token_id,
+        **dict(family.long_short_fields),
     )
     if family.head is LongShortModel:
         model = LongShortModel(long_short_config, add_pooling_layer=False)
@@ -341,15 +377,25 @@ def main(argv=None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     defaults = LongShortConfig()
-    parser.add_argument("src", metavar="SRC", help=f"local checkpoint folder or Hub id; model types: {', '.join(SOURCES)}")
+    parser.add_argument(
+        "src", metavar="SRC", help=f"local checkpoint folder or Hub id; model types: {', '.join(SOURCES)}"
+    )
     parser.add_argument("out", metavar="OUT", help="output folder (created; see --overwrite)")
     parser.add_argument("--max-position-embeddings", type=int, default=4096, help="tokens the model reads")
     parser.add_argument("--window-size", type=int, default=defaults.window_size, help="window segment length w")
-    parser.add_argument("--projection-rank", type=int, default=defaults.projection_rank,
-                        help="dynamic projection rank r; 0 turns it off")
+    parser.add_argument(
+        "--projection-rank",
+        type=int,
+        default=defaults.projection_rank,
+        help="dynamic projection rank r; 0 turns it off",
+    )
     parser.add_argument("--no-dual-ln", action="store_true", help="leave DualLN out (exact RoBERTa function)")
-    parser.add_argument("--causal", action="store_true", help="write a causal LM (LongShortForCausalLM) warm-started "
-                        "from the masked LM, with a tokenizer that ends a prompt with no end token")
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="write a causal LM (LongShortForCausalLM) warm-started "
+        "from the masked LM, with a tokenizer that ends a prompt with no end token",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:

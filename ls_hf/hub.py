@@ -38,8 +38,9 @@ def _readable(folder: Path) -> None:
     folder.chmod(0o777 & ~umask)
 
 
-def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overwrite: bool = False,
-                 **save_kwargs) -> Path:
+def save_for_hub(
+    model, folder, tokenizer=None, files: dict | None = None, overwrite: bool = False, **save_kwargs
+) -> Path:
     """Save ``model`` (and ``tokenizer``, and ``files``: name -> text) into ``folder``, ready for ``upload_folder``.
 
     The folder gets ``model.safetensors``, ``config.json`` whose ``auto_map`` names the config and every head (so
@@ -50,12 +51,16 @@ def save_for_hub(model, folder, tokenizer=None, files: dict | None = None, overw
     ``folder`` must not exist or be empty, unless ``overwrite`` (then it is replaced). Returns ``Path(folder)``.
     """
     if not isinstance(model, (LongShortPreTrainedModel, LongShortXLPreTrainedModel)):
-        raise TypeError(f"model must be a LongShort model (LongShortPreTrainedModel or LongShortXLPreTrainedModel), "
-                        f"got {type(model).__name__}.")
+        raise TypeError(
+            f"model must be a LongShort model (LongShortPreTrainedModel or LongShortXLPreTrainedModel), "
+            f"got {type(model).__name__}."
+        )
     folder = Path(folder).expanduser()
     if folder.exists() and not overwrite and (not folder.is_dir() or any(folder.iterdir())):
-        raise ValueError(f"{str(folder)!r} already exists and is not an empty directory; pick a new path or pass "
-                         f"overwrite=True (--overwrite) to replace it.")
+        raise ValueError(
+            f"{str(folder)!r} already exists and is not an empty directory; pick a new path or pass "
+            f"overwrite=True (--overwrite) to replace it."
+        )
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:

@@ -133,7 +133,9 @@ class ExtraKeys(NamedTuple):
     keys: Tensor  # (B, R, H, d_qk)
     values: Tensor  # (B, R, H, d_v)
     valid: Tensor  # (B, R) bool
-    segment: Tensor | None = None  # (R,) causal: each row's projection segment (Eq. 5); None: every query sees every row
+    segment: Tensor | None = (
+        None  # (R,) causal: each row's projection segment (Eq. 5); None: every query sees every row
+    )
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
@@ -170,7 +172,6 @@ def _shift_rows(x: Tensor, shift: Tensor, width: int) -> Tensor:
 def _weighted(maps: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
     """The probabilities ``maps`` (B', H, Q, K) applied to the values v (B', H, K, d), in ``dtype``."""
     return (maps.to(v.dtype) @ v.to(dtype)).to(dtype)
-
 
 
 class JointInputs(NamedTuple):
@@ -271,8 +272,10 @@ class LongShortSelfAttention(nn.Module):
             attention_dropout=attention_dropout,
         )
         if global_projections and causal:
-            raise ValueError("global_projections serve global tokens, which only bidirectional attention has; "
-                             "leave it False with causal=True.")
+            raise ValueError(
+                "global_projections serve global tokens, which only bidirectional attention has; "
+                "leave it False with causal=True."
+            )
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.qk_head_dim = qk_head_dim or self.head_dim
@@ -322,8 +325,14 @@ class LongShortSelfAttention(nn.Module):
         fused_default = attn_implementation == "sdpa" and fused_by_default(hidden_states, dropout=dropout)
         if (attn_implementation == "flex_attention" or fused_default) and not decoding_step:
             return "flex"
-        lean = (self.recompute_window_tiles and FUSED_CPU is not None and hidden_states.device.type == "cpu"
-                and self.qk_head_dim == self.head_dim and not dropout and takes_grad(hidden_states, self.query.weight))
+        lean = (
+            self.recompute_window_tiles
+            and FUSED_CPU is not None
+            and hidden_states.device.type == "cpu"
+            and self.qk_head_dim == self.head_dim
+            and not dropout
+            and takes_grad(hidden_states, self.query.weight)
+        )
         return "lean" if lean else "sdpa"
 
     # ------------------------------------------------------------------ helpers
@@ -333,8 +342,9 @@ class LongShortSelfAttention(nn.Module):
         (``layer_norm_in_place``)."""
         if not self.use_dual_ln:
             return x
-        norm, key_norm = ((self.dual_ln_local, self.dual_ln_local_key) if local
-                          else (self.dual_ln_global, self.dual_ln_global_key))
+        norm, key_norm = (
+            (self.dual_ln_local, self.dual_ln_local_key) if local else (self.dual_ln_global, self.dual_ln_global_key)
+        )
         norm = key_norm if is_key and key_norm is not None else norm
         return layer_norm_in_place(x, norm) if lean else norm(x)
 
@@ -351,8 +361,9 @@ class LongShortSelfAttention(nn.Module):
     def _split(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
-    def _project(self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int,
-                 lean: bool = False) -> ExtraKeys:
+    def _project(
+        self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int, lean: bool = False
+    ) -> ExtraKeys:
         """Eq. 3 / Eq. 5 (``project_rows`` on the scores ``X W^P``) on each segment of ``segment`` tokens, then
         ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows,
         segment-major. ``lean``: through ``DynamicProjection``, which never holds the scores or P of all heads."""
@@ -364,9 +375,14 @@ class LongShortSelfAttention(nn.Module):
 
         seg_valid = valid.view(B, S, segment)
         if lean:
-            rows = DynamicProjection.apply(hidden.unflatten(1, (S, segment)), self.dynamic_projection.weight,
-                                           self.dynamic_projection.bias, heads_first(keys), heads_first(values),
-                                           seg_valid)
+            rows = DynamicProjection.apply(
+                hidden.unflatten(1, (S, segment)),
+                self.dynamic_projection.weight,
+                self.dynamic_projection.bias,
+                heads_first(keys),
+                heads_first(values),
+                seg_valid,
+            )
         else:
             scores = heads_first(self._split(self.dynamic_projection(hidden))).transpose(-1, -2)
             rows = project_rows(scores, heads_first(keys), heads_first(values), seg_valid)
@@ -436,18 +452,37 @@ class LongShortSelfAttention(nn.Module):
         else:
             check_attn_implementation(attn_implementation)
         valid, is_global = self._check_inputs(
-            hidden_states, attention_mask, global_attention_mask=global_attention_mask, cls_hidden=cls_hidden,
-            state=state, flex=attn_implementation == "flex_attention" and not output_attentions,
+            hidden_states,
+            attention_mask,
+            global_attention_mask=global_attention_mask,
+            cls_hidden=cls_hidden,
+            state=state,
+            flex=attn_implementation == "flex_attention" and not output_attentions,
         )
         backend = self._backend(hidden_states, output_attentions, attn_implementation)
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, lean=backend == "lean")
         if self.causal:
-            context, attn = self._causal(q=q, k=k, v=v, hidden=hidden_states, valid=valid,
-                                         state=state if state is not None else CausalState(), backend=backend)
+            context, attn = self._causal(
+                q=q,
+                k=k,
+                v=v,
+                hidden=hidden_states,
+                valid=valid,
+                state=state if state is not None else CausalState(),
+                backend=backend,
+            )
         else:
-            context, attn = self._bidirectional(q=q, k=k, v=v, hidden_states=hidden_states, valid=valid,
-                                                cls_hidden=cls_hidden, is_global=is_global, backend=backend)
+            context, attn = self._bidirectional(
+                q=q,
+                k=k,
+                v=v,
+                hidden_states=hidden_states,
+                valid=valid,
+                cls_hidden=cls_hidden,
+                is_global=is_global,
+                backend=backend,
+            )
         return self.output(context.flatten(2)), attn
 
     def _check_inputs(self, hidden_states, attention_mask, *, global_attention_mask, cls_hidden, state, flex):
@@ -455,17 +490,27 @@ class LongShortSelfAttention(nn.Module):
         and the global tokens (B, n) bool or None."""
         width = self.query.in_features
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != width:
-            raise ValueError(f"hidden_states must be (batch, tokens, {width}), got {tuple(hidden_states.shape)}; add "
-                             f"a batch dimension with x[None] for a single sequence.")
+            raise ValueError(
+                f"hidden_states must be (batch, tokens, {width}), got {tuple(hidden_states.shape)}; add "
+                f"a batch dimension with x[None] for a single sequence."
+            )
         B, n, _ = hidden_states.shape
-        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
-                                           or attention_mask.shape[1] < n):
-            raise ValueError(f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
-                             f"{tuple(attention_mask.shape)}.")
+        if attention_mask is not None and (
+            attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < n
+        ):
+            raise ValueError(
+                f"attention_mask must be (batch, tokens) = {(B, n)} (1 for real tokens), got "
+                f"{tuple(attention_mask.shape)}."
+            )
         if flex:
-            check_flex_call(hidden_states, self.query.weight, training=self.training,
-                            dropout=self.attention_dropout, dropout_name="attention_dropout",
-                            dropout_setting="attention_probs_dropout_prob")
+            check_flex_call(
+                hidden_states,
+                self.query.weight,
+                training=self.training,
+                dropout=self.attention_dropout,
+                dropout_name="attention_dropout",
+                dropout_setting="attention_probs_dropout_prob",
+            )
         valid = None if attention_mask is None else attention_mask[:, -n:].to(device=hidden_states.device) > 0
         if self.causal and cls_hidden is not None:
             raise ValueError("cls_hidden is only supported by bidirectional attention (causal=False).")
@@ -520,8 +565,9 @@ class LongShortSelfAttention(nn.Module):
             projected = self._project(projection_inputs, k, v, local, segment=n, lean=backend == "lean")
             extra.append(projected)
         if extra:  # one set: global keys, then projected rows
-            extra = ExtraKeys(**{name: torch.cat([getattr(part, name) for part in extra], 1)
-                                 for name in ("keys", "values", "valid")})
+            extra = ExtraKeys(
+                **{name: torch.cat([getattr(part, name) for part in extra], 1) for name in ("keys", "values", "valid")}
+            )
         else:
             extra = None
         layout = None
@@ -532,10 +578,19 @@ class LongShortSelfAttention(nn.Module):
             if backend == "maps":
                 *layout, global_from_maps = self._global_layout(self._probabilities(g_q, g_k, g_keep), is_global, order)
         width = n if self.window_size else 0  # projection only: no window keys
-        inputs = JointInputs(q=q, q_start=0, k=k[:, :width], v=v[:, :width], k_valid=local[:, :width], k_start=0,
-                             extra=extra, all_valid=not masked and not K)
-        context, attn = self._joint_softmax(inputs, q_valid=local if masked or K else None, backend=backend,
-                                            layout=layout)
+        inputs = JointInputs(
+            q=q,
+            q_start=0,
+            k=k[:, :width],
+            v=v[:, :width],
+            k_valid=local[:, :width],
+            k_start=0,
+            extra=extra,
+            all_valid=not masked and not K,
+        )
+        context, attn = self._joint_softmax(
+            inputs, q_valid=local if masked or K else None, backend=backend, layout=layout
+        )
         if cls_hidden is not None:
             context = torch.cat([self._cls_output(cls_hidden, context, valid), context], dim=1)
         if K:  # the global tokens' rows (the last K slots in ``order``), then the tokens back in position order
@@ -562,8 +617,9 @@ class LongShortSelfAttention(nn.Module):
             q_g = q[:, n - K :]
         R = projected.keys.shape[1] if projected is not None else 0
         if R:
-            k, v, valid = (torch.cat(pair, 1) for pair in ((projected.keys, k), (projected.values, v),
-                                                             (projected.valid, valid)))
+            k, v, valid = (
+                torch.cat(pair, 1) for pair in ((projected.keys, k), (projected.values, v), (projected.valid, valid))
+            )
         keep = valid[:, None, None, :]
         keep = keep | ~keep.any(-1, keepdim=True)  # a sample of padding only: finite, discarded
         return q_g.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep
@@ -597,8 +653,9 @@ class LongShortSelfAttention(nn.Module):
 
         return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
 
-    def _joint_softmax(self, inputs: JointInputs, *, q_valid: Tensor | None, backend: str,
-                       layout: MapsLayout | None = None) -> tuple[Tensor, Tensor | None]:
+    def _joint_softmax(
+        self, inputs: JointInputs, *, q_valid: Tensor | None, backend: str, layout: MapsLayout | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Queries attend to [extra keys; window keys] in one softmax (Eq. 6), on ``BACKENDS[backend]``.
 
         q_valid (B, m), or None when every query is real; ``layout``: the caller's maps made from the probabilities
@@ -671,10 +728,18 @@ class LongShortSelfAttention(nn.Module):
         period = math.lcm(self.window_size, self.segment_length) if self.segment_length else self.window_size
         within = inputs.offsets % period
         shift = period - 1 - within
-        q, k, v, k_valid = (_shift_rows(x, shift, x.shape[1] + period - 1)
-                            for x in (inputs.q, inputs.k, inputs.v, inputs.k_valid))
-        return inputs._replace(q=q, q_start=inputs.q_start - period + 1, k=k, v=v, k_valid=k_valid,
-                               k_start=inputs.k_start - period + 1, offsets=inputs.offsets - within), shift
+        q, k, v, k_valid = (
+            _shift_rows(x, shift, x.shape[1] + period - 1) for x in (inputs.q, inputs.k, inputs.v, inputs.k_valid)
+        )
+        return inputs._replace(
+            q=q,
+            q_start=inputs.q_start - period + 1,
+            k=k,
+            v=v,
+            k_valid=k_valid,
+            k_start=inputs.k_start - period + 1,
+            offsets=inputs.offsets - within,
+        ), shift
 
     @staticmethod
     def _group_queries(inputs: JointInputs, tiles: Tiles) -> Tensor:
@@ -692,8 +757,12 @@ class LongShortSelfAttention(nn.Module):
         extra = inputs.extra
         rows = (extra.keys, extra.values) if extra is not None else (None, None)
         keys, values = (gather_tiles(part, x, tiles.index) for part, x in zip(rows, (inputs.k, inputs.v)))
-        return (q.view(B * G, Q, H, -1).transpose(1, 2), keys.view(B * G, S, H, -1).transpose(1, 2),
-                values.view(B * G, S, H, -1).transpose(1, 2), tiles.keep.view(B * G, 1, tiles.keep.shape[2], S))
+        return (
+            q.view(B * G, Q, H, -1).transpose(1, 2),
+            keys.view(B * G, S, H, -1).transpose(1, 2),
+            values.view(B * G, S, H, -1).transpose(1, 2),
+            tiles.keep.view(B * G, 1, tiles.keep.shape[2], S),
+        )
 
     @staticmethod
     def _ungroup(out: Tensor, inputs: JointInputs, tiles: Tiles) -> Tensor:
@@ -751,13 +820,22 @@ class LongShortSelfAttention(nn.Module):
         )
         causal_rows = R and extra.segment is not None  # r rows per segment of l tokens, seen by Eq. 5
         key_layout = KeyLayout(
-            window_size=self.window_size, causal=self.causal, num_window_keys=inputs.k.shape[1], num_extra_keys=R,
-            q_start=inputs.q_start, k_start=inputs.k_start,
+            window_size=self.window_size,
+            causal=self.causal,
+            num_window_keys=inputs.k.shape[1],
+            num_extra_keys=R,
+            q_start=inputs.q_start,
+            k_start=inputs.k_start,
             segment_length=self.segment_length if causal_rows else None,
             projection_rank=self.projection_rank if causal_rows else None,
         )
-        mask = long_short_block_mask(key_layout, num_queries=q.shape[1], offsets=inputs.offsets, device=q.device,
-                                     key_valid=None if inputs.all_valid else key_valid)
+        mask = long_short_block_mask(
+            key_layout,
+            num_queries=q.shape[1],
+            offsets=inputs.offsets,
+            device=q.device,
+            key_valid=None if inputs.all_valid else key_valid,
+        )
         # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
         q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
         return flex_attend(q, keys, values, mask).transpose(1, 2), None
@@ -798,7 +876,11 @@ class LongShortSelfAttention(nn.Module):
                 if done > seg_start:
                     span = slice(seg_start - k_start, done - k_start)
                     new_k, new_v, new_valid, _ = self._project(
-                        all_hidden[:, : done - seg_start], k_all[:, span], v_all[:, span], valid_all[:, span], l,
+                        all_hidden[:, : done - seg_start],
+                        k_all[:, span],
+                        v_all[:, span],
+                        valid_all[:, span],
+                        l,
                         lean=backend == "lean",
                     )
                     if rows_k is not None:
@@ -809,15 +891,31 @@ class LongShortSelfAttention(nn.Module):
                 pending = all_hidden[:, done - seg_start :]
             else:
                 rows_k, rows_v, rows_valid = self._project_per_row(
-                    state=state, hidden=all_hidden, keys=k_all, values=v_all, valid=valid_all, k_start=k_start,
-                    end=end, offsets=offsets, lean=backend == "lean",
+                    state=state,
+                    hidden=all_hidden,
+                    keys=k_all,
+                    values=v_all,
+                    valid=valid_all,
+                    k_start=k_start,
+                    end=end,
+                    offsets=offsets,
+                    lean=backend == "lean",
                 )
                 pending = all_hidden[:, max(0, all_hidden.shape[1] - l + 1) :]  # every row's unfinished segment
         extra = None
         if rows_k is not None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
-        inputs = JointInputs(q=q, q_start=p0, k=k_all, v=v_all, k_valid=valid_all, k_start=k_start, extra=extra,
-                             offsets=offsets, all_valid=q_valid is None and p0 == 0)
+        inputs = JointInputs(
+            q=q,
+            q_start=p0,
+            k=k_all,
+            v=v_all,
+            k_valid=valid_all,
+            k_start=k_start,
+            extra=extra,
+            offsets=offsets,
+            all_valid=q_valid is None and p0 == 0,
+        )
         context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 
         # Keep the keys of the current and the previous window segment of every row, and the unfinished segment's
@@ -860,13 +958,20 @@ class LongShortSelfAttention(nn.Module):
         count = (end - p0) // l + 1  # at most so many segments of a row end among the new tokens
         segment = first[:, None] + torch.arange(count, device=offsets.device)  # (B, count)
         done = segment < last[:, None]
-        position = (offsets[:, None, None] + segment[..., None] * l
-                    + torch.arange(l, device=offsets.device)).flatten(1)  # (B, count l)
+        position = (offsets[:, None, None] + segment[..., None] * l + torch.arange(l, device=offsets.device)).flatten(
+            1
+        )  # (B, count l)
         token_done = done.repeat_interleave(l, dim=1)
         at_hidden = torch.where(token_done, position - (end - A), 0)
         at_keys = torch.where(token_done, position - k_start, 0)
-        new = self._project(_take(hidden, at_hidden), _take(keys, at_keys), _take(values, at_keys),
-                            _take(valid, at_keys) & token_done, l, lean=lean)
+        new = self._project(
+            _take(hidden, at_hidden),
+            _take(keys, at_keys),
+            _take(values, at_keys),
+            _take(valid, at_keys) & token_done,
+            l,
+            lean=lean,
+        )
         width = r * (end // l)
         slot = torch.where(done, segment, end // l)[..., None] * r + torch.arange(r, device=offsets.device)
         slot = slot.flatten(1)  # (B, count r); the segments not done write to a spare slot, dropped

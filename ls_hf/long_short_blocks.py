@@ -72,27 +72,35 @@ class KeyLayout:
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
         if self.window_size == 0 and self.num_window_keys:
-            raise ValueError(f"window_size is 0 (no short-term window), so num_window_keys must be 0, got "
-                             f"{self.num_window_keys}; pass window keys only with a window_size >= 1.")
+            raise ValueError(
+                f"window_size is 0 (no short-term window), so num_window_keys must be 0, got "
+                f"{self.num_window_keys}; pass window keys only with a window_size >= 1."
+            )
         if self.num_window_keys + self.num_extra_keys == 0:
             raise ValueError("num_window_keys and num_extra_keys are both 0: no query has a key to attend to.")
         if (self.segment_length is None) != (self.projection_rank is None):
-            raise ValueError(f"segment_length and projection_rank describe the causal projected rows (Eq. 5) "
-                             f"together; pass both or neither, got segment_length={self.segment_length!r}, "
-                             f"projection_rank={self.projection_rank!r}.")
+            raise ValueError(
+                f"segment_length and projection_rank describe the causal projected rows (Eq. 5) "
+                f"together; pass both or neither, got segment_length={self.segment_length!r}, "
+                f"projection_rank={self.projection_rank!r}."
+            )
         if self.segment_length is None:
             return
         if not self.causal:
-            raise ValueError("segment_length (Eq. 5) applies to causal attention only; bidirectional queries see "
-                             "every extra key: pass causal=True or leave segment_length and projection_rank out.")
+            raise ValueError(
+                "segment_length (Eq. 5) applies to causal attention only; bidirectional queries see "
+                "every extra key: pass causal=True or leave segment_length and projection_rank out."
+            )
         for name in ("segment_length", "projection_rank"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.num_extra_keys % self.projection_rank:
-            raise ValueError(f"num_extra_keys ({self.num_extra_keys}) must be a multiple of projection_rank "
-                             f"({self.projection_rank}): the causal projected rows come {self.projection_rank} per "
-                             f"segment (Eq. 5).")
+            raise ValueError(
+                f"num_extra_keys ({self.num_extra_keys}) must be a multiple of projection_rank "
+                f"({self.projection_rank}): the causal projected rows come {self.projection_rank} per "
+                f"segment (Eq. 5)."
+            )
 
     @property
     def num_keys(self) -> int:
@@ -105,22 +113,31 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
     batch = None
     if key_valid is not None:
         if key_valid.dtype != torch.bool or key_valid.dim() != 2 or key_valid.shape[1] != layout.num_keys:
-            raise ValueError(f"key_valid must be a bool tensor (batch, num_window_keys + num_extra_keys) = (batch, "
-                             f"{layout.num_keys}), True for the keys that exist; got {key_valid.dtype} "
-                             f"{tuple(key_valid.shape)}.")
+            raise ValueError(
+                f"key_valid must be a bool tensor (batch, num_window_keys + num_extra_keys) = (batch, "
+                f"{layout.num_keys}), True for the keys that exist; got {key_valid.dtype} "
+                f"{tuple(key_valid.shape)}."
+            )
         batch = key_valid.shape[0]
     if offsets is not None:
-        if (offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool
-                or offsets.shape[0] != (batch or offsets.shape[0])):
-            raise ValueError(f"offsets must be an integer tensor (batch,) = ({batch or 'batch'},), each row's shift "
-                             f"of positions; got {offsets.dtype} {tuple(offsets.shape)}.")
+        if (
+            offsets.dim() != 1
+            or offsets.dtype.is_floating_point
+            or offsets.dtype == torch.bool
+            or offsets.shape[0] != (batch or offsets.shape[0])
+        ):
+            raise ValueError(
+                f"offsets must be an integer tensor (batch,) = ({batch or 'batch'},), each row's shift "
+                f"of positions; got {offsets.dtype} {tuple(offsets.shape)}."
+            )
         batch = offsets.shape[0]
     return 1 if batch is None else batch
 
 
 # -------------------------------------------------------------------------------------------------- mask_mod
-def long_short_mask_mod(layout: KeyLayout, *, key_valid: Tensor | None = None, offsets: Tensor | None = None
-                        ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def long_short_mask_mod(
+    layout: KeyLayout, *, key_valid: Tensor | None = None, offsets: Tensor | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout``.
 
     Query ``q_idx`` is at position ``t = q_start + q_idx - offsets[b]``. It sees the window key ``kv_idx < L`` (at
@@ -165,8 +182,9 @@ class _BlockGeometry(NamedTuple):
     key_end: Tensor
 
 
-def _block_geometry(layout: KeyLayout, num_queries: int, q_block: int, kv_block: int, device: torch.device,
-                    shift: int | Tensor = 0) -> _BlockGeometry:
+def _block_geometry(
+    layout: KeyLayout, num_queries: int, q_block: int, kv_block: int, device: torch.device, shift: int | Tensor = 0
+) -> _BlockGeometry:
     """``_BlockGeometry`` on the (query blocks, key blocks) grid of ``layout`` for ``num_queries`` queries, positions
     shifted by ``-shift``: 0, or each row's offset as a (B, 1, 1) tensor (then (B, query blocks, key blocks) grids). A
     query's visible keys form one interval per kind whose ends do not decrease with its position, so the block's
@@ -191,16 +209,19 @@ def _block_geometry(layout: KeyLayout, num_queries: int, q_block: int, kv_block:
 
     zero = torch.zeros((), dtype=torch.long, device=device)
     if L:
-        (low_a, high_a), (low_z, high_z) = (window_bounds(t + q_shift, layout.window_size, layout.causal)
-                                            for t in (first, last))
+        (low_a, high_a), (low_z, high_z) = (
+            window_bounds(t + q_shift, layout.window_size, layout.causal) for t in (first, last)
+        )
         window = spans(zero, zero + L, (low_a - k_shift, high_z - k_shift), (low_z - k_shift, high_a - k_shift))
     else:
         window = (key_start, key_start, torch.ones((), dtype=torch.bool, device=device))
     if layout.segment_length is None:  # every extra key
         rows_a = rows_z = zero + R
     else:  # rows [0, r * finished segments) of the segment-major projected rows (Eq. 5)
-        rows_a, rows_z = (torch.clamp(layout.projection_rank * finished_segments(t + q_shift, layout.segment_length),
-                                      0, R) for t in (first, last))
+        rows_a, rows_z = (
+            torch.clamp(layout.projection_rank * finished_segments(t + q_shift, layout.segment_length), 0, R)
+            for t in (first, last)
+        )
     extra = spans(zero + L, zero + L + R, (zero + L, L + rows_z), (zero + L, L + rows_a))
     spans_and_full = torch.broadcast_tensors(*window[:2], *extra[:2], complete & window[2] & extra[2])
     return _BlockGeometry(*spans_and_full, key_start, key_end)
@@ -222,9 +243,15 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return counts[:, None].contiguous(), indices[:, None].contiguous()
 
 
-def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Tensor | None = None,
-                          offsets: Tensor | None = None, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                          device: torch.device | str | None = None) -> BlockMask:
+def long_short_block_mask(
+    layout: KeyLayout,
+    *,
+    num_queries: int,
+    key_valid: Tensor | None = None,
+    offsets: Tensor | None = None,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    device: torch.device | str | None = None,
+) -> BlockMask:
     """The ``BlockMask`` of ``long_short_mask_mod(layout, key_valid=..., offsets=...)`` (its mask_mod) for
     ``num_queries`` queries, built from the window geometry: O(blocks) per call, the geometry cached per shape (without
     offsets), and without padding or offsets the whole mask, which every layer and call of that shape then shares.
@@ -250,8 +277,16 @@ def long_short_block_mask(layout: KeyLayout, *, num_queries: int, key_valid: Ten
     return _block_mask(layout, num_queries, q_block, kv_block, device, key_valid=key_valid, offsets=offsets)
 
 
-def _block_mask(layout: KeyLayout, num_queries: int, q_block: int, kv_block: int, device: torch.device, *,
-                key_valid: Tensor | None = None, offsets: Tensor | None = None) -> BlockMask:
+def _block_mask(
+    layout: KeyLayout,
+    num_queries: int,
+    q_block: int,
+    kv_block: int,
+    device: torch.device,
+    *,
+    key_valid: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> BlockMask:
     """``long_short_block_mask`` after its checks."""
     batch = _batch_size(layout, key_valid, offsets)
     if offsets is None:
@@ -276,11 +311,15 @@ def _block_mask(layout: KeyLayout, num_queries: int, q_block: int, kv_block: int
     seen, full = (x.expand(batch, *x.shape[-2:]) for x in (seen, full))
     kv_num_blocks, kv_indices = _ordered(seen & ~full)
     full_kv_num_blocks, full_kv_indices = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                                    BLOCK_SIZE=(q_block, kv_block),
-                                    mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets),
-                                    seq_lengths=(num_queries, layout.num_keys))
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks,
+        full_kv_indices=full_kv_indices,
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets),
+        seq_lengths=(num_queries, layout.num_keys),
+    )
 
 
 # The mask of a layout without padding or offsets (training on packed or equal-length sequences), per shape.
@@ -321,8 +360,16 @@ def _pad_head_dim(x: Tensor) -> Tensor:
     return F.pad(x, (0, FLEX_MIN_HEAD_DIM - x.shape[-1])) if x.is_cuda and x.shape[-1] < FLEX_MIN_HEAD_DIM else x
 
 
-def flex_attend(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, score_mod: Callable | None = None,
-                scale: float | None = None, compiled: bool | None = None) -> Tensor:
+def flex_attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block_mask: BlockMask,
+    *,
+    score_mod: Callable | None = None,
+    scale: float | None = None,
+    compiled: bool | None = None,
+) -> Tensor:
     """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
     optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0.
 

@@ -74,10 +74,16 @@ class TiledAttention(torch.autograd.Function):
         G = index.shape[0]
         for start in range(0, G, step):
             groups = slice(start, min(start + step, G))
-            tiles = (gather_tiles(rows, x, index[groups]).to(q.dtype).flatten(0, 1).transpose(1, 2)
-                     for rows, x in ((rows_k, k), (rows_v, v)))
-            yield (groups, q.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2), *tiles,
-                   bias[:, groups].flatten(0, 1).unsqueeze(1))
+            tiles = (
+                gather_tiles(rows, x, index[groups]).to(q.dtype).flatten(0, 1).transpose(1, 2)
+                for rows, x in ((rows_k, k), (rows_v, v))
+            )
+            yield (
+                groups,
+                q.unflatten(1, (G, -1))[:, groups].flatten(0, 1).transpose(1, 2),
+                *tiles,
+                bias[:, groups].flatten(0, 1).unsqueeze(1),
+            )
 
     @staticmethod
     def forward(ctx, q, k, v, rows_k, rows_v, index, keep):
@@ -111,8 +117,15 @@ class TiledAttention(torch.autograd.Function):
 
         chunks = TiledAttention._chunks(ctx.step, q, k, v, rows_k, rows_v, index, bias)
         for groups, *chunk in chunks:
-            grads = FUSED_CPU_BACKWARD(heads_first(grad_out, groups), *chunk[:3], heads_first(out, groups),
-                                        lse[:, groups].flatten(0, 1).contiguous(), 0.0, False, attn_mask=chunk[3])
+            grads = FUSED_CPU_BACKWARD(
+                heads_first(grad_out, groups),
+                *chunk[:3],
+                heads_first(out, groups),
+                lse[:, groups].flatten(0, 1).contiguous(),
+                0.0,
+                False,
+                attn_mask=chunk[3],
+            )
             grad_q.unflatten(1, (G, -1))[:, groups] = grads[0].unflatten(0, (B, -1)).transpose(2, 3)
             read = index[groups].clamp(max=max(L - 1, 0)).flatten()  # as ``gather_tiles``: a zero key's gradient is 0
             for grad, tile_grad, rows_grad in zip((grad_k, grad_v), grads[1:], grad_rows):
@@ -176,8 +189,12 @@ def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:
     """``norm(x)`` written over ``x`` (``LayerNormInPlace``) when ``x`` is contiguous and the gains allow recovering
     ``x_hat`` from the output (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)``. The
     caller's ``x`` must be needed by nothing else."""
-    if (not x.is_contiguous() or norm.weight is None or norm.bias is None
-            or bool((norm.weight.abs() < LN_MIN_GAMMA).any())):
+    if (
+        not x.is_contiguous()
+        or norm.weight is None
+        or norm.bias is None
+        or bool((norm.weight.abs() < LN_MIN_GAMMA).any())
+    ):
         return norm(x)
     return LayerNormInPlace.apply(x, norm.weight, norm.bias, norm.eps)
 
@@ -259,6 +276,11 @@ class DynamicProjection(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias[columns] = grad_scores.sum(0)
             del grad_scores  # before the next chunk's P
-        return (None if grad_inputs is None else grad_inputs.view(hidden.shape).to(hidden.dtype),
-                grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype), grad_keys,
-                grad_values, None)
+        return (
+            None if grad_inputs is None else grad_inputs.view(hidden.shape).to(hidden.dtype),
+            grad_weight.to(weight.dtype),
+            None if bias is None else grad_bias.to(bias.dtype),
+            grad_keys,
+            grad_values,
+            None,
+        )

@@ -63,8 +63,9 @@ def takes_grad(x: Tensor, weight: Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
-def check_flex_call(x: Tensor, weight: Tensor, *, training: bool, dropout: float, dropout_name: str,
-                    dropout_setting: str) -> None:
+def check_flex_call(
+    x: Tensor, weight: Tensor, *, training: bool, dropout: float, dropout_name: str, dropout_setting: str
+) -> None:
     """Refuse, before any work, what FlexAttention cannot do: attention dropout in training (``dropout``, the
     module's ``dropout_name``, set by ``dropout_setting``), and backward on CPU (``takes_grad(x, weight)``)."""
     if training and dropout > 0:
@@ -118,10 +119,14 @@ def validate_long_short_args(
         )
     if qk_head_dim is not None and (not is_int(qk_head_dim) or qk_head_dim < 1):
         raise ValueError(f"{name('qk_head_dim')} must be None or an integer >= 1, got {qk_head_dim!r}.")
-    if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
-            or not 0 <= attention_dropout < 1:
-        raise ValueError(f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; "
-                         f"got {attention_dropout!r}.")
+    if (
+        isinstance(attention_dropout, bool)
+        or not isinstance(attention_dropout, (int, float))
+        or not 0 <= attention_dropout < 1
+    ):
+        raise ValueError(
+            f"{name('attention_dropout')} is a dropout probability, 0 <= p < 1; got {attention_dropout!r}."
+        )
     if not causal:
         if segment_length is not None:
             raise ValueError(
@@ -196,9 +201,7 @@ def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Ten
     return segment_rule(q_pos.unsqueeze(-1), row_segment.unsqueeze(-2), segment_length)
 
 
-def project_rows(
-    scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
     scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``, multiplied in the dtype
     of the keys and values (in half precision as the official code under autocast: the softmax in float32, its

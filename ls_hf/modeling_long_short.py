@@ -50,8 +50,9 @@ CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ e
 def decoding_cache(cache, past_key_values):
     """The decoding cache given as ``cache`` (Transformers >= 5.24) or ``past_key_values`` (its earlier name)."""
     if cache is not None and past_key_values is not None:
-        raise ValueError("Pass the decoding cache once, as cache=... (named past_key_values before Transformers 5.24), "
-                         "not both.")
+        raise ValueError(
+            "Pass the decoding cache once, as cache=... (named past_key_values before Transformers 5.24), not both."
+        )
     return cache if cache is not None else past_key_values
 
 
@@ -192,8 +193,12 @@ class LongShortAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The implementation is read from the config at each call, so ``set_attn_implementation`` takes effect."""
         context, attentions = self.self(
-            hidden_states, attention_mask=attention_mask, global_attention_mask=global_attention_mask, state=state,
-            output_attentions=output_attentions, attn_implementation=self.config._attn_implementation or "sdpa",
+            hidden_states,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            state=state,
+            output_attentions=output_attentions,
+            attn_implementation=self.config._attn_implementation or "sdpa",
         )
         return self.output(hidden_states=context, input_tensor=hidden_states), attentions
 
@@ -240,7 +245,10 @@ class LongShortLayer(GradientCheckpointingLayer):
         cache = kwargs.get(CACHE_NAME)  # by that name, so that gradient checkpointing can drop it
         state = cache.layers[self.layer_idx].state if cache is not None else None
         attention_output, _ = self.attention(
-            hidden_states, attention_mask=attention_mask, state=state, output_attentions=output_attentions,
+            hidden_states,
+            attention_mask=attention_mask,
+            state=state,
+            output_attentions=output_attentions,
             global_attention_mask=global_attention_mask,
         )
         return self.output(hidden_states=self.intermediate(attention_output), input_tensor=attention_output)
@@ -262,8 +270,11 @@ class LongShortEncoder(nn.Module):
         for layer in self.layer:
             # hidden_states positionally, for reentrant gradient checkpointing
             hidden_states = layer(
-                hidden_states, attention_mask=attention_mask, output_attentions=output_attentions,
-                global_attention_mask=global_attention_mask, **{CACHE_NAME: cache},
+                hidden_states,
+                attention_mask=attention_mask,
+                output_attentions=output_attentions,
+                global_attention_mask=global_attention_mask,
+                **{CACHE_NAME: cache},
             )
         return hidden_states
 
@@ -507,8 +518,11 @@ class LongShortModel(LongShortPreTrainedModel):
             )
         if position_ids is None:
             position_ids = roberta_position_ids(
-                self.config.pad_token_id, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask, past_length=past_length,
+                self.config.pad_token_id,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_length=past_length,
             )
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
@@ -518,8 +532,11 @@ class LongShortModel(LongShortPreTrainedModel):
             position_ids=position_ids, input_ids=input_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
         )
         hidden_states = self.encoder(
-            hidden_states=hidden_states, attention_mask=attention_mask, cache=cache,
-            output_attentions=output_attentions, global_attention_mask=global_attention_mask,
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            cache=cache,
+            output_attentions=output_attentions,
+            global_attention_mask=global_attention_mask,
         )
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
@@ -569,15 +586,22 @@ class LongShortForMaskedLM(LongShortLanguageModel):
         """labels (B, n): token ids to predict, -100 where no loss is taken. global_attention_mask (B, n): 1 for global
         tokens (none by default)."""
         outputs = self.long_short(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
-            return_dict=True, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            global_attention_mask=global_attention_mask,
+            return_dict=True,
+            **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
 class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
@@ -621,9 +645,16 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         if labels is not None:
             use_cache = False
         outputs = self.long_short(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, cache=cache, past_key_values=past_key_values,
-            use_cache=use_cache, return_dict=True, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            cache=cache,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, keep])
@@ -641,8 +672,12 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Decode with a ``LongShortCache`` unless the caller passed a cache or turned caching off; refuse any
         ``cache_implementation`` (the other cache types hold full K/V)."""
-        prepare_own_cache(generation_config, model_kwargs, lambda: LongShortCache(self.config),
-                          "LongShort decodes only with LongShortCache (per layer a window and the projected rows)")
+        prepare_own_cache(
+            generation_config,
+            model_kwargs,
+            lambda: LongShortCache(self.config),
+            "LongShort decodes only with LongShortCache (per layer a window and the projected rows)",
+        )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
@@ -661,7 +696,9 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         """The positions ``forward`` would give the prompt (``roberta_position_ids``); ``generate`` extends them."""
         ids = inputs_tensor if inputs_tensor.dim() == 2 else None
         return roberta_position_ids(
-            self.config.pad_token_id, input_ids=ids, inputs_embeds=None if ids is not None else inputs_tensor,
+            self.config.pad_token_id,
+            input_ids=ids,
+            inputs_embeds=None if ids is not None else inputs_tensor,
             attention_mask=model_kwargs.get("attention_mask"),
         )
 
@@ -692,9 +729,14 @@ class LongShortForSequenceClassification(LongShortPreTrainedModel):
         if global_attention_mask is None:
             global_attention_mask = first_token_global(input_ids if input_ids is not None else inputs_embeds)
         outputs = self.long_short(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
-            return_dict=True, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            global_attention_mask=global_attention_mask,
+            return_dict=True,
+            **kwargs,
         )
         logits = self.classifier(outputs.last_hidden_state)
         loss = None
@@ -735,9 +777,14 @@ class LongShortForTokenClassification(LongShortPreTrainedModel):
         """labels (B, n): class ids, -100 where no loss is taken. global_attention_mask (B, n): 1 for global tokens
         (none by default)."""
         outputs = self.long_short(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
-            return_dict=True, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            global_attention_mask=global_attention_mask,
+            return_dict=True,
+            **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
@@ -774,9 +821,14 @@ class LongShortForQuestionAnswering(LongShortPreTrainedModel):
         if global_attention_mask is None and input_ids is not None and not self.config.is_decoder:
             global_attention_mask = question_global_mask(input_ids, self.config.sep_token_id)
         outputs = self.long_short(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, global_attention_mask=global_attention_mask,
-            return_dict=True, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            global_attention_mask=global_attention_mask,
+            return_dict=True,
+            **kwargs,
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         loss = None

@@ -10,8 +10,19 @@ __all__ = ["ConvBn", "StdConv2d"]
 
 def _plain_conv(conv: nn.Conv2d, weight: Tensor, bias: Tensor | None) -> nn.Conv2d:
     """An ``nn.Conv2d`` with ``conv``'s geometry holding ``weight`` and ``bias`` (a fused conv)."""
-    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                      conv.groups, bias is not None, conv.padding_mode, device=weight.device, dtype=weight.dtype)
+    fused = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.groups,
+        bias is not None,
+        conv.padding_mode,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(weight)
         if bias is not None:
@@ -30,7 +41,9 @@ class StdConv2d(nn.Conv2d):
 
     def standardized_weight(self) -> Tensor:
         w = self.weight
-        return (w - w.mean((1, 2, 3), keepdim=True)) * torch.rsqrt(w.var((1, 2, 3), unbiased=False, keepdim=True) + self.eps)
+        return (w - w.mean((1, 2, 3), keepdim=True)) * torch.rsqrt(
+            w.var((1, 2, 3), unbiased=False, keepdim=True) + self.eps
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self._conv_forward(x, self.standardized_weight(), self.bias)

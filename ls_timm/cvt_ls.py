@@ -93,27 +93,65 @@ class CvtLs(HierarchicalTransformer):
         projection_rank = per_stage(paper_rank if projection_rank is None else projection_rank)
         window_size = per_stage(paper_window if window_size is None else window_size)
         qk_head_dims = qk_head_dims or (None,) * num_stages
-        check_per_stage(depths, embed_dims=embed_dims, num_heads=num_heads, patch_sizes=patch_sizes,
-                        patch_strides=patch_strides, patch_paddings=patch_paddings,
-                        num_global_tokens=num_global_tokens, projection_rank=projection_rank,
-                        window_size=window_size, qk_head_dims=qk_head_dims)
+        check_per_stage(
+            depths,
+            embed_dims=embed_dims,
+            num_heads=num_heads,
+            patch_sizes=patch_sizes,
+            patch_strides=patch_strides,
+            patch_paddings=patch_paddings,
+            num_global_tokens=num_global_tokens,
+            projection_rank=projection_rank,
+            window_size=window_size,
+            qk_head_dims=qk_head_dims,
+        )
         rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
-            attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
-                           window_size=window_size[i], projection_rank=projection_rank[i],
-                           num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_head_dim=qk_head_dims[i],
-                           conv_proj=True, conv_dynamic_proj=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
-                           proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
-            stages.append(Stage(
-                in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_strides[i],
-                padding=patch_paddings[i], num_prefix_tokens=num_global_tokens[i], attn_layer=attn,
-                drop_paths=rates[i], mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, norm_layer=norm_layer,
-                act_layer=act_layer, **dd,
-            ))
+            attn = partial(
+                LongShortAttention2d,
+                dim=embed_dims[i],
+                num_heads=num_heads[i],
+                window_size=window_size[i],
+                projection_rank=projection_rank[i],
+                num_prefix_tokens=num_global_tokens[i],
+                qkv_bias=qkv_bias,
+                qk_head_dim=qk_head_dims[i],
+                conv_proj=True,
+                conv_dynamic_proj=True,
+                use_dual_ln=use_dual_ln,
+                attn_drop=attn_drop_rate,
+                proj_drop=proj_drop_rate,
+                attn_implementation=attn_implementation,
+                **dd,
+            )
+            stages.append(
+                Stage(
+                    in_chs=in_chs,
+                    dim=embed_dims[i],
+                    kernel_size=patch_sizes[i],
+                    stride=patch_strides[i],
+                    padding=patch_paddings[i],
+                    num_prefix_tokens=num_global_tokens[i],
+                    attn_layer=attn,
+                    drop_paths=rates[i],
+                    mlp_ratio=mlp_ratio,
+                    proj_drop=proj_drop_rate,
+                    norm_layer=norm_layer,
+                    act_layer=act_layer,
+                    **dd,
+                )
+            )
             in_chs = embed_dims[i]
-        super().__init__(stages=stages, strides=patch_strides, num_classes=num_classes, global_pool=global_pool,
-                         drop_rate=drop_rate, norm_layer=norm_layer, **dd)
+        super().__init__(
+            stages=stages,
+            strides=patch_strides,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            drop_rate=drop_rate,
+            norm_layer=norm_layer,
+            **dd,
+        )
 
 
 def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:
@@ -122,20 +160,31 @@ def _create_cvt_ls(variant: str, pretrained: bool = False, **kwargs) -> CvtLs:
 
 def _cfg(url: str = "", **kwargs) -> dict:
     return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
-        "crop_pct": 0.875, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stages.0.embed.proj", "classifier": "head", "license": "mit",
-        "paper_ids": "arXiv:2107.02192", "paper_name": "Long-Short Transformer: Efficient Transformers for Language and "
-        "Vision", **kwargs,
+        "url": url,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stages.0.embed.proj",
+        "classifier": "head",
+        "license": "mit",
+        "paper_ids": "arXiv:2107.02192",
+        "paper_name": "Long-Short Transformer: Efficient Transformers for Language and Vision",
+        **kwargs,
     }
 
 
-default_cfgs = generate_default_cfgs({
-    "cvt_ls_13": _cfg(),
-    "cvt_ls_17": _cfg(),
-    "cvt_ls_21": _cfg(),
-    "cvt_ls_21s": _cfg(),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "cvt_ls_13": _cfg(),
+        "cvt_ls_17": _cfg(),
+        "cvt_ls_21": _cfg(),
+        "cvt_ls_21s": _cfg(),
+    }
+)
 
 
 @register_model

@@ -33,16 +33,28 @@ def feature_cfg(kwargs: dict, num_stages: int) -> dict:
     map, so the "hook" and "fx" feature wrappers cannot take it."""
     feature_cls = kwargs.pop("feature_cls", "getter")
     if feature_cls != "getter":
-        raise ValueError(f"feature_cls={feature_cls!r} is not supported: these models give their features through "
-                         f"forward_intermediates; leave feature_cls unset (or 'getter').")
+        raise ValueError(
+            f"feature_cls={feature_cls!r} is not supported: these models give their features through "
+            f"forward_intermediates; leave feature_cls unset (or 'getter')."
+        )
     return {"out_indices": kwargs.pop("out_indices", tuple(range(num_stages))), "feature_cls": feature_cls}
 
 
 class Block(nn.Module):
     """Pre-norm block: ``x + DropPath(attn(LN(x)))`` then ``x + DropPath(MLP(LN(x)))``; x (B, g + HW, C)."""
 
-    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, drop_path: float, proj_drop: float,
-                 norm_layer: Callable, act_layer: Callable, device=None, dtype=None):
+    def __init__(
+        self,
+        dim: int,
+        attn: nn.Module,
+        mlp_ratio: float,
+        drop_path: float,
+        proj_drop: float,
+        norm_layer: Callable,
+        act_layer: Callable,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.norm1 = norm_layer(dim, **dd)
@@ -60,8 +72,17 @@ class Block(nn.Module):
 class ConvEmbed(nn.Module):
     """Convolutional token embedding: Conv2d then LayerNorm; (B, C_in, H, W) -> (B, H'W', C), (H', W')."""
 
-    def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, norm_layer: Callable,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        dim: int,
+        kernel_size: int,
+        stride: int,
+        padding: int,
+        norm_layer: Callable,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.proj = nn.Conv2d(in_chs, dim, kernel_size=kernel_size, stride=stride, padding=padding, **dd)
@@ -80,19 +101,45 @@ class Stage(nn.Module):
     ``attn_layer(dim)`` builds one block's attention. Input (B, C_in, H, W); output tokens (B, g + H'W', C).
     """
 
-    def __init__(self, in_chs: int, dim: int, kernel_size: int, stride: int, padding: int, num_prefix_tokens: int,
-                 attn_layer: Callable[[], nn.Module], drop_paths: Sequence[float], mlp_ratio: float,
-                 proj_drop: float, norm_layer: Callable, act_layer: Callable, device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        dim: int,
+        kernel_size: int,
+        stride: int,
+        padding: int,
+        num_prefix_tokens: int,
+        attn_layer: Callable[[], nn.Module],
+        drop_paths: Sequence[float],
+        mlp_ratio: float,
+        proj_drop: float,
+        norm_layer: Callable,
+        act_layer: Callable,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.num_prefix_tokens = num_prefix_tokens
-        self.embed = ConvEmbed(in_chs=in_chs, dim=dim, kernel_size=kernel_size, stride=stride, padding=padding,
-                               norm_layer=norm_layer, **dd)
+        self.embed = ConvEmbed(
+            in_chs=in_chs, dim=dim, kernel_size=kernel_size, stride=stride, padding=padding, norm_layer=norm_layer, **dd
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd)) if num_prefix_tokens else None
-        self.blocks = nn.ModuleList([
-            Block(dim=dim, attn=attn_layer(), mlp_ratio=mlp_ratio, drop_path=dp, proj_drop=proj_drop,
-                  norm_layer=norm_layer, act_layer=act_layer, **dd)
-            for dp in drop_paths])
+        self.blocks = nn.ModuleList(
+            [
+                Block(
+                    dim=dim,
+                    attn=attn_layer(),
+                    mlp_ratio=mlp_ratio,
+                    drop_path=dp,
+                    proj_drop=proj_drop,
+                    norm_layer=norm_layer,
+                    act_layer=act_layer,
+                    **dd,
+                )
+                for dp in drop_paths
+            ]
+        )
         self.grad_checkpointing = False
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
@@ -121,8 +168,17 @@ class HierarchicalTransformer(nn.Module):
     ``'token'`` (first global token) or ``''``.
     """
 
-    def __init__(self, stages: list[Stage], strides: Sequence[int], num_classes: int, global_pool: str,
-                 drop_rate: float, norm_layer: Callable, device=None, dtype=None):
+    def __init__(
+        self,
+        stages: list[Stage],
+        strides: Sequence[int],
+        num_classes: int,
+        global_pool: str,
+        drop_rate: float,
+        norm_layer: Callable,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         dims = [s.embed.proj.out_channels for s in stages]
@@ -130,8 +186,9 @@ class HierarchicalTransformer(nn.Module):
         self.stages = nn.Sequential(*stages)
         self._set_last_stage()
         reductions = [math.prod(strides[: i + 1]) for i in range(len(strides))]
-        self.feature_info = [{"num_chs": d, "reduction": r, "module": f"stages.{i}"}
-                             for i, (d, r) in enumerate(zip(dims, reductions))]
+        self.feature_info = [
+            {"num_chs": d, "reduction": r, "module": f"stages.{i}"} for i, (d, r) in enumerate(zip(dims, reductions))
+        ]
         self.norm = norm_layer(dims[-1], **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self._check_pool(global_pool, num_classes)
@@ -166,8 +223,10 @@ class HierarchicalTransformer(nn.Module):
         if global_pool == "token" and not self.num_prefix_tokens:
             raise ValueError("global_pool='token' needs a global token in the last stage; use 'avg'.")
         if global_pool == "" and num_classes and not self.num_prefix_tokens:
-            raise ValueError("global_pool='' leaves an unpooled (B, C, H, W) map, which a classifier cannot take; "
-                             "use num_classes=0 for the map, or global_pool='avg'.")
+            raise ValueError(
+                "global_pool='' leaves an unpooled (B, C, H, W) map, which a classifier cannot take; "
+                "use num_classes=0 for the map, or global_pool='avg'."
+            )
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -177,7 +236,9 @@ class HierarchicalTransformer(nn.Module):
     def group_matcher(self, coarse: bool = False) -> dict:
         return {
             "stem": r"^stages\.0\.(?:embed|cls_token)",
-            "blocks": r"^stages\.(\d+)" if coarse else [
+            "blocks": r"^stages\.(\d+)"
+            if coarse
+            else [
                 (r"^stages\.(\d+)\.(?:embed|cls_token)", (0,)),
                 (r"^stages\.(\d+)\.blocks\.(\d+)", None),
                 (r"^norm", (99999,)),
@@ -198,16 +259,26 @@ class HierarchicalTransformer(nn.Module):
         self._check_pool(global_pool, num_classes)
         self.num_classes, self.global_pool = num_classes, global_pool
         weight = next(self.stages.parameters())  # the norm may be pruned (nn.Identity)
-        self.head = nn.Linear(self.num_features, num_classes, device=weight.device, dtype=weight.dtype) \
-            if num_classes > 0 else nn.Identity()
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=weight.device, dtype=weight.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
         self.head.train(self.training)
 
     def _final(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         x = self.norm(x)
         return x if self.num_prefix_tokens else to_map(x, 0, feat_size)
 
-    def forward_intermediates(self, x: Tensor, indices: int | list[int] | None = None, norm: bool = False,
-                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
         """Stage outputs as NCHW maps (the last one normed if ``norm``), and the ``forward_features`` output."""
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}.")
@@ -227,8 +298,9 @@ class HierarchicalTransformer(nn.Module):
             return x, intermediates
         return self._final(x, feat_size), intermediates
 
-    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> list[int]:
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
         """Drop the stages after the last of ``indices``; then the final norm and the head, which are sized for the
         last stage, go too (as in timm's models), else as ``prune_norm`` / ``prune_head`` ask."""
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
@@ -250,7 +322,7 @@ class HierarchicalTransformer(nn.Module):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.global_pool == "avg":  # forward_features gives a map exactly when the last stage has no global token
-            x = x[:, self.num_prefix_tokens:].mean(1) if self.num_prefix_tokens else x.mean((2, 3))
+            x = x[:, self.num_prefix_tokens :].mean(1) if self.num_prefix_tokens else x.mean((2, 3))
         elif self.global_pool == "token":
             x = x[:, 0]
         x = self.head_drop(x)

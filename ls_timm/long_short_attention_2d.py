@@ -72,16 +72,24 @@ def validate_ls_2d_args(
     *, dim: int, num_heads: int, window_size: int, projection_rank: int, qk_head_dim: int | None = None
 ) -> None:
     """Raise ``ValueError`` naming the offending argument and the fix."""
-    for name, value, low in (("dim", dim, 1), ("num_heads", num_heads, 1), ("window_size", window_size, 1),
-                             ("projection_rank", projection_rank, 0)):
+    for name, value, low in (
+        ("dim", dim, 1),
+        ("num_heads", num_heads, 1),
+        ("window_size", window_size, 1),
+        ("projection_rank", projection_rank, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
     if dim % num_heads:
-        raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}); pick a head count that divides it.")
-    if qk_head_dim is not None and (not isinstance(qk_head_dim, int) or isinstance(qk_head_dim, bool)
-                                    or qk_head_dim < 1):
-        raise ValueError(f"qk_head_dim (LMSA query/key width per head) must be None or an integer >= 1, got "
-                         f"{qk_head_dim!r}.")
+        raise ValueError(
+            f"dim ({dim}) must be divisible by num_heads ({num_heads}); pick a head count that divides it."
+        )
+    if qk_head_dim is not None and (
+        not isinstance(qk_head_dim, int) or isinstance(qk_head_dim, bool) or qk_head_dim < 1
+    ):
+        raise ValueError(
+            f"qk_head_dim (LMSA query/key width per head) must be None or an integer >= 1, got {qk_head_dim!r}."
+        )
 
 
 def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int]) -> Tensor:
@@ -136,8 +144,9 @@ class WindowLayout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: bool, bias: bool,
-                  device: torch.device) -> WindowLayout:
+def window_layout(
+    feat_size: tuple[int, int], window: int, extra: int, blocked: bool, bias: bool, device: torch.device
+) -> WindowLayout:
     """The ``WindowLayout`` of an (H, W) map, cached: it depends on the geometry only, so every layer of a stage shares
     it. Blocked: w x w query blocks, each against its T x T key tile (T = w + 2e) and the ``extra`` keys; strips: see
     ``LongShortAttention2d._strip_view`` for the key slots. Built outside inference mode, so that a layout first made
@@ -150,8 +159,13 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
             q_yx = starts + _grid(w, w, device).view(1, -1, 2)  # (G, Q, 2)
             k_yx = starts + (_grid(w + 2 * e, w + 2 * e, device) - e).view(1, -1, 2)  # (G, T^2, 2)
             target = torch.where(_inside(q_yx, feat_size), q_yx[..., 0] * W + q_yx[..., 1], -1)
-            k_index = torch.cat([torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
-                                 torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1)], 1)
+            k_index = torch.cat(
+                [
+                    torch.where(_inside(k_yx, feat_size), k_yx[..., 0] * W + k_yx[..., 1], 0),
+                    torch.arange(H * W, H * W + extra, device=device).expand(len(k_yx), -1),
+                ],
+                1,
+            )
             patch_slots, halo = torch.arange(k_yx.shape[1], device=device), 0
             extra_slots, slots = k_yx.shape[1], k_yx.shape[1] + extra
             visible = window_keep_2d(starts, k_yx, w, feat_size)  # a block's queries share their keys
@@ -168,7 +182,7 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
             visible = window_keep_2d(q_yx, k_yx, w, feat_size)
         keep = visible.new_zeros(*visible.shape[:-1], slots)
         keep[..., patch_slots] = visible
-        keep[..., extra_slots:extra_slots + extra] = True
+        keep[..., extra_slots : extra_slots + extra] = True
         keep = keep.unsqueeze(1)
         bias_index = vil_window_bias_index(w).to(device) if bias else None  # (query in block, key in its tile)
         if bias and blocked:  # the keys of every block are its tile in order
@@ -182,8 +196,11 @@ def window_layout(feat_size: tuple[int, int], window: int, extra: int, blocked: 
 
 
 # Parameter names of LongShortAttention2d before it took ls_hf's (LongShortSelfAttention's) -> their names now.
-EARLIER_NAMES = {"dynamic_proj.": "dynamic_projection.", "dual_ln_local_k.": "dual_ln_local_key.",
-                 "dual_ln_global_k.": "dual_ln_global_key."}
+EARLIER_NAMES = {
+    "dynamic_proj.": "dynamic_projection.",
+    "dual_ln_local_k.": "dual_ln_local_key.",
+    "dual_ln_global_k.": "dual_ln_global_key.",
+}
 
 
 def _rename_earlier_keys(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -191,7 +208,7 @@ def _rename_earlier_keys(module: nn.Module, state_dict: dict, prefix: str, *args
     for key in [key for key in state_dict if key.startswith(prefix)]:
         for old, new in EARLIER_NAMES.items():
             if key.startswith(prefix + old):
-                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
 
 
 class LongShortAttention2d(nn.Module):
@@ -259,13 +276,20 @@ class LongShortAttention2d(nn.Module):
         dd = {"device": device, "dtype": dtype}
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
-        validate_ls_2d_args(dim=dim, num_heads=num_heads, window_size=window_size, projection_rank=projection_rank,
-                            qk_head_dim=qk_head_dim)
+        validate_ls_2d_args(
+            dim=dim,
+            num_heads=num_heads,
+            window_size=window_size,
+            projection_rank=projection_rank,
+            qk_head_dim=qk_head_dim,
+        )
         self.qk_head_dim = qk_head_dim or dim // num_heads
         qk_width = num_heads * self.qk_head_dim
         if num_prefix_tokens and qk_width != dim:
-            raise ValueError("qk_head_dim (LMSA) needs num_prefix_tokens=0: a global token attends to the patch "
-                             "outputs, which have the value width.")
+            raise ValueError(
+                "qk_head_dim (LMSA) needs num_prefix_tokens=0: a global token attends to the patch "
+                "outputs, which have the value width."
+            )
         self.num_heads = num_heads
         self.window_size = window_size
         self.projection_rank = projection_rank
@@ -275,17 +299,23 @@ class LongShortAttention2d(nn.Module):
 
         if conv_proj:
             # Depthwise 3x3 + BN per branch (CvT's "dw_bn"), q/k/v at stride 1.
-            self.conv_proj = nn.ModuleList([ConvBn(
-                nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd), nn.BatchNorm2d(dim, **dd))
-                for _ in range(3)])
+            self.conv_proj = nn.ModuleList(
+                [
+                    ConvBn(nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd), nn.BatchNorm2d(dim, **dd))
+                    for _ in range(3)
+                ]
+            )
             self.q = nn.Linear(dim, qk_width, bias=qkv_bias, **dd)
             self.k = nn.Linear(dim, qk_width, bias=qkv_bias, **dd)
             self.v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
         else:
             self.conv_proj = None
             self.qkv = nn.Linear(dim, sum(self.splits), bias=qkv_bias, **dd)
-        self.dp_conv = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd) if projection_rank and conv_dynamic_proj \
+        self.dp_conv = (
+            StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=False, **dd)
+            if projection_rank and conv_dynamic_proj
             else None
+        )
         self.dynamic_projection = nn.Linear(dim, projection_rank * num_heads, **dd) if projection_rank else None
         norm = functools.partial(nn.LayerNorm, **dd) if use_dual_ln else (lambda width: nn.Identity())
         self.dual_ln_local = norm(dim)
@@ -312,7 +342,9 @@ class LongShortAttention2d(nn.Module):
         if self.conv_proj is None:
             q, k, v = self.qkv(tokens).split(self.splits, -1)
         else:  # a channels-last conv output flattens to contiguous (B, HW, C) rows
-            branches = [tokens] * 3 if x_map is None else [conv(x_map).flatten(2).transpose(1, 2) for conv in self.conv_proj]
+            branches = (
+                [tokens] * 3 if x_map is None else [conv(x_map).flatten(2).transpose(1, 2) for conv in self.conv_proj]
+            )
             q, k, v = (lin(t) for lin, t in zip((self.q, self.k, self.v), branches))
         ln_k = self.dual_ln_local if self.dual_ln_local_key is None else self.dual_ln_local_key
         return q, ln_k(k), self.dual_ln_local(v)
@@ -329,22 +361,28 @@ class LongShortAttention2d(nn.Module):
         # the scores X W^P computed transposed, (B, heads * r, HW), so that the softmax over HW runs on contiguous rows
         weight, bias = self.dynamic_projection.weight, self.dynamic_projection.bias
         scores = torch.baddbmm(bias[:, None], weight.expand(patches.shape[0], -1, -1), patches.transpose(1, 2))
-        rows_k, rows_v = (rows.transpose(1, 2).flatten(2) for rows in project_rows(
-            scores.unflatten(1, (self.num_heads, -1)), self._heads(k), self._heads(v)))  # (B, heads, r, HW) scores
+        rows_k, rows_v = (
+            rows.transpose(1, 2).flatten(2)
+            for rows in project_rows(scores.unflatten(1, (self.num_heads, -1)), self._heads(k), self._heads(v))
+        )  # (B, heads, r, HW) scores
         ln_k = self.dual_ln_global if self.dual_ln_global_key is None else self.dual_ln_global_key
         return ln_k(rows_k), self.dual_ln_global(rows_v)
 
     def _layout(self, feat_size: tuple[int, int], extra: int, blocked: bool, device) -> WindowLayout:
         """The cached ``window_layout`` of this module's window (traced afresh under torch.compile)."""
         layout = window_layout.__wrapped__ if torch.compiler.is_compiling() else window_layout
-        return layout(feat_size, self.window_size, extra, blocked, self.relative_position_bias_table is not None, device)
+        return layout(
+            feat_size, self.window_size, extra, blocked, self.relative_position_bias_table is not None, device
+        )
 
     def _mask(self, layout: WindowLayout, dtype: torch.dtype) -> Tensor:
         """The SDPA mask of a layout: its ``keep`` (bool), or with the ViL-LS window bias on the patch keys
         (G, heads, Q, K) float, -inf where hidden."""
         if layout.bias_index is None:
             return layout.keep
-        bias = self.relative_position_bias_table[layout.bias_index].permute(0, 3, 1, 2).to(dtype)  # (G or 1, heads, Q, T)
+        bias = (
+            self.relative_position_bias_table[layout.bias_index].permute(0, 3, 1, 2).to(dtype)
+        )  # (G or 1, heads, Q, T)
         bias = bias.new_zeros(*bias.shape[:-1], layout.keep.shape[-1]).index_copy(-1, layout.patch_slots, bias)
         return bias.masked_fill(~layout.keep, float("-inf"))
 
@@ -363,8 +401,9 @@ class LongShortAttention2d(nn.Module):
         m = -(-G // parts)
         return [(b, b + 1, g, min(g + m, G)) for b in range(B) for g in range(0, G, m)]
 
-    def _attend_blocked(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
-                        feat_size: tuple[int, int]) -> Tensor:
+    def _attend_blocked(
+        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+    ) -> Tensor:
         """Every w x w query block against its key tile and the extra keys, in one softmax per query.
 
         q (B, HW, qk) patch queries; keys/values: (patches (B, HW, .), extra keys (B, X, .)); -> (B, HW, C). The
@@ -395,20 +434,25 @@ class LongShortAttention2d(nn.Module):
             k_c = keys.index_select(0, kv).view(n, K, self.num_heads, -1)
             v_c = values.index_select(0, kv).view(n, K, self.num_heads, -1)
             out_c = F.scaled_dot_product_attention(
-                q_c.transpose(1, 2), k_c.transpose(1, 2), v_c.transpose(1, 2),
+                q_c.transpose(1, 2),
+                k_c.transpose(1, 2),
+                v_c.transpose(1, 2),
                 attn_mask=masks[:n] if g1 - g0 == G else mask[g0:g1],
-                dropout_p=self.attn_drop if self.training else 0.0)
+                dropout_p=self.attn_drop if self.training else 0.0,
+            )
             out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
         return out[:-1].view(B, HW, C)
 
-    def _attend_flex(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
-                     feat_size: tuple[int, int]) -> Tensor:
+    def _attend_flex(
+        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+    ) -> Tensor:
         """``_attend_blocked`` (same arguments) in one FlexAttention call: the queries and the patch keys/values in
         window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry and the
         ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
         w = self.window_size
         block_mask = (cached_tile_block_mask.__wrapped__ if torch.compiler.is_compiling() else cached_tile_block_mask)(
-            tuple(feat_size), w, keys[1].shape[1], q.device)
+            tuple(feat_size), w, keys[1].shape[1], q.device
+        )
         q, k, v = (to_tile_order(t, feat_size, w, heads=self.num_heads) for t in (q, keys[0], values[0]))
         k, v = (torch.cat([tiles, self._heads(rows.to(q.dtype))], 2) for tiles, rows in ((k, keys[1]), (v, values[1])))
         out = flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
@@ -421,7 +465,8 @@ class LongShortAttention2d(nn.Module):
         if table is None:
             return None
         geometry = (tile_geometry.__wrapped__ if torch.compiler.is_compiling() else tile_geometry)(
-            tuple(feat_size), self.window_size, device)
+            tuple(feat_size), self.window_size, device
+        )
         w = self.window_size
 
         def window_bias(score, b, h, q_idx, kv_idx):
@@ -457,15 +502,16 @@ class LongShortAttention2d(nn.Module):
         period, front = own + X, halo + X
         buf = patches.new_empty((B * strips - 1) * period + own + 2 * front, c)
         buf[:front] = 0
-        buf[front + B * strips * period:] = 0
-        body = buf[front:front + B * strips * period].view(B, strips, period, c)
+        buf[front + B * strips * period :] = 0
+        body = buf[front : front + B * strips * period].view(B, strips, period, c)
         body[:, :, :own] = patches.view(B, strips, own, c)
         body[:, :, own:] = extra.unsqueeze(1)
         heads, d = self.num_heads, c // self.num_heads
         return buf.as_strided((B * strips, heads, own + 2 * front, d), (period * c, d, c, 1))
 
-    def _attend_strips(self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor],
-                       feat_size: tuple[int, int]) -> Tensor:
+    def _attend_strips(
+        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+    ) -> Tensor:
         """The queries of every strip against its key slots (``_strip_view``), one SDPA call over all strips. Same
         arguments as ``_attend_blocked``."""
         B, HW, _ = q.shape
@@ -474,8 +520,13 @@ class LongShortAttention2d(nn.Module):
         mask = self._mask(layout, q.dtype)
         k, v = (self._strip_view(*t, strips, halo_rows) for t in (keys, values))
         q = q.reshape(B * strips, HW // strips, self.num_heads, -1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(B, 1, 1, 1) if B > 1 else mask,
-                                             dropout_p=self.attn_drop if self.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask.repeat(B, 1, 1, 1) if B > 1 else mask,
+            dropout_p=self.attn_drop if self.training else 0.0,
+        )
         return out.transpose(1, 2).reshape(B, HW, -1)
 
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
@@ -488,8 +539,14 @@ class LongShortAttention2d(nn.Module):
         """
         fused = self._fused(x)
         if self.attn_implementation == "flex_attention":
-            check_flex_call(x, self.proj.weight, training=self.training, dropout=self.attn_drop,
-                            dropout_name="attn_drop", dropout_setting="attn_drop_rate")
+            check_flex_call(
+                x,
+                self.proj.weight,
+                training=self.training,
+                dropout=self.attn_drop,
+                dropout_name="attn_drop",
+                dropout_setting="attn_drop_rate",
+            )
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
@@ -513,7 +570,8 @@ class LongShortAttention2d(nn.Module):
             attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
         out = attend(q, (k, extra_k), (v, extra_v), feat_size)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
-            glob = F.scaled_dot_product_attention(self._heads(q_g), self._heads(torch.cat([k_g, out], 1)),
-                                                  self._heads(torch.cat([v_g, out], 1)))
+            glob = F.scaled_dot_product_attention(
+                self._heads(q_g), self._heads(torch.cat([k_g, out], 1)), self._heads(torch.cat([v_g, out], 1))
+            )
             out = torch.cat([glob.transpose(1, 2).flatten(2), out], 1)
         return self.proj_drop(self.proj(out))

@@ -29,8 +29,16 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ls_hf.long_short_rules import window_bounds, window_rule
 
-__all__ = ["cached_tile_block_mask", "from_tile_order", "tile_block_mask", "tile_geometry",
-           "tile_mask_mod", "tile_position", "tile_slots", "to_tile_order"]
+__all__ = [
+    "cached_tile_block_mask",
+    "from_tile_order",
+    "tile_block_mask",
+    "tile_geometry",
+    "tile_mask_mod",
+    "tile_position",
+    "tile_slots",
+    "to_tile_order",
+]
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -66,8 +74,9 @@ def tile_geometry(feat_size: tuple[int, int], window: int, device: torch.device 
         return torch.tensor([*feat_size, tile_slots(feat_size, window)], device=device)
 
 
-def tile_mask_mod(feat_size: tuple[int, int], window: int, device: torch.device | str | None = None
-                  ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def tile_mask_mod(
+    feat_size: tuple[int, int], window: int, device: torch.device | str | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod`` for the queries and keys of tile order: the key at ``kv_idx`` is seen if it is an
     extra key, or a patch inside the map and inside the query's window on both axes (``window_rule``). ``device``:
     where its ``tile_geometry`` lives, that of the attention's inputs."""
@@ -87,22 +96,26 @@ def _overlap(low: Tensor, high: Tensor, start: Tensor | int, end: Tensor | int) 
     return (high.clamp(max=end) - low.clamp(min=start)).clamp(min=0)
 
 
-def _keys_before(slots: Tensor, rows: tuple[Tensor, Tensor], cols: tuple[Tensor, Tensor], width: int,
-                 window: int) -> Tensor:
+def _keys_before(
+    slots: Tensor, rows: tuple[Tensor, Tensor], cols: tuple[Tensor, Tensor], width: int, window: int
+) -> Tensor:
     """How many patch keys of the slots ``[0, slots)`` lie in the rows ``[rows[0], rows[1])`` and the columns
     ``[cols[0], cols[1])`` (both inside the map), broadcast: those of the whole tile rows above the slot's tile, of the
     tiles left of it in its tile row, of its tile's rows above the slot, and of the slot's row left of it."""
     w = window
     y, x = tile_position(slots, width, w)
     top, left = y - y % w, x - x % w  # the slot's tile
-    return (_overlap(*rows, 0, top) * (cols[1] - cols[0])
-            + _overlap(*rows, top, top + w) * _overlap(*cols, 0, left)
-            + _overlap(*rows, top, y) * _overlap(*cols, left, left + w)
-            + _overlap(*rows, y, y + 1) * _overlap(*cols, left, x))
+    return (
+        _overlap(*rows, 0, top) * (cols[1] - cols[0])
+        + _overlap(*rows, top, top + w) * _overlap(*cols, 0, left)
+        + _overlap(*rows, top, y) * _overlap(*cols, left, left + w)
+        + _overlap(*rows, y, y + 1) * _overlap(*cols, left, x)
+    )
 
 
-def _block_classes(feat_size: tuple[int, int], window: int, extra: int, q_block: int, kv_block: int,
-                   device: torch.device) -> tuple[Tensor, Tensor]:
+def _block_classes(
+    feat_size: tuple[int, int], window: int, extra: int, q_block: int, kv_block: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """The (query blocks, key blocks) grids of the partial and the full blocks of ``tile_mask_mod``'s mask over the
     keys [patches in tile order; ``extra`` keys], from the tile geometry (this module's docstring)."""
     (H, W), w = feat_size, window
@@ -113,9 +126,12 @@ def _block_classes(feat_size: tuple[int, int], window: int, extra: int, q_block:
     cols = tuple(bound.clamp(0, W) for bound in window_bounds(tile_left, w, causal=False))
     key_start = torch.arange(0, keys, kv_block, device=device)
     key_end = (key_start + kv_block).clamp(max=keys)
-    seen = (_keys_before(key_end.clamp(max=patches), rows, cols, W, w)
-            - _keys_before(key_start.clamp(max=patches), rows, cols, W, w)
-            + key_end.clamp(min=patches) - key_start.clamp(min=patches))  # (tiles, key blocks): keys each tile sees
+    seen = (
+        _keys_before(key_end.clamp(max=patches), rows, cols, W, w)
+        - _keys_before(key_start.clamp(max=patches), rows, cols, W, w)
+        + key_end.clamp(min=patches)
+        - key_start.clamp(min=patches)
+    )  # (tiles, key blocks): keys each tile sees
     q_start = torch.arange(0, patches, q_block, device=device)
     first, last = q_start // tile_size, ((q_start + q_block).clamp(max=patches) - 1) // tile_size
     run = torch.minimum(first[:, None] + torch.arange((q_block - 1) // tile_size + 2, device=device), last[:, None])
@@ -133,9 +149,14 @@ def _kv_blocks(grid: Tensor) -> tuple[Tensor, Tensor]:
     return counts[None, None], indices[None, None]
 
 
-def tile_block_mask(feat_size: tuple[int, int], window: int, extra: int, *,
-                    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                    device: torch.device | str | None = None) -> BlockMask:
+def tile_block_mask(
+    feat_size: tuple[int, int],
+    window: int,
+    extra: int,
+    *,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    device: torch.device | str | None = None,
+) -> BlockMask:
     """The ``BlockMask`` of ``tile_mask_mod(feat_size, window)`` for the patch queries of an (H, W) map and the keys
     [patches; ``extra`` keys], in tile order, built from the tile geometry (O(tiles x key blocks)); equal, block class
     by block class, to ``create_block_mask(tile_mask_mod(...), None, None, P, P + extra, BLOCK_SIZE=block_size)`` with
@@ -145,9 +166,15 @@ def tile_block_mask(feat_size: tuple[int, int], window: int, extra: int, *,
     partial, full = _block_classes(tuple(feat_size), window, extra, q_block, kv_block, device)
     (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = _kv_blocks(partial), _kv_blocks(full)
     patches = tile_slots(feat_size, window)
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                    BLOCK_SIZE=(q_block, kv_block), mask_mod=tile_mask_mod(feat_size, window, device),
-                                    seq_lengths=(patches, patches + extra))
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=tile_mask_mod(feat_size, window, device),
+        seq_lengths=(patches, patches + extra),
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -46,8 +46,18 @@ class RelPosAttention(nn.Module):
     """ViL full attention (stages 3-4): multi-head attention over all ``g + H*W`` tokens with a learned relative
     position bias over the (H, W) map, ``g2l`` (global<->local) and ``g2g`` biases; x (B, g + HW, C)."""
 
-    def __init__(self, dim: int, num_heads: int, feat_size: tuple[int, int], num_prefix_tokens: int,
-                 qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0, device=None, dtype=None):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        feat_size: tuple[int, int],
+        num_prefix_tokens: int,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
@@ -56,13 +66,15 @@ class RelPosAttention(nn.Module):
         self.attn_drop = attn_drop
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **dd)
         height, width = self.feat_size
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * height - 1) * (2 * width - 1), num_heads,
-                                                                     **dd))
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * height - 1) * (2 * width - 1), num_heads, **dd)
+        )
         self.register_buffer("relative_position_index", swin_relative_index(height, width, device), persistent=False)
         if num_prefix_tokens:
             self.g2l_relative_position_bias = nn.Parameter(torch.zeros(2, num_heads, num_prefix_tokens, **dd))
             self.g2g_relative_position_bias = nn.Parameter(
-                torch.zeros(num_heads, num_prefix_tokens, num_prefix_tokens, **dd))
+                torch.zeros(num_heads, num_prefix_tokens, num_prefix_tokens, **dd)
+            )
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
@@ -84,13 +96,16 @@ class RelPosAttention(nn.Module):
 
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         if tuple(feat_size) != self.feat_size:
-            raise ValueError(f"the input gives a {tuple(feat_size)} map where the full-attention bias table was built "
-                             f"for {self.feat_size}; feed images of the model's img_size or create it with img_size "
-                             "set to the input size.")
+            raise ValueError(
+                f"the input gives a {tuple(feat_size)} map where the full-attention bias table was built "
+                f"for {self.feat_size}; feed images of the model's img_size or create it with img_size "
+                "set to the input size."
+            )
         B, N, C = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=self._bias().to(q.dtype).unsqueeze(0),
-                                           dropout_p=self.attn_drop if self.training else 0.0)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self._bias().to(q.dtype).unsqueeze(0), dropout_p=self.attn_drop if self.training else 0.0
+        )
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
 
 
@@ -141,42 +156,91 @@ class VilLs(HierarchicalTransformer):
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
         num_stages = len(depths)
         qk_head_dims = qk_head_dims or (None,) * num_stages
-        check_per_stage(depths, patch_sizes=patch_sizes, embed_dims=embed_dims, num_heads=num_heads,
-                        num_global_tokens=num_global_tokens, long_short=long_short, qk_head_dims=qk_head_dims)
+        check_per_stage(
+            depths,
+            patch_sizes=patch_sizes,
+            embed_dims=embed_dims,
+            num_heads=num_heads,
+            num_global_tokens=num_global_tokens,
+            long_short=long_short,
+            qk_head_dims=qk_head_dims,
+        )
         if num_global_tokens[-1]:
             raise ValueError("num_global_tokens[-1] must be 0: the head averages the last stage's patch tokens.")
         for i, (ls, qk_head_dim) in enumerate(zip(long_short, qk_head_dims)):
             if qk_head_dim is not None and not ls:
-                raise ValueError(f"qk_head_dims[{i}]={qk_head_dim} sets the LMSA query/key width of a full-attention "
-                                 f"stage (long_short[{i}] is False), which has none; use None there.")
+                raise ValueError(
+                    f"qk_head_dims[{i}]={qk_head_dim} sets the LMSA query/key width of a full-attention "
+                    f"stage (long_short[{i}] is False), which has none; use None there."
+                )
         side, sides = to_2tuple(img_size), []
         for p in patch_sizes:
             side = (side[0] // p, side[1] // p)
             sides.append(side)
         if min(sides[-1]) < 1:
-            raise ValueError(f"img_size={img_size} is smaller than the total patch stride "
-                             f"{math.prod(patch_sizes)}; use a larger img_size.")
+            raise ValueError(
+                f"img_size={img_size} is smaller than the total patch stride "
+                f"{math.prod(patch_sizes)}; use a larger img_size."
+            )
         rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)  # linspace over all blocks
         stages, in_chs = [], in_chans
         for i in range(num_stages):
             if long_short[i]:
-                attn = partial(LongShortAttention2d, dim=embed_dims[i], num_heads=num_heads[i],
-                               window_size=window_size, projection_rank=projection_rank,
-                               num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, qk_head_dim=qk_head_dims[i],
-                               window_bias=True, use_dual_ln=use_dual_ln, attn_drop=attn_drop_rate,
-                               proj_drop=proj_drop_rate, attn_implementation=attn_implementation, **dd)
+                attn = partial(
+                    LongShortAttention2d,
+                    dim=embed_dims[i],
+                    num_heads=num_heads[i],
+                    window_size=window_size,
+                    projection_rank=projection_rank,
+                    num_prefix_tokens=num_global_tokens[i],
+                    qkv_bias=qkv_bias,
+                    qk_head_dim=qk_head_dims[i],
+                    window_bias=True,
+                    use_dual_ln=use_dual_ln,
+                    attn_drop=attn_drop_rate,
+                    proj_drop=proj_drop_rate,
+                    attn_implementation=attn_implementation,
+                    **dd,
+                )
             else:
-                attn = partial(RelPosAttention, dim=embed_dims[i], num_heads=num_heads[i], feat_size=sides[i],
-                               num_prefix_tokens=num_global_tokens[i], qkv_bias=qkv_bias, attn_drop=attn_drop_rate,
-                               proj_drop=proj_drop_rate, **dd)
-            stages.append(Stage(
-                in_chs=in_chs, dim=embed_dims[i], kernel_size=patch_sizes[i], stride=patch_sizes[i], padding=0,
-                num_prefix_tokens=num_global_tokens[i], attn_layer=attn, drop_paths=rates[i], mlp_ratio=mlp_ratio,
-                proj_drop=proj_drop_rate, norm_layer=norm_layer, act_layer=act_layer, **dd,
-            ))
+                attn = partial(
+                    RelPosAttention,
+                    dim=embed_dims[i],
+                    num_heads=num_heads[i],
+                    feat_size=sides[i],
+                    num_prefix_tokens=num_global_tokens[i],
+                    qkv_bias=qkv_bias,
+                    attn_drop=attn_drop_rate,
+                    proj_drop=proj_drop_rate,
+                    **dd,
+                )
+            stages.append(
+                Stage(
+                    in_chs=in_chs,
+                    dim=embed_dims[i],
+                    kernel_size=patch_sizes[i],
+                    stride=patch_sizes[i],
+                    padding=0,
+                    num_prefix_tokens=num_global_tokens[i],
+                    attn_layer=attn,
+                    drop_paths=rates[i],
+                    mlp_ratio=mlp_ratio,
+                    proj_drop=proj_drop_rate,
+                    norm_layer=norm_layer,
+                    act_layer=act_layer,
+                    **dd,
+                )
+            )
             in_chs = embed_dims[i]
-        super().__init__(stages=stages, strides=patch_sizes, num_classes=num_classes, global_pool=global_pool,
-                         drop_rate=drop_rate, norm_layer=norm_layer, **dd)
+        super().__init__(
+            stages=stages,
+            strides=patch_sizes,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            drop_rate=drop_rate,
+            norm_layer=norm_layer,
+            **dd,
+        )
 
     @torch.jit.ignore
     def load_pretrained(self, checkpoint_path: str) -> None:
@@ -184,8 +248,13 @@ class VilLs(HierarchicalTransformer):
         variant's cfg names its own cache file, and the download loads here through timm's loader as a local file
         (``checkpoint_filter_fn``, classifier and input-channel adaptation)."""
         cfg = {**self.pretrained_cfg, "file": checkpoint_path, "custom_load": False}
-        load_pretrained(self, cfg, num_classes=self.num_classes, in_chans=self.stages[0].embed.proj.in_channels,
-                        filter_fn=checkpoint_filter_fn)
+        load_pretrained(
+            self,
+            cfg,
+            num_classes=self.num_classes,
+            in_chans=self.stages[0].embed.proj.in_channels,
+            filter_fn=checkpoint_filter_fn,
+        )
 
 
 def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
@@ -198,8 +267,12 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
     state_dict = state_dict.get("net", state_dict)
     if any(k.startswith("stages.") for k in state_dict):
         return state_dict
-    renames = (("to_dynamic_projection", "dynamic_projection"), ("dual_ln_full", "dual_ln_local"),
-               ("dual_ln_dp", "dual_ln_global"), ("local_relative_position_bias_table", "relative_position_bias_table"))
+    renames = (
+        ("to_dynamic_projection", "dynamic_projection"),
+        ("dual_ln_full", "dual_ln_local"),
+        ("dual_ln_dp", "dual_ln_global"),
+        ("local_relative_position_bias_table", "relative_position_bias_table"),
+    )
     out = {}
     for key, value in state_dict.items():
         key = key.removeprefix("module.")
@@ -223,17 +296,27 @@ def checkpoint_filter_fn(state_dict: dict, model: VilLs) -> dict:
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs) -> VilLs:
     file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") if pretrained else None
     if file is not None and not os.path.isfile(file):
-        raise FileNotFoundError(f"{variant}: pretrained_cfg_overlay file {file!r}: no such file; give the path of the "
-                                f"downloaded weights (the official release's model_best.pth).")
+        raise FileNotFoundError(
+            f"{variant}: pretrained_cfg_overlay file {file!r}: no such file; give the path of the "
+            f"downloaded weights (the official release's model_best.pth)."
+        )
     try:
-        return build_model_with_cfg(VilLs, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                    feature_cfg=feature_cfg(kwargs, 4), **kwargs)
+        return build_model_with_cfg(
+            VilLs,
+            variant,
+            pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=feature_cfg(kwargs, 4),
+            **kwargs,
+        )
     except (KeyError, RuntimeError, pickle.UnpicklingError) as err:  # a file torch cannot read, or other weights
         if file is None:
             raise
-        raise ValueError(f"{variant}: {file!r} holds no {variant} weights that can be read ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:200]}); give the official model_best.pth of this model or a "
-                         f"timm checkpoint of it.") from err
+        raise ValueError(
+            f"{variant}: {file!r} holds no {variant} weights that can be read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]}); give the official model_best.pth of this model or a "
+            f"timm checkpoint of it."
+        ) from err
     except OSError as err:  # urllib's URLError and the other download failures
         if not pretrained:
             raise
@@ -244,30 +327,44 @@ def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs) -> VilLs:
         ) from None
 
 
-
 def _cfg(url: str = "", **kwargs) -> dict:
     return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
-        "crop_pct": 0.875, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stages.0.embed.proj", "classifier": "head", "license": "mit",
-        "paper_ids": "arXiv:2107.02192", "paper_name": "Long-Short Transformer: Efficient Transformers for Language and "
-        "Vision", "origin_url": "https://github.com/NVIDIA/transformer-ls", **kwargs,
+        "url": url,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "fixed_input_size": True,
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stages.0.embed.proj",
+        "classifier": "head",
+        "license": "mit",
+        "paper_ids": "arXiv:2107.02192",
+        "paper_name": "Long-Short Transformer: Efficient Transformers for Language and Vision",
+        "origin_url": "https://github.com/NVIDIA/transformer-ls",
+        **kwargs,
     }
 
 
 def _released(dropbox_key: str, file_name: str, **kwargs) -> dict:
     """The cfg of official weights: downloaded to their own cache ``file_name`` and loaded by ``load_pretrained``."""
-    return _cfg(url=(f"https://www.dropbox.com/s/{dropbox_key}/model_best.pth?dl=1", file_name), custom_load=True,
-                **kwargs)
+    return _cfg(
+        url=(f"https://www.dropbox.com/s/{dropbox_key}/model_best.pth?dl=1", file_name), custom_load=True, **kwargs
+    )
 
 
-default_cfgs = generate_default_cfgs({
-    "vil_ls_small": _cfg(),
-    "vil_ls_medium.nv_in1k": _released("ng14pebstaaydug", "vil_ls_medium_nv_in1k.pth"),
-    "vil_ls_medium_384.nv_in1k": _released("390tzi2ll3sfibl", "vil_ls_medium_384_nv_in1k.pth",
-                                           input_size=(3, 384, 384), pool_size=(12, 12)),
-    "vil_ls_base.nv_in1k": _released("80u5p5eh4txad10", "vil_ls_base_nv_in1k.pth"),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "vil_ls_small": _cfg(),
+        "vil_ls_medium.nv_in1k": _released("ng14pebstaaydug", "vil_ls_medium_nv_in1k.pth"),
+        "vil_ls_medium_384.nv_in1k": _released(
+            "390tzi2ll3sfibl", "vil_ls_medium_384_nv_in1k.pth", input_size=(3, 384, 384), pool_size=(12, 12)
+        ),
+        "vil_ls_base.nv_in1k": _released("80u5p5eh4txad10", "vil_ls_base_nv_in1k.pth"),
+    }
+)
 
 
 @register_model

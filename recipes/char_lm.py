@@ -81,8 +81,12 @@ class CharLmArguments:
     """The data, and the model: a new one of the given shape, or --model_name_or_path (a previous phase)."""
 
     train_file: str | None = field(default=None, metadata={"help": "Local text file (bytes; split 90/5/5)."})
-    validation_file: str | None = field(default=None, metadata={"help": "Local validation text (else the 5 percent after the training text)."})
-    test_file: str | None = field(default=None, metadata={"help": "Local test text (else the last 5 percent of the training text)."})
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Local validation text (else the 5 percent after the training text)."}
+    )
+    test_file: str | None = field(
+        default=None, metadata={"help": "Local test text (else the last 5 percent of the training text)."}
+    )
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset (e.g. enwik8), its train split."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "e.g. enwik8-raw (the whole text)."})
     text_column_name: str = field(default="text", metadata={"help": "Column of --dataset_name holding the text."})
@@ -94,35 +98,71 @@ class CharLmArguments:
     window_size: int = field(default=512, metadata={"help": "New model: short-term window w."})
     projection_rank: int = field(default=1, metadata={"help": "New model: projected rows r per segment."})
     causal_segment_length: int = field(default=16, metadata={"help": "New model: segment length l."})
-    max_positions: int = field(default=8192, metadata={
-        "help": "New long_short model: longest block of any later phase (long_short_xl has relative positions and "
-                "no such limit)."})
+    max_positions: int = field(
+        default=8192,
+        metadata={
+            "help": "New long_short model: longest block of any later phase (long_short_xl has relative positions and "
+            "no such limit)."
+        },
+    )
     dropout: float = field(default=0.2, metadata={"help": "New model: hidden and attention dropout."})
-    attention_dropout: float | None = field(default=None, metadata={
-        "help": "New long_short model: attention dropout (default: --dropout; 0 lets --recompute_window_tiles "
-                "take effect)."})
-    recompute_window_tiles: bool = field(default=False, metadata={
-        "help": "long_short: memory-lean training on CPU (window tiles built again in the backward pass; needs no "
-                "attention dropout)."})
-    model_type: str = field(default="long_short", metadata={
-        "help": "New model: long_short (Post-LN, absolute positions) or long_short_xl (the paper's official model: "
-                "Pre-LN, relative positions, memory).", "choices": ["long_short", "long_short_xl"]})
+    attention_dropout: float | None = field(
+        default=None,
+        metadata={
+            "help": "New long_short model: attention dropout (default: --dropout; 0 lets --recompute_window_tiles "
+            "take effect)."
+        },
+    )
+    recompute_window_tiles: bool = field(
+        default=False,
+        metadata={
+            "help": "long_short: memory-lean training on CPU (window tiles built again in the backward pass; needs no "
+            "attention dropout)."
+        },
+    )
+    model_type: str = field(
+        default="long_short",
+        metadata={
+            "help": "New model: long_short (Post-LN, absolute positions) or long_short_xl (the paper's official model: "
+            "Pre-LN, relative positions, memory).",
+            "choices": ["long_short", "long_short_xl"],
+        },
+    )
     use_dual_ln: bool = field(default=True, metadata={"help": "New model: DualLN (False: the paper's ablation)."})
-    window_rule: str = field(default="token", metadata={
-        "help": "New long_short_xl model: token (official, w keys per token) or segment (paper Appendix D).",
-        "choices": ["token", "segment"]})
-    projection_input: str = field(default="raw", metadata={
-        "help": "New long_short_xl model: raw (official) or normalized (paper Sec. 3.4) keys into the projection.",
-        "choices": ["raw", "normalized"]})
-    memory_length: int | None = field(default=None, metadata={
-        "help": "long_short_xl: tokens of memory per layer in training (default --max_seq_length; 0: none)."})
+    window_rule: str = field(
+        default="token",
+        metadata={
+            "help": "New long_short_xl model: token (official, w keys per token) or segment (paper Appendix D).",
+            "choices": ["token", "segment"],
+        },
+    )
+    projection_input: str = field(
+        default="raw",
+        metadata={
+            "help": "New long_short_xl model: raw (official) or normalized (paper Sec. 3.4) keys into the projection.",
+            "choices": ["raw", "normalized"],
+        },
+    )
+    memory_length: int | None = field(
+        default=None,
+        metadata={"help": "long_short_xl: tokens of memory per layer in training (default --max_seq_length; 0: none)."},
+    )
     eval_memory_length: int = field(default=32768, metadata={"help": "long_short_xl: context bytes when scoring."})
     eval_block_length: int = field(default=256, metadata={"help": "long_short_xl: bytes scored per step."})
-    eval_streams: int = field(default=1, metadata={
-        "help": "long_short_xl: score a split as this many parallel streams (1: exact, as the official batch 1)."})
-    stream_start: str = field(default="zeros", metadata={
-        "help": "long_short_xl: how a stream starts, in training and scoring: zeros (official: a full memory of "
-                "zeros) or empty (no memory).", "choices": ["zeros", "empty"]})
+    eval_streams: int = field(
+        default=1,
+        metadata={
+            "help": "long_short_xl: score a split as this many parallel streams (1: exact, as the official batch 1)."
+        },
+    )
+    stream_start: str = field(
+        default="zeros",
+        metadata={
+            "help": "long_short_xl: how a stream starts, in training and scoring: zeros (official: a full memory of "
+            "zeros) or empty (no memory).",
+            "choices": ["zeros", "empty"],
+        },
+    )
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the argument if the data cannot be read."""
@@ -164,11 +204,16 @@ def read_splits(args: CharLmArguments) -> dict[str, bytes]:
     else:
         raw = hub_dataset(args.dataset_name, args.dataset_config_name, split="train")
         if args.text_column_name not in raw.column_names:
-            raise UsageError(f"--dataset_name {args.dataset_name!r} has no column {args.text_column_name!r} "
-                             f"(columns: {raw.column_names}); name it with --text_column_name.")
+            raise UsageError(
+                f"--dataset_name {args.dataset_name!r} has no column {args.text_column_name!r} "
+                f"(columns: {raw.column_names}); name it with --text_column_name."
+            )
         text = "\n".join(raw[args.text_column_name]).encode()
-    given = {split: read_text_file(path, f"--{split}_file")
-             for split in SPLITS[1:] if (path := getattr(args, f"{split}_file"))}
+    given = {
+        split: read_text_file(path, f"--{split}_file")
+        for split in SPLITS[1:]
+        if (path := getattr(args, f"{split}_file"))
+    }
     held_out = [split for split in SPLITS[1:] if split not in given]
     part = len(text) // 20  # 5 %
     cut = len(text) - len(held_out) * part
@@ -185,8 +230,10 @@ def read_text_file(path: str, argument: str) -> bytes:
     with zipfile.ZipFile(path) as archive:
         members = [info for info in archive.infolist() if not info.is_dir()]
         if len(members) != 1:
-            raise UsageError(f"{argument} {path!r} is a zip archive of {len(members)} files; it must hold exactly one "
-                             f"(as enwik8.zip and text8.zip do), or pass the unpacked file.")
+            raise UsageError(
+                f"{argument} {path!r} is a zip archive of {len(members)} files; it must hold exactly one "
+                f"(as enwik8.zip and text8.zip do), or pass the unpacked file."
+            )
         return archive.read(members[0])
 
 
@@ -194,8 +241,10 @@ def blocks(data: bytes, length: int, offset: int, name: str) -> Dataset:
     """Byte token ids (``byte + offset``) in blocks of ``length``; the remainder is dropped."""
     count = len(data) // length
     if count == 0:
-        raise UsageError(f"the {name} text holds {len(data)} bytes, fewer than one block; lower --max_seq_length "
-                         f"({length}) or add text.")
+        raise UsageError(
+            f"the {name} text holds {len(data)} bytes, fewer than one block; lower --max_seq_length "
+            f"({length}) or add text."
+        )
     ids = np.frombuffer(data[: count * length], dtype=np.uint8).astype(np.int64) + offset
     return Dataset.from_dict({"input_ids": ids.reshape(count, length)})
 
@@ -211,13 +260,24 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     same ids and decoding) as a fast tokenizer that adds nothing to a text, where ``ByT5Tokenizer`` appends ``</s>``,
     which would end a prompt with an end token. ``AutoTokenizer`` loads it anywhere."""
     chars = bytes_to_unicode()  # byte-level BPE's one character per byte; no merges: one token per byte
-    backend = Tokenizer(models.BPE(vocab={"<pad>": 0, "</s>": 1, "<unk>": 2, **{chars[b]: b + 3 for b in range(256)}},
-                                   merges=[], unk_token="<unk>"))
+    backend = Tokenizer(
+        models.BPE(
+            vocab={"<pad>": 0, "</s>": 1, "<unk>": 2, **{chars[b]: b + 3 for b in range(256)}},
+            merges=[],
+            unk_token="<unk>",
+        )
+    )
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     pad, eos, unk = (AddedToken(token, lstrip=True, rstrip=True) for token in ("<pad>", "</s>", "<unk>"))  # as ByT5
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk,
-                                   extra_special_tokens=[f"<extra_id_{i}>" for i in range(125)], padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=pad,
+        eos_token=eos,
+        unk_token=unk,
+        extra_special_tokens=[f"<extra_id_{i}>" for i in range(125)],
+        padding_side="left",
+    )
 
 
 def build_model(args: CharLmArguments, tokenizer: PreTrainedTokenizerFast):
@@ -228,19 +288,30 @@ def build_model(args: CharLmArguments, tokenizer: PreTrainedTokenizerFast):
         name = args.model_name_or_path
         config = long_short_config(name, "--model_name_or_path")
         if not config.is_decoder or config.vocab_size != len(tokenizer):
-            raise UsageError(f"--model_name_or_path {name!r} is not a byte-level LongShort decoder (an earlier "
-                             f"output of this recipe); start a new model by leaving it out.")
+            raise UsageError(
+                f"--model_name_or_path {name!r} is not a byte-level LongShort decoder (an earlier "
+                f"output of this recipe); start a new model by leaving it out."
+            )
         config.recompute_window_tiles = args.recompute_window_tiles
         return AutoModelForCausalLM.from_pretrained(name, config=config)
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     config = LongShortConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-        num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,
-        window_size=args.window_size, projection_rank=args.projection_rank,
-        causal_segment_length=args.causal_segment_length, is_decoder=True,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        intermediate_size=4 * args.hidden_size,
+        window_size=args.window_size,
+        projection_rank=args.projection_rank,
+        causal_segment_length=args.causal_segment_length,
+        is_decoder=True,
         max_position_embeddings=args.max_positions + tokenizer.pad_token_id + 1,
-        hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=attention_dropout, use_dual_ln=args.use_dual_ln,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=attention_dropout,
+        use_dual_ln=args.use_dual_ln,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
         recompute_window_tiles=args.recompute_window_tiles,
     )
     return LongShortForCausalLM(config)
@@ -257,19 +328,30 @@ def build_xl_model(args: CharLmArguments, tokenizer: PreTrainedTokenizerFast) ->
         except OSError as err:
             raise UsageError(f"--model_name_or_path {name!r}: no model there ({err}).") from err
         if config.model_type != LongShortXLConfig.model_type or config.vocab_size != len(tokenizer):
-            raise UsageError(f"--model_name_or_path {name!r} is not a byte-level long_short_xl model (an earlier output "
-                             f"of this recipe with --model_type long_short_xl); start a new model by leaving it out.")
+            raise UsageError(
+                f"--model_name_or_path {name!r} is not a byte-level long_short_xl model (an earlier output "
+                f"of this recipe with --model_type long_short_xl); start a new model by leaving it out."
+            )
         config.memory_length = memory_length if args.memory_length is not None else config.memory_length
         config.check_long_short()
         return LongShortXLForCausalLM.from_pretrained(name, config=config)
     try:
         config = LongShortXLConfig(
-            vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-            num_attention_heads=args.num_attention_heads, intermediate_size=4 * args.hidden_size,
-            window_size=args.window_size, projection_rank=args.projection_rank,
-            causal_segment_length=args.causal_segment_length, hidden_dropout_prob=args.dropout,
-            use_dual_ln=args.use_dual_ln, memory_length=memory_length, window_rule=args.window_rule,
-            projection_input=args.projection_input, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+            vocab_size=len(tokenizer),
+            hidden_size=args.hidden_size,
+            num_hidden_layers=args.num_hidden_layers,
+            num_attention_heads=args.num_attention_heads,
+            intermediate_size=4 * args.hidden_size,
+            window_size=args.window_size,
+            projection_rank=args.projection_rank,
+            causal_segment_length=args.causal_segment_length,
+            hidden_dropout_prob=args.dropout,
+            use_dual_ln=args.use_dual_ln,
+            memory_length=memory_length,
+            window_rule=args.window_rule,
+            projection_input=args.projection_input,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
             eos_token_id=tokenizer.eos_token_id,
         )
     except ValueError as err:
@@ -283,8 +365,10 @@ def stream_blocks(data: bytes, length: int, streams: int, offset: int, name: str
     ``input_ids`` and ``shift_labels`` (the next byte of every input byte)."""
     per_stream = (len(data) - 1) // streams // length * length
     if per_stream == 0:
-        raise UsageError(f"the {name} text holds {len(data)} bytes, fewer than one block per stream; lower "
-                         f"--max_seq_length ({length}) or --per_device_train_batch_size ({streams}), or add text.")
+        raise UsageError(
+            f"the {name} text holds {len(data)} bytes, fewer than one block per stream; lower "
+            f"--max_seq_length ({length}) or --per_device_train_batch_size ({streams}), or add text."
+        )
     ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64) + offset
     rows = [ids[s * per_stream : (s + 1) * per_stream + 1] for s in range(streams)]
     inputs = np.stack([row[:-1] for row in rows]).reshape(streams, -1, length).transpose(1, 0, 2)
@@ -293,8 +377,15 @@ def stream_blocks(data: bytes, length: int, streams: int, offset: int, name: str
 
 
 @torch.no_grad()
-def stream_loss(model: LongShortXLForCausalLM, data: bytes, offset: int, block_length: int, memory_length: int,
-                streams: int = 1, stream_start: str = "zeros") -> float:
+def stream_loss(
+    model: LongShortXLForCausalLM,
+    data: bytes,
+    offset: int,
+    block_length: int,
+    memory_length: int,
+    streams: int = 1,
+    stream_start: str = "zeros",
+) -> float:
     """Nats per byte of every byte after the first given all bytes before it that the memory holds: the text is cut
     into ``streams`` contiguous parts, each scored ``block_length`` bytes at a time with up to ``memory_length`` bytes
     of memory (0: every block on its own), starting from ``memory_length`` zeros (``stream_start="zeros"``, official)
@@ -309,8 +400,9 @@ def stream_loss(model: LongShortXLForCausalLM, data: bytes, offset: int, block_l
     training, total = model.training, 0.0
     model.eval()
     for start in range(0, per_stream, block_length):
-        out = model(inputs[:, start : start + block_length], memory=memory, memory_length=memory_length,
-                    use_cache=False)
+        out = model(
+            inputs[:, start : start + block_length], memory=memory, memory_length=memory_length, use_cache=False
+        )
         logp = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)).log_softmax(-1)
         total -= logp.gather(-1, targets[:, start : start + block_length, None]).sum().item()
         memory = out.memory
@@ -339,10 +431,19 @@ class StreamTrainer(Trainer):
     def _score(self, split: str, prefix: str) -> dict:
         model, s = self.model, self.scoring
         metrics = {
-            f"{prefix}_loss": stream_loss(model, self.texts[split], s["offset"], s["eval_block_length"],
-                                          s["eval_memory_length"], s["eval_streams"], self.stream_start),
-            f"{prefix}_block_bpc": stream_loss(model, self.texts[split], s["offset"], s["block_length"], 0,
-                                               s["eval_streams"]) / math.log(2),
+            f"{prefix}_loss": stream_loss(
+                model,
+                self.texts[split],
+                s["offset"],
+                s["eval_block_length"],
+                s["eval_memory_length"],
+                s["eval_streams"],
+                self.stream_start,
+            ),
+            f"{prefix}_block_bpc": stream_loss(
+                model, self.texts[split], s["offset"], s["block_length"], 0, s["eval_streams"]
+            )
+            / math.log(2),
             f"{prefix}_memory_length": s["eval_memory_length"],
         }
         self.log(metrics)
@@ -357,29 +458,45 @@ class StreamTrainer(Trainer):
 
 @cli
 def main(argv=None) -> dict:
-    args, training_args = parse_args((CharLmArguments, CharLmTrainingArguments), argv,
-                                     ("do_train", "do_eval", "do_predict"))
+    args, training_args = parse_args(
+        (CharLmArguments, CharLmTrainingArguments), argv, ("do_train", "do_eval", "do_predict")
+    )
     setup_logging(training_args)
     set_seed(training_args.seed)
 
     tokenizer = byte_tokenizer()
     model = build_model(args, tokenizer)
     if not isinstance(model, LongShortXLForCausalLM) and args.max_seq_length > model.config.max_input_length:
-        raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "
-                         f"positions of the model; raise --max_positions for a new model.")
+        raise UsageError(
+            f"--max_seq_length {args.max_seq_length} exceeds the {model.config.max_input_length} "
+            f"positions of the model; raise --max_positions for a new model."
+        )
     checkpoint = checkpoint_to_resume(training_args, model)
     if training_args.do_train:
-        check_memory(model, training_args.per_device_train_batch_size, args.max_seq_length, training_args,
-                     dropout_option="--attention_dropout")
+        check_memory(
+            model,
+            training_args.per_device_train_batch_size,
+            args.max_seq_length,
+            training_args,
+            dropout_option="--attention_dropout",
+        )
     offset = tokenizer("\x00", add_special_tokens=False).input_ids[0]
-    needed = {"train": training_args.do_train, "test": training_args.do_predict,
-              "validation": training_args.do_eval or training_args.eval_strategy != "no"}
+    needed = {
+        "train": training_args.do_train,
+        "test": training_args.do_predict,
+        "validation": training_args.do_eval or training_args.eval_strategy != "no",
+    }
     if isinstance(model, LongShortXLForCausalLM):
         texts = {split: text for split, text in read_splits(args).items() if needed[split]}
         trainer = stream_trainer(model, args, training_args, tokenizer, texts, offset)
         return finish(trainer, training_args, args, checkpoint, bits_per_character)
-    data = DatasetDict({split: blocks(text, args.max_seq_length, offset, split)
-                        for split, text in read_splits(args).items() if needed[split]})
+    data = DatasetDict(
+        {
+            split: blocks(text, args.max_seq_length, offset, split)
+            for split, text in read_splits(args).items()
+            if needed[split]
+        }
+    )
 
     trainer = Trainer(
         model=model,
@@ -395,23 +512,40 @@ def main(argv=None) -> dict:
 def stream_trainer(model, args, training_args, tokenizer, texts: dict, offset: int) -> StreamTrainer:
     """The ``StreamTrainer`` of a long_short_xl run: --per_device_train_batch_size streams of the training text."""
     if training_args.world_size > 1:
-        raise UsageError("--model_type long_short_xl trains the streams of one process (its memory continues "
-                         "them batch to batch); run it in a single process.")
+        raise UsageError(
+            "--model_type long_short_xl trains the streams of one process (its memory continues "
+            "them batch to batch); run it in a single process."
+        )
     segment = model.config.causal_segment_length
     if args.eval_memory_length < 0 or args.eval_memory_length % segment:
-        raise UsageError(f"--eval_memory_length must be a multiple of the segment length l = {segment} (the memory "
-                         f"is compressed segment by segment), got {args.eval_memory_length}.")
+        raise UsageError(
+            f"--eval_memory_length must be a multiple of the segment length l = {segment} (the memory "
+            f"is compressed segment by segment), got {args.eval_memory_length}."
+        )
     train = None
     if "train" in texts:
-        train = stream_blocks(texts["train"], args.max_seq_length, training_args.per_device_train_batch_size, offset,
-                              "train")
+        train = stream_blocks(
+            texts["train"], args.max_seq_length, training_args.per_device_train_batch_size, offset, "train"
+        )
     training_args.label_names = ["shift_labels"]
     training_args.train_sampling_strategy = "sequential"  # the dataset is in stream order
-    scoring = {"offset": offset, "block_length": args.max_seq_length, "eval_block_length": args.eval_block_length,
-               "eval_memory_length": args.eval_memory_length, "eval_streams": args.eval_streams}
-    return StreamTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
-                         data_collator=default_data_collator, texts=texts, scoring=scoring,
-                         stream_start=args.stream_start)
+    scoring = {
+        "offset": offset,
+        "block_length": args.max_seq_length,
+        "eval_block_length": args.eval_block_length,
+        "eval_memory_length": args.eval_memory_length,
+        "eval_streams": args.eval_streams,
+    }
+    return StreamTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        texts=texts,
+        scoring=scoring,
+        stream_start=args.stream_start,
+    )
 
 
 if __name__ == "__main__":

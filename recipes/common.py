@@ -43,8 +43,9 @@ def cli(main):
     return run
 
 
-def long_short_config(name, argument: str, trust_remote_code: bool = False,
-                      model_types: tuple[str, ...] = (LongShortConfig.model_type,)):
+def long_short_config(
+    name, argument: str, trust_remote_code: bool = False, model_types: tuple[str, ...] = (LongShortConfig.model_type,)
+):
     """The config of the model at ``name``; a ``UsageError`` naming ``argument`` unless its ``model_type`` is one of
     ``model_types`` (default: the LongShort encoder/decoder's)."""
     try:
@@ -54,11 +55,15 @@ def long_short_config(name, argument: str, trust_remote_code: bool = False,
         raise UsageError(f"{argument} {str(name)!r}: {where} ({err}).") from err
     if config.model_type not in model_types:
         if config.model_type == LongShortXLConfig.model_type:
-            raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model (LongShortXLForCausalLM, "
-                             f"the official character-level model), which only `recipes.char_lm --model_type "
-                             f"long_short_xl` continues training and `recipes.push_to_hub` publishes.")
-        raise UsageError(f"{argument} {str(name)!r} holds a {config.model_type!r} model, not LongShort; convert a "
-                         f"RoBERTa checkpoint with ls-convert-roberta first.")
+            raise UsageError(
+                f"{argument} {str(name)!r} holds a {config.model_type!r} model (LongShortXLForCausalLM, "
+                f"the official character-level model), which only `recipes.char_lm --model_type "
+                f"long_short_xl` continues training and `recipes.push_to_hub` publishes."
+            )
+        raise UsageError(
+            f"{argument} {str(name)!r} holds a {config.model_type!r} model, not LongShort; convert a "
+            f"RoBERTa checkpoint with ls-convert-roberta first."
+        )
     return config
 
 
@@ -70,28 +75,41 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run the checkpoint's own code (a Hub LongShort model without ls_hf)."}
     )
-    recompute_window_tiles: bool = field(default=False, metadata={
-        "help": "Memory-lean training on CPU: window tiles built again in the backward pass (needs no attention "
-                "dropout: --attention_probs_dropout_prob 0)."})
-    attention_probs_dropout_prob: float | None = field(default=None, metadata={
-        "help": "Attention dropout, instead of the checkpoint's (0 lets --recompute_window_tiles take effect)."})
+    recompute_window_tiles: bool = field(
+        default=False,
+        metadata={
+            "help": "Memory-lean training on CPU: window tiles built again in the backward pass (needs no attention "
+            "dropout: --attention_probs_dropout_prob 0)."
+        },
+    )
+    attention_probs_dropout_prob: float | None = field(
+        default=None,
+        metadata={
+            "help": "Attention dropout, instead of the checkpoint's (0 lets --recompute_window_tiles take effect)."
+        },
+    )
 
     def check(self) -> None:
         name, dropout = self.model_name_or_path, self.attention_probs_dropout_prob
         if dropout is not None and not 0 <= dropout < 1:
             raise ValueError(f"--attention_probs_dropout_prob is a probability, 0 <= p < 1; got {dropout}.")
         if is_local_path(name) and not (Path(name).expanduser() / "config.json").is_file():
-            raise ValueError(f"--model_name_or_path {name!r}: no model folder there (no config.json); pass a folder "
-                             f"written by ls-convert-roberta or a recipe, or a Hub id.")
+            raise ValueError(
+                f"--model_name_or_path {name!r}: no model folder there (no config.json); pass a folder "
+                f"written by ls-convert-roberta or a recipe, or a Hub id."
+            )
         if (close := misspelt_folder(name)) is not None:
-            raise ValueError(f"--model_name_or_path {name!r}: no such local folder; did you mean {close!r}? (A Hub "
-                             f"model: give its id with the owner, owner/name.)")
+            raise ValueError(
+                f"--model_name_or_path {name!r}: no such local folder; did you mean {close!r}? (A Hub "
+                f"model: give its id with the owner, owner/name.)"
+            )
 
     def config(self):
         """The LongShort config of the model (``long_short_config``): read first, so that a model that is not there
         stops the run before its data are loaded."""
-        return long_short_config(self.model_name_or_path, "--model_name_or_path",
-                                 trust_remote_code=self.trust_remote_code)
+        return long_short_config(
+            self.model_name_or_path, "--model_name_or_path", trust_remote_code=self.trust_remote_code
+        )
 
     def load(self, auto_class, **kwargs):
         """The tokenizer and the ``auto_class`` model (in float32, ``kwargs`` for its config, with
@@ -152,8 +170,10 @@ class DataArguments:
         if self.dataset_name is None and self.train_file is None:
             raise ValueError("no data: pass --dataset_name (a Hub dataset) or --train_file (a local file).")
         if self.train_file is None and is_local_path(self.dataset_name) and not Path(self.dataset_name).exists():
-            raise ValueError(f"--dataset_name {self.dataset_name!r}: no such local folder; pass a dataset folder or a "
-                             f"Hub id (owner/name).")
+            raise ValueError(
+                f"--dataset_name {self.dataset_name!r}: no such local folder; pass a dataset folder or a "
+                f"Hub id (owner/name)."
+            )
         files = self.files()
         if files and self.train_file is None:
             raise ValueError(f"--{next(iter(files))}_file needs --train_file (local files are used together).")
@@ -198,8 +218,10 @@ def parse_args(types, argv=None, actions=("do_train", "do_eval")):
                     raise ValueError(f"nothing to do: pass at least one of {', '.join('--' + a for a in actions)}.")
                 other = [a for a in ("do_train", "do_eval", "do_predict") if getattr(group, a) and a not in actions]
                 if other:
-                    raise ValueError(f"--{other[0]} is not an action of this recipe; it takes "
-                                     f"{', '.join('--' + a for a in actions)}.")
+                    raise ValueError(
+                        f"--{other[0]} is not an action of this recipe; it takes "
+                        f"{', '.join('--' + a for a in actions)}."
+                    )
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -220,9 +242,11 @@ def hub_dataset(name: str, config_name: str | None, **kwargs):
     try:
         return load_dataset(name, config_name, **kwargs)
     except (ConnectionError, FileNotFoundError) as err:  # offline; DatasetNotFoundError is a FileNotFoundError
-        raise UsageError(f"--dataset_name {name!r} could not be loaded ({str(err).splitlines()[0]}): without the Hub, "
-                         f"pass local files (--train_file, --validation_file, --test_file), or use a copy in the "
-                         f"datasets cache with HF_HUB_OFFLINE=1.") from err
+        raise UsageError(
+            f"--dataset_name {name!r} could not be loaded ({str(err).splitlines()[0]}): without the Hub, "
+            f"pass local files (--train_file, --validation_file, --test_file), or use a copy in the "
+            f"datasets cache with HF_HUB_OFFLINE=1."
+        ) from err
 
 
 def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, need_test: bool = False) -> DatasetDict:
@@ -236,8 +260,10 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
         try:
             raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
         except (ValueError, DatasetGenerationError) as err:  # e.g. a CSV with a header and no rows
-            raise UsageError(f"no examples could be read from {', '.join(files.values())} ({err}); a CSV needs a "
-                             f"header row and at least one example row.") from err
+            raise UsageError(
+                f"no examples could be read from {', '.join(files.values())} ({err}); a CSV needs a "
+                f"header row and at least one example row."
+            ) from err
         sources = {split: split for split in files}
     else:
         raw = hub_dataset(data_args.dataset_name, data_args.dataset_config_name)
@@ -254,8 +280,10 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
             raise UsageError(f"the {split} data holds no examples ({data_args.data_name(split)}).")
     if need_eval and "validation" not in data:
         if len(data["train"]) < 2:
-            raise UsageError(f"the training data holds {len(data['train'])} example; holding some out for evaluation "
-                             f"needs at least 2: add examples or pass --validation_file.")
+            raise UsageError(
+                f"the training data holds {len(data['train'])} example; holding some out for evaluation "
+                f"needs at least 2: add examples or pass --validation_file."
+            )
         percent = data_args.validation_split_percentage
         held_out = data["train"].train_test_split(test_size=percent / 100, seed=0)
         data["train"], data["validation"] = held_out["train"], held_out["test"]
@@ -283,8 +311,16 @@ def max_tokens(config, tokenizer, requested: int | None) -> int:
 
 # Config entries that may differ between a checkpoint and the run that resumes it: what the Trainer and
 # save_pretrained record about the run rather than the model, and how memory is spent (not what the model computes).
-RESUMABLE_CHANGES = ("_name_or_path", "architectures", "auto_map", "dtype", "problem_type", "transformers_version",
-                     "use_cache", "recompute_window_tiles")
+RESUMABLE_CHANGES = (
+    "_name_or_path",
+    "architectures",
+    "auto_map",
+    "dtype",
+    "problem_type",
+    "transformers_version",
+    "use_cache",
+    "recompute_window_tiles",
+)
 
 
 def checkpoint_to_resume(training_args, model) -> str | None:
@@ -299,11 +335,16 @@ def checkpoint_to_resume(training_args, model) -> str | None:
             print(f"Resuming training from {checkpoint} (use a new --output_dir to start over).", file=sys.stderr)
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
         saved, wanted = type(model.config).from_pretrained(checkpoint).to_dict(), model.config.to_dict()
-        changed = {key: (saved.get(key), wanted.get(key)) for key in sorted(saved.keys() | wanted.keys())
-                   if key not in RESUMABLE_CHANGES and saved.get(key) != wanted.get(key)}
+        changed = {
+            key: (saved.get(key), wanted.get(key))
+            for key in sorted(saved.keys() | wanted.keys())
+            if key not in RESUMABLE_CHANGES and saved.get(key) != wanted.get(key)
+        }
         if changed:
-            raise UsageError(f"the checkpoint {checkpoint} holds a model with other settings: {changed} (saved, this "
-                             f"run's); use a new --output_dir, or the same model arguments as that run.")
+            raise UsageError(
+                f"the checkpoint {checkpoint} holds a model with other settings: {changed} (saved, this "
+                f"run's); use a new --output_dir, or the same model arguments as that run."
+            )
     return checkpoint
 
 
@@ -323,8 +364,9 @@ class TiedKeysFilter(logging.Filter):
         return not set(ast.literal_eval(message[len(prefix) :].rstrip("."))) <= self.tied
 
 
-def check_memory(model, batch_size: int, seq_length: int, training_args,
-                 dropout_option: str = "--attention_probs_dropout_prob") -> None:
+def check_memory(
+    model, batch_size: int, seq_length: int, training_args, dropout_option: str = "--attention_probs_dropout_prob"
+) -> None:
     """A ``UsageError`` before training when a Trainer step of ``model`` on ``batch_size`` blocks of ``seq_length``
     tokens needs more memory than the device has available (``recipes.memory``), naming the fixes with their
     estimates: --gradient_checkpointing, --recompute_window_tiles (with ``dropout_option`` 0 when the model has
@@ -334,18 +376,31 @@ def check_memory(model, batch_size: int, seq_length: int, training_args,
     has_lean_path = hasattr(config, "recompute_window_tiles")
 
     def step(batch_size: int, checkpointing: bool, lean: bool) -> memory.TrainingStep:
-        return memory.TrainingStep(model.num_parameters(), memory.long_short_layers(config, seq_length, lean=lean),
-                                   batch_size, vocab, seq_length, checkpointing,
-                                   half_precision=training_args.bf16 or training_args.fp16)
+        return memory.TrainingStep(
+            model.num_parameters(),
+            memory.long_short_layers(config, seq_length, lean=lean),
+            batch_size,
+            vocab,
+            seq_length,
+            checkpointing,
+            half_precision=training_args.bf16 or training_args.fp16,
+        )
 
     lean = has_lean_path and config.recompute_window_tiles and not config.attention_probs_dropout_prob
     fixes = {"checkpointing": "--gradient_checkpointing", "batch_size": "--per_device_train_batch_size"}
     if has_lean_path:
-        fixes["lean"] = "--recompute_window_tiles" + (f" {dropout_option} 0" if config.attention_probs_dropout_prob
-                                                      else "")
+        fixes["lean"] = "--recompute_window_tiles" + (
+            f" {dropout_option} 0" if config.attention_probs_dropout_prob else ""
+        )
     settings = {"batch_size": batch_size, "checkpointing": training_args.gradient_checkpointing, "lean": lean}
-    memory.check_memory(step, settings, training_args.device, fixes, error=UsageError,
-                        note=" A smaller batch with more --gradient_accumulation_steps keeps the batch trained on.")
+    memory.check_memory(
+        step,
+        settings,
+        training_args.device,
+        fixes,
+        error=UsageError,
+        note=" A smaller batch with more --gradient_accumulation_steps keeps the batch trained on.",
+    )
 
 
 def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:
@@ -377,11 +432,15 @@ def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, te
         best = trainer.state.best_model_checkpoint
         if training_args.load_best_model_at_end and best is not None:
             step = int(Path(best).name.split("-")[-1])
-            scores = next((log for log in trainer.state.log_history if log.get("step") == step and "eval_loss" in log),
-                          {})
+            scores = next(
+                (log for log in trainer.state.log_history if log.get("step") == step and "eval_loss" in log), {}
+            )
             shown = ", ".join(f"{key} = {scores[key]:.4g}" for key in ("eval_accuracy", "eval_loss") if key in scores)
-            print(f"Kept the best model: {best} (epoch {scores.get('epoch')}, {training_args.metric_for_best_model} = "
-                  f"{trainer.state.best_metric:.4g}; {shown}); saved to {training_args.output_dir}.", file=sys.stderr)
+            print(
+                f"Kept the best model: {best} (epoch {scores.get('epoch')}, {training_args.metric_for_best_model} = "
+                f"{trainer.state.best_metric:.4g}; {shown}); saved to {training_args.output_dir}.",
+                file=sys.stderr,
+            )
         trainer.save_model()
         trainer.log_metrics("train", train.metrics)
         trainer.save_metrics("train", train.metrics)

@@ -47,10 +47,24 @@ def causal_lm(mlm_dir: Path, out: Path, steps: int) -> tuple[float, float, str]:
     model = LongShortForCausalLM.from_pretrained(mlm_dir, config=AutoConfig.from_pretrained(mlm_dir, is_decoder=True))
     tokens = tokenizer(sample_texts())
     blocks = datasets.Dataset.from_dict(pretrain_mlm.group_texts(dict(tokens), block=64))
-    args = TrainingArguments(out, max_steps=steps, learning_rate=3e-3, per_device_train_batch_size=16, logging_steps=1,
-                             save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, seed=0)
-    trainer = Trainer(model, args, train_dataset=blocks, processing_class=tokenizer,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    args = TrainingArguments(
+        out,
+        max_steps=steps,
+        learning_rate=3e-3,
+        per_device_train_batch_size=16,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        seed=0,
+    )
+    trainer = Trainer(
+        model,
+        args,
+        train_dataset=blocks,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     trainer.save_model()
@@ -69,18 +83,56 @@ def run(out: Path) -> dict:
     step("1-2. tiny RoBERTa + local BPE tokenizer, converted with ls-convert-roberta")
     converted = tiny_long_short(out / "roberta-ls-tiny")
     step("3. continued masked-LM pretraining (recipes/pretrain_mlm.py)")
-    mlm = pretrain_mlm.main([
-        "--model_name_or_path", str(converted), "--train_file", str(IMDB_TRAIN), "--output_dir", str(out / "mlm"),
-        "--do_train", "--do_eval", "--max_seq_length", "128", "--max_steps", "60", "--warmup_steps", "5",
-        "--learning_rate", "2e-3", "--per_device_train_batch_size", "16", "--save_steps", "30", *QUIET,
-    ])
+    mlm = pretrain_mlm.main(
+        [
+            "--model_name_or_path",
+            str(converted),
+            "--train_file",
+            str(IMDB_TRAIN),
+            "--output_dir",
+            str(out / "mlm"),
+            "--do_train",
+            "--do_eval",
+            "--max_seq_length",
+            "128",
+            "--max_steps",
+            "60",
+            "--warmup_steps",
+            "5",
+            "--learning_rate",
+            "2e-3",
+            "--per_device_train_batch_size",
+            "16",
+            "--save_steps",
+            "30",
+            *QUIET,
+        ]
+    )
     step("4. IMDb-format fine-tuning, best epoch on held-out reviews, test accuracy (recipes/finetune_imdb.py)")
-    imdb = finetune_imdb.main([
-        "--model_name_or_path", str(out / "mlm"), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
-        "--validation_split_percentage", "10", "--output_dir", str(out / "imdb"), "--do_train", "--do_eval",
-        "--do_predict", "--num_train_epochs", "8", "--learning_rate", "1e-3", "--per_device_train_batch_size", "16",
-        *QUIET,
-    ])
+    imdb = finetune_imdb.main(
+        [
+            "--model_name_or_path",
+            str(out / "mlm"),
+            "--train_file",
+            str(IMDB_TRAIN),
+            "--test_file",
+            str(IMDB_TEST),
+            "--validation_split_percentage",
+            "10",
+            "--output_dir",
+            str(out / "imdb"),
+            "--do_train",
+            "--do_eval",
+            "--do_predict",
+            "--num_train_epochs",
+            "8",
+            "--learning_rate",
+            "1e-3",
+            "--per_device_train_batch_size",
+            "16",
+            *QUIET,
+        ]
+    )
     step("5. causal LongShort LM: train briefly, generate")
     first_loss, last_loss, generated = causal_lm(out / "mlm", out / "causal", steps=240)
     step("6. Hub repo folder (recipes/push_to_hub.py --dry-run)")

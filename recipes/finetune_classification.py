@@ -77,8 +77,12 @@ class ClassificationTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Keep the checkpoint with the best validation metric (off with --eval_strategy no)."},
     )
-    metric_for_best_model: str | None = field(default="accuracy_loss_tiebreak", metadata={
-        "help": "Metric choosing the best model (accuracy_loss_tiebreak: the accuracy, equal ones by the loss)."})
+    metric_for_best_model: str | None = field(
+        default="accuracy_loss_tiebreak",
+        metadata={
+            "help": "Metric choosing the best model (accuracy_loss_tiebreak: the accuracy, equal ones by the loss)."
+        },
+    )
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one is kept too)."})
     learning_rate: float = field(default=3e-5, metadata={"help": "Peak AdamW learning rate."})
 
@@ -113,13 +117,17 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
     data = load_data(data_args, [text, label], training_args.do_eval, training_args.do_predict)
     for split, dataset in data.items():
         if pair is not None and pair not in dataset.column_names:
-            raise UsageError(f"{split} data has no column {pair!r} (columns: {dataset.column_names}); name the "
-                             f"second text with --text_pair_column_name, or leave it out.")
+            raise UsageError(
+                f"{split} data has no column {pair!r} (columns: {dataset.column_names}); name the "
+                f"second text with --text_pair_column_name, or leave it out."
+            )
     feature = data["train"].features[label]
     values = sorted(set(data["train"][label]))
     if len(values) < 2:
-        raise UsageError(f"the training data holds the single label {values} (--max_train_samples takes the first "
-                         f"rows, which may be sorted by label); a classifier needs at least two.")
+        raise UsageError(
+            f"the training data holds the single label {values} (--max_train_samples takes the first "
+            f"rows, which may be sorted by label); a classifier needs at least two."
+        )
     names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
     label_ids = {value: i for i, value in enumerate(values)}
 
@@ -155,8 +163,14 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
     truncated = {f"truncated_{split}": int(sum(dataset["truncated"])) for split, dataset in data.items()}
     for split, dataset in data.items():  # a warning when documents were cut: shown at the default log level
         count = truncated[f"truncated_{split}"]
-        logger.log(logging.WARNING if count else logging.INFO, "%s: %d of %d documents are longer than %d tokens and "
-                   "were truncated (--max_seq_length).", split, count, len(dataset), length)
+        logger.log(
+            logging.WARNING if count else logging.INFO,
+            "%s: %d of %d documents are longer than %d tokens and were truncated (--max_seq_length).",
+            split,
+            count,
+            len(dataset),
+            length,
+        )
 
     trainer = Trainer(
         model=model,

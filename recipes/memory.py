@@ -50,8 +50,19 @@ class Coefficients:
 
 # Fitted to bench/results/memory_calibration_cpu.json (python -m bench.memory_calibration --fit), rounded; see
 # bench/RESULTS.md, "Training memory", for how close the estimate comes to each measured step.
-CALIBRATED = Coefficients(fixed=74 * 2**20, parameter=12, width=63, tile=20, width_lean=76, intermediate=12.5,
-                          dropout=68, probability=14, checkpoint=50, logit=12, half=0.72)
+CALIBRATED = Coefficients(
+    fixed=74 * 2**20,
+    parameter=12,
+    width=63,
+    tile=20,
+    width_lean=76,
+    intermediate=12.5,
+    dropout=68,
+    probability=14,
+    checkpoint=50,
+    logit=12,
+    half=0.72,
+)
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,9 @@ def long_short_layers(config, seq_length: int, *, lean: bool = False) -> tuple[A
     """The attention layers of a ``LongShortConfig`` or ``LongShortXLConfig`` model training on ``seq_length``
     tokens; ``lean``: on the memory-lean path (``recompute_window_tiles`` with no attention dropout)."""
     count = config.num_hidden_layers
-    windows, ranks = ([value] * count if isinstance(value, int) else value
-                      for value in (config.window_size, config.projection_rank))
+    windows, ranks = (
+        [value] * count if isinstance(value, int) else value for value in (config.window_size, config.projection_rank)
+    )
     probabilities = not lean and config.attention_probs_dropout_prob > 0
     layers = []
     for w, r in zip(windows, ranks):
@@ -121,9 +133,19 @@ def long_short_layers(config, seq_length: int, *, lean: bool = False) -> tuple[A
             keys = w + r * rows / config.causal_segment_length
         else:
             keys = w + 2 * max(w // 2, 1) + r
-        layers.append(AttentionLayer(seq_length, config.hidden_size, config.intermediate_size,
-                                     config.num_attention_heads, keys, w, config.hidden_dropout_prob > 0,
-                                     probabilities, lean))
+        layers.append(
+            AttentionLayer(
+                seq_length,
+                config.hidden_size,
+                config.intermediate_size,
+                config.num_attention_heads,
+                keys,
+                w,
+                config.hidden_dropout_prob > 0,
+                probabilities,
+                lean,
+            )
+        )
     return tuple(layers)
 
 
@@ -146,8 +168,14 @@ def _fitting_batch(step: Callable[..., TrainingStep], settings: dict, available:
     return {**settings, "batch_size": max(1, min(settings["batch_size"], size))}
 
 
-def check_memory(step: Callable[..., TrainingStep], settings: dict, device: torch.device, fixes: dict[str, str],
-                 error: Callable[[str], BaseException] = ValueError, note: str = "") -> None:
+def check_memory(
+    step: Callable[..., TrainingStep],
+    settings: dict,
+    device: torch.device,
+    fixes: dict[str, str],
+    error: Callable[[str], BaseException] = ValueError,
+    note: str = "",
+) -> None:
     """Raise ``error(message)`` before any work when the training step ``step(**settings)`` needs more memory than
     ``device`` has available, with the estimates under the recipe's ``fixes``: each alone, and all together when
     none is enough alone.
@@ -160,8 +188,11 @@ def check_memory(step: Callable[..., TrainingStep], settings: dict, device: torc
     available, first = available_bytes(device), step(**settings)
     if device.type not in ("cpu", "cuda") or first.bytes() <= available:
         return
-    switches = [name for name in ("checkpointing", "lean")
-                if name in fixes and not settings[name] and (name != "lean" or device.type == "cpu")]
+    switches = [
+        name
+        for name in ("checkpointing", "lean")
+        if name in fixes and not settings[name] and (name != "lean" or device.type == "cpu")
+    ]
     options = [([fixes[name]], {**settings, name: True}) for name in switches]
     if "batch_size" in fixes and settings["batch_size"] > 1:
         smaller = _fitting_batch(step, {**settings, "batch_size": settings["batch_size"] - 1}, available)
@@ -170,9 +201,11 @@ def check_memory(step: Callable[..., TrainingStep], settings: dict, device: torc
         together = _fitting_batch(step, {**settings, **dict.fromkeys(switches, True)}, available)
         size = [f"{fixes['batch_size']} {together['batch_size']}"] if "batch_size" in fixes else []
         options.append(([fixes[name] for name in switches] + size, together))
-    estimates = "; ".join(f"{' '.join(labels)}: about {_gib(step(**changed).bytes())}"
-                          + ("" if step(**changed).bytes() <= available else " (too much still)")
-                          for labels, changed in options)
+    estimates = "; ".join(
+        f"{' '.join(labels)}: about {_gib(step(**changed).bytes())}"
+        + ("" if step(**changed).bytes() <= available else " (too much still)")
+        for labels, changed in options
+    )
     raise error(
         f"a training step needs about {_gib(first.bytes())} ({_gib(first.activation_bytes())} of activations for "
         f"{first.examples:,} examples of {first.layers[0].tokens:,} tokens through {len(first.layers)} layers of width "

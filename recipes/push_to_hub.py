@@ -79,17 +79,22 @@ def summary(model) -> str:
     """One line on the architecture: size, attention and, for ``LongShortXLForCausalLM``, positions and memory."""
     c = model.config
     if isinstance(c, LongShortXLConfig):
-        positions = (f"Transformer-XL relative positions (no length limit), memory_length={c.memory_length}, "
-                     f"causal_segment_length={c.causal_segment_length}, window_rule={c.window_rule}, "
-                     f"projection_input={c.projection_input}")
+        positions = (
+            f"Transformer-XL relative positions (no length limit), memory_length={c.memory_length}, "
+            f"causal_segment_length={c.causal_segment_length}, window_rule={c.window_rule}, "
+            f"projection_input={c.projection_input}"
+        )
     else:
         positions = f"{c.max_input_length} tokens"
-    return (f"{type(model).__name__}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {positions}, "
-            f"window_size={c.window_size}, projection_rank={c.projection_rank}, use_dual_ln={c.use_dual_ln}")
+    return (
+        f"{type(model).__name__}: {c.num_hidden_layers} layers, hidden size {c.hidden_size}, {positions}, "
+        f"window_size={c.window_size}, projection_rank={c.projection_rank}, use_dual_ln={c.use_dual_ln}"
+    )
 
 
-def model_card(template: str, repo_id: str, model, metrics: dict, dataset: str | None = None,
-               context: int | None = None) -> str:
+def model_card(
+    template: str, repo_id: str, model, metrics: dict, dataset: str | None = None, context: int | None = None
+) -> str:
     """Fill ``template``: ``{{repo_id}}``, ``{{auto_class}}``, ``{{architecture}}``, the metadata defaults, and the
     ``metrics`` measured on ``dataset`` (model-index metadata and the table at ``<!-- measured results -->``;
     ``context``: bytes before each block in streaming scoring, named beside ``eval_bpc``)."""

@@ -84,6 +84,10 @@ def tiny_long_short(folder, *, window_size: int = 16, projection_rank: int = 4, 
     folder = Path(folder)
     source = tiny_roberta(folder.with_name(folder.name + "-roberta"), max_length=max_length)
     return convert_roberta(
-        source, folder, max_position_embeddings=max_length, window_size=window_size, projection_rank=projection_rank,
+        source,
+        folder,
+        max_position_embeddings=max_length,
+        window_size=window_size,
+        projection_rank=projection_rank,
         log=lambda message: None,
     )

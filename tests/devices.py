@@ -54,17 +54,20 @@ def device_selection(items: list, device: torch.device) -> tuple[list, list]:
 def cpu64(*objects):
     """float64 CPU copies of modules and tensors (None passes through): the reference side of a comparison, from the
     very weights and inputs (already rounded to the tested dtype) the tested side used."""
+
     def convert(obj):
         if obj is None:
             return None
         if isinstance(obj, torch.nn.Module):
             return copy.deepcopy(obj).to("cpu", torch.float64)
         return obj.to("cpu", torch.float64) if obj.is_floating_point() else obj.cpu()
+
     return tuple(convert(obj) for obj in objects)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0,
-                 dtype: torch.dtype | None = None) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0, dtype: torch.dtype | None = None
+) -> None:
     """``torch.testing.assert_close`` on CPU float64 copies: ``atol``/``rtol`` as given when the values were computed in
     float64 (``dtype``, default ``actual``'s), else an absolute tolerance of ``RELATIVE_ATOL[dtype]`` times the
     largest magnitude of ``expected``."""
@@ -72,5 +75,4 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
     if dtype != torch.float64:
         scale = expected.abs().max().item() if expected.numel() else 0.0
         atol, rtol = RELATIVE_ATOL[dtype] * scale, 0.0
-    torch.testing.assert_close(actual.to("cpu", torch.float64), expected.to("cpu", torch.float64), atol=atol,
-                               rtol=rtol)
+    torch.testing.assert_close(actual.to("cpu", torch.float64), expected.to("cpu", torch.float64), atol=atol, rtol=rtol)

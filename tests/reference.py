@@ -165,8 +165,10 @@ def reference_xl_attention(module, h, memory=None):
             scores, vals = [], []
             for j in window:
                 rel = module.window_position(sinusoid(t - j, d)).view(H, dh)
-                scores.append(((q + module.content_bias) * keys[j].view(H, dh)).sum(-1)
-                              + ((q + module.position_bias) * rel).sum(-1))
+                scores.append(
+                    ((q + module.content_bias) * keys[j].view(H, dh)).sum(-1)
+                    + ((q + module.position_bias) * rel).sum(-1)
+                )
                 vals.append(values[j].view(H, dh))
             a = t // l
             for s in range(a):  # finished segments before the query's own

@@ -33,15 +33,51 @@ def artefacts(output_dir: Path) -> set[str]:
 
 def test_two_process_cpu_launch_matches_one_process(tmp_path):
     model = tiny_long_short(tmp_path / "ls-tiny")
-    args = ["--model_name_or_path", str(model), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
-            "--do_train", "--do_eval", "--do_predict", "--max_train_samples", "64", "--max_eval_samples", "32",
-            "--per_device_train_batch_size", "8", "--num_train_epochs", "1", "--learning_rate", "1e-3",
-            "--logging_steps", "1", "--disable_tqdm", "True", "--use_cpu", "True"]
-    launch = [f"{sys.prefix}/bin/accelerate", "launch", "--config_file", "recipes/accelerate/cpu.yaml",
-              "--main_process_port", str(free_port()), "-m", "recipes.finetune_imdb"]
+    args = [
+        "--model_name_or_path",
+        str(model),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--test_file",
+        str(IMDB_TEST),
+        "--do_train",
+        "--do_eval",
+        "--do_predict",
+        "--max_train_samples",
+        "64",
+        "--max_eval_samples",
+        "32",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_train_epochs",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "True",
+        "--use_cpu",
+        "True",
+    ]
+    launch = [
+        f"{sys.prefix}/bin/accelerate",
+        "launch",
+        "--config_file",
+        "recipes/accelerate/cpu.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "recipes.finetune_imdb",
+    ]
     result = subprocess.run(
         [*launch, *args, "--output_dir", str(tmp_path / "two")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

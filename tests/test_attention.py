@@ -24,8 +24,9 @@ PROPERTY = settings(max_examples=property_examples(40), deadline=None, suppress_
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def make(hidden=8, heads=2, window=3, rank=2, seed=0, device="cpu", dtype=torch.float64, **kwargs
-         ) -> LongShortSelfAttention:
+def make(
+    hidden=8, heads=2, window=3, rank=2, seed=0, device="cpu", dtype=torch.float64, **kwargs
+) -> LongShortSelfAttention:
     """A module (float64 unless ``dtype``) in eval mode whose DualLN weights are perturbed (so a misplaced LN cannot
     hide); the same weights on every device."""
     torch.manual_seed(seed)
@@ -86,15 +87,23 @@ def heads_and_dims(draw):
 
 masks = st.sampled_from(["none", "right", "left", "random"])
 # the bidirectional grid: head layouts, windows, ranks, lengths, batches and padding
-bidirectional_grid = {"dims": heads_and_dims(), "window": st.integers(0, 6), "rank": st.integers(0, 3),
-                      "n": st.integers(1, 20), "batch": st.integers(1, 2), "mask_kind": masks, "pad": st.integers(1, 8)}
+bidirectional_grid = {
+    "dims": heads_and_dims(),
+    "window": st.integers(0, 6),
+    "rank": st.integers(0, 3),
+    "n": st.integers(1, 20),
+    "batch": st.integers(1, 2),
+    "mask_kind": masks,
+    "pad": st.integers(1, 8),
+}
 
 
 # ------------------------------------------------------------------------------ oracle (bidirectional)
 @PROPERTY
 @given(**bidirectional_grid, with_cls=st.booleans(), output_attentions=st.booleans(), seed=st.integers(0, 2**16))
-def test_bidirectional_matches_oracle(dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed,
-                                      device, dtype):
+def test_bidirectional_matches_oracle(
+    dims, window, rank, n, batch, mask_kind, pad, with_cls, output_attentions, seed, device, dtype
+):
     if window == rank == 0:
         rank = 1
     with_cls = with_cls and dims["qk_head_dim"] is None  # cls needs qk_head_dim == head_dim
@@ -184,8 +193,9 @@ def decode(module, x, mask, bounds, output_attentions=False):
     output_attentions=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_causal_cache_matches_full_forward(config, n, sizes, one_by_one, batch, mask_kind, pad, output_attentions, seed,
-                                           device, dtype):
+def test_causal_cache_matches_full_forward(
+    config, n, sizes, one_by_one, batch, mask_kind, pad, output_attentions, seed, device, dtype
+):
     module = make(seed=seed, device=device, dtype=dtype, **config)
     x, _ = inputs(module, batch, n, seed)
     mask = make_mask(mask_kind, batch, n, pad, seed, device)
@@ -250,9 +260,13 @@ def _official(case):
     tensors = load_file(FIXTURES / "lra_attention_ls.safetensors")
     config = meta["config"]
     assert config["num_head"] * config["head_dim"] == config["transformer_dim"]
-    module = LongShortSelfAttention(
-        config["transformer_dim"], config["num_head"], config["window_size"], config["num_landmarks"]
-    ).double().eval()
+    module = (
+        LongShortSelfAttention(
+            config["transformer_dim"], config["num_head"], config["window_size"], config["num_landmarks"]
+        )
+        .double()
+        .eval()
+    )
     prefix = f"{case}.param."
     state = {}
     for key, value in tensors.items():
@@ -463,18 +477,24 @@ def test_lean_path_gradients_match_default_bidirectional(dims, window, rank, n, 
     x, cls = inputs(module, batch, n, seed)
     mask = make_mask(mask_kind, batch, n, pad, seed)
     glob = global_mask(batch, n, 0.3, seed) if extra == "global" else None
-    assert_lean_matches_default(module, x, cls if extra == "cls" else None, attention_mask=mask,
-                               global_attention_mask=glob)
+    assert_lean_matches_default(
+        module, x, cls if extra == "cls" else None, attention_mask=mask, global_attention_mask=glob
+    )
 
 
 @PROPERTY
-@given(config=causal_configs(), n=st.integers(1, 24), batch=st.integers(1, 2), mask_kind=masks, pad=st.integers(1, 8),
-       seed=st.integers(0, 2**16))
+@given(
+    config=causal_configs(),
+    n=st.integers(1, 24),
+    batch=st.integers(1, 2),
+    mask_kind=masks,
+    pad=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
 def test_lean_path_gradients_match_default_causal(config, n, batch, mask_kind, pad, seed):
     module = make(seed=seed, **config)
     x, _ = inputs(module, batch, n, seed)
     assert_lean_matches_default(module, x, attention_mask=make_mask(mask_kind, batch, n, pad, seed))
-
 
 
 def test_config_recompute_window_tiles_reaches_every_layer():
@@ -482,9 +502,18 @@ def test_config_recompute_window_tiles_reaches_every_layer():
     default model's loss and gradients (float64)."""
     from ls_hf import LongShortConfig, LongShortForMaskedLM
 
-    config = {"vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "intermediate_size": 32, "window_size": 4, "projection_rank": 2, "max_position_embeddings": 40,
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    config = {
+        "vocab_size": 40,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "window_size": 4,
+        "projection_rank": 2,
+        "max_position_embeddings": 40,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
     ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
     results = []
     for recompute in (True, False):
@@ -499,6 +528,7 @@ def test_config_recompute_window_tiles_reaches_every_layer():
     torch.testing.assert_close(loss, loss_default, atol=1e-12, rtol=0)
     for name in grads_default:
         torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
+
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2**20])
 def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
@@ -524,8 +554,16 @@ def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
             with patch.object(long_short_kernels, "TILE_CHUNK_BYTES", chunk_bytes):
                 out = long_short_kernels.layer_norm_in_place(fresh, norm) if in_place else norm(fresh)
                 (out * (weights if fallback != "strided" else weights.transpose(0, 1))).sum().backward()
-            results.append((out.detach(), inp.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
-                            _graph_names(out), out.data_ptr() == fresh.data_ptr()))
+            results.append(
+                (
+                    out.detach(),
+                    inp.grad,
+                    norm.weight.grad.clone(),
+                    norm.bias.grad.clone(),
+                    _graph_names(out),
+                    out.data_ptr() == fresh.data_ptr(),
+                )
+            )
         (*lean, names, same_storage), (*plain, _, _) = results
         assert ("LayerNormInPlaceBackward" in names) == same_storage == (fallback is None)
         for got, expected in zip(lean, plain):
@@ -543,8 +581,13 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
     hidden = torch.randn(2, 2, length, width, dtype=torch.float64, generator=generator)
     weight = torch.randn(heads * rank, width, dtype=torch.float64, generator=generator)
     keys, values = (torch.randn(2, 2, heads, length, d, dtype=torch.float64, generator=generator) for d in (5, 6))
-    params = [hidden, weight, torch.randn(heads * rank, dtype=torch.float64, generator=generator) if bias else None,
-              keys, values]
+    params = [
+        hidden,
+        weight,
+        torch.randn(heads * rank, dtype=torch.float64, generator=generator) if bias else None,
+        keys,
+        values,
+    ]
     valid = None if valid_kind == "none" else torch.rand(2, 2, length, generator=generator) > 0.4
     if valid_kind == "empty_set":
         valid[1, 1] = False
@@ -696,12 +739,15 @@ def test_misuse_of_forward_raises():
         bidirectional(x, state=CausalState())
 
 
-@pytest.mark.parametrize("shape,mask_shape,match", [
-    ((2, 9, 10), None, r"hidden_states must be \(batch, tokens, 16\), got \(2, 9, 10\)"),
-    ((9, 16), None, r"hidden_states must be \(batch, tokens, 16\), got \(9, 16\).*x\[None\]"),
-    ((2, 9, 16), (2, 8), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(2, 8\)"),
-    ((2, 9, 16), (9,), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(9,\)"),
-])
+@pytest.mark.parametrize(
+    "shape,mask_shape,match",
+    [
+        ((2, 9, 10), None, r"hidden_states must be \(batch, tokens, 16\), got \(2, 9, 10\)"),
+        ((9, 16), None, r"hidden_states must be \(batch, tokens, 16\), got \(9, 16\).*x\[None\]"),
+        ((2, 9, 16), (2, 8), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(2, 8\)"),
+        ((2, 9, 16), (9,), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(9,\)"),
+    ],
+)
 def test_wrong_inputs_are_refused_clearly(shape, mask_shape, match):
     attn = LongShortSelfAttention(16, 2, window_size=4, projection_rank=2)
     mask = None if mask_shape is None else torch.ones(mask_shape)
@@ -756,8 +802,9 @@ def test_global_tokens_match_oracle(
     """Global tokens (any count per sample, anywhere, with padding) against the dense oracle (float64 by default)."""
     if window == rank == 0:
         rank = 1
-    module = make(window=window, rank=rank, seed=seed, global_projections=global_projections, device=device,
-                  dtype=dtype, **dims)
+    module = make(
+        window=window, rank=rank, seed=seed, global_projections=global_projections, device=device, dtype=dtype, **dims
+    )
     x, _ = inputs(module, batch, n, seed)
     mask = make_mask(mask_kind, batch, n, pad, seed, device)
     glob = global_mask(batch, n, density, seed).to(device)
@@ -793,16 +840,23 @@ def test_global_first_token_reproduces_official_cls_keys(case):
     glob = torch.zeros(x.shape[0], 1 + x.shape[1])
     glob[:, 0] = 1
     with torch.no_grad():
-        out, _ = module(torch.cat([cls, x], 1), torch.cat([torch.ones_like(mask[:, :1]), mask], 1),
-                        global_attention_mask=glob)
+        out, _ = module(
+            torch.cat([cls, x], 1), torch.cat([torch.ones_like(mask[:, :1]), mask], 1), global_attention_mask=glob
+        )
     official = tensors[f"{case}.out"]
     torch.testing.assert_close(out[:, 1:], official[:, 1:], atol=1e-6, rtol=0)
     assert (out[:, 0] - official[:, 0]).abs().max() > 1e-3
 
 
 @PROPERTY
-@given(window=st.integers(0, 5), rank=st.integers(0, 3), n=st.integers(1, 14), extra=st.integers(1, 9),
-       density=st.sampled_from([0.1, 0.3, 1.0]), seed=st.integers(0, 2**16))
+@given(
+    window=st.integers(0, 5),
+    rank=st.integers(0, 3),
+    n=st.integers(1, 14),
+    extra=st.integers(1, 9),
+    density=st.sampled_from([0.1, 0.3, 1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_global_tokens_padding_invariance(window, rank, n, extra, density, seed):
     """Appending padding (marked global or not) or changing what padded positions hold leaves the real outputs."""
     if window == rank == 0:
@@ -814,8 +868,9 @@ def test_global_tokens_padding_invariance(window, rank, n, extra, density, seed)
     with torch.no_grad():
         short, _ = module(x[:, :n], global_attention_mask=glob[:, :n])
         padded, _ = module(x, mask, global_attention_mask=glob)
-        changed, _ = module(torch.where(mask.bool()[..., None], x, 100 * torch.randn_like(x)), mask,
-                            global_attention_mask=glob)
+        changed, _ = module(
+            torch.where(mask.bool()[..., None], x, 100 * torch.randn_like(x)), mask, global_attention_mask=glob
+        )
     torch.testing.assert_close(padded[:, :n], short, atol=TOL, rtol=0)
     torch.testing.assert_close(changed, padded, atol=TOL, rtol=0)
 
@@ -833,7 +888,8 @@ def test_global_tokens_gradients(global_projections, output_attentions):
     glob[1, 4] = 1
     assert torch.autograd.gradcheck(
         lambda x: module(x, mask, global_attention_mask=glob, output_attentions=output_attentions)[0],
-        (x.clone().requires_grad_(),), fast_mode=True,
+        (x.clone().requires_grad_(),),
+        fast_mode=True,
     )
     weights = torch.randn(2, 9, module.output.out_features, dtype=torch.float64)
     grads = []
@@ -926,7 +982,7 @@ def test_global_tokens_maps_are_what_the_output_is_computed_from(global_projecti
                     tail = torch.einsum("hs,shd->hd", maps[b, :, :, -K + j], values[b, :, -K + j])
                     context[b, t] = own + tail
                 else:
-                    context[b, t] = torch.einsum("hc,chd->hd", maps[b, :, t, : -K], values[b, t, : -K])
+                    context[b, t] = torch.einsum("hc,chd->hd", maps[b, :, t, :-K], values[b, t, :-K])
         return module.output(context.flatten(2))
 
     leaf = maps.detach().requires_grad_()

@@ -125,8 +125,13 @@ def test_no_time_left_marks_every_bar_not_run(tmp_path):
     assert all("its time ran out" in row["reason"] for row in rows)
 
 
-@pytest.mark.parametrize("args, message", [(["--smoke", "--budget-s", "-1"], "--budget-s must be >= 0"),
-                                           (["--smoke", "--out", "bars.txt"], "--out must name a .json file")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--smoke", "--budget-s", "-1"], "--budget-s must be >= 0"),
+        (["--smoke", "--out", "bars.txt"], "--out must name a .json file"),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:

@@ -8,7 +8,6 @@ Eager FlexAttention evaluates the mask_mod on every pair and ignores the block s
 wrong block class would show in the outputs. Checked, never timed.
 """
 
-
 from typing import NamedTuple
 
 import pytest
@@ -47,8 +46,13 @@ class Case(NamedTuple):
         return long_short_mask_mod(self.layout, key_valid=self.key_valid, offsets=self.offsets)
 
     def block_mask(self):
-        return long_short_block_mask(self.layout, num_queries=self.num_queries, key_valid=self.key_valid,
-                                     offsets=self.offsets, block_size=self.block_size)
+        return long_short_block_mask(
+            self.layout,
+            num_queries=self.num_queries,
+            key_valid=self.key_valid,
+            offsets=self.offsets,
+            block_size=self.block_size,
+        )
 
 
 @st.composite
@@ -73,8 +77,9 @@ def layouts(draw, max_queries=700, windows=WINDOWS):
             fields.update(segment_length=segment, projection_rank=rank, num_extra_keys=rank * segments)
     else:
         num_window_keys = m if window else 0
-        fields.update(num_window_keys=num_window_keys,
-                      num_extra_keys=draw(st.integers(0 if num_window_keys else 1, 150)))
+        fields.update(
+            num_window_keys=num_window_keys, num_extra_keys=draw(st.integers(0 if num_window_keys else 1, 150))
+        )
     spec = {
         "batch": draw(st.integers(1, 3)),
         "padding": draw(st.sampled_from(["none", "right", "left", "random"])),
@@ -142,8 +147,10 @@ def block_classes(block_mask):
     entries past each row's count ignored."""
     key_blocks = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
     grids = []
-    for counts, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
-                            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+    for counts, indices in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
         counts, indices = counts[:, 0].long().cpu(), indices[:, 0].long().cpu()
         chosen = torch.arange(indices.shape[-1]) < counts[..., None]
         grid = torch.zeros(*indices.shape[:-1], key_blocks + 1, dtype=torch.bool)
@@ -163,8 +170,10 @@ def qkv(case: Case, heads=2, qk_dim=8, v_dim=8, dtype=torch.float64, seed=0):
     """Random queries (B, H, m, qk_dim), keys (B, H, L + R, qk_dim) and values (B, H, L + R, v_dim)."""
     generator = torch.Generator().manual_seed(seed)
     keys = case.layout.num_keys
-    return (torch.randn(case.batch, heads, length, dim, generator=generator, dtype=torch.float64).to(dtype)
-            for length, dim in ((case.num_queries, qk_dim), (keys, qk_dim), (keys, v_dim)))
+    return (
+        torch.randn(case.batch, heads, length, dim, generator=generator, dtype=torch.float64).to(dtype)
+        for length, dim in ((case.num_queries, qk_dim), (keys, qk_dim), (keys, v_dim))
+    )
 
 
 def padded_case(fields, valid_rows, offsets=None, block_size=16) -> Case:
@@ -172,8 +181,9 @@ def padded_case(fields, valid_rows, offsets=None, block_size=16) -> Case:
     fields = dict(fields)
     num_queries = fields.pop("num_queries")
     layout = KeyLayout(**fields)
-    key_valid = torch.ones(len(offsets) if offsets is not None else max(valid_rows) + 1, layout.num_keys,
-                           dtype=torch.bool)
+    key_valid = torch.ones(
+        len(offsets) if offsets is not None else max(valid_rows) + 1, layout.num_keys, dtype=torch.bool
+    )
     for row, padding in valid_rows.items():
         key_valid[row, padding] = False
     return Case(layout, num_queries, key_valid, offsets, block_size)
@@ -194,7 +204,9 @@ def test_rules_on_negative_positions(causal):
     and tensors agree, and the window keeps its span."""
     t = torch.arange(-20, 20)
     low, high = rules.window_bounds(t, 3, causal)
-    assert torch.equal(torch.stack([low, high]), torch.tensor([rules.window_bounds(i, 3, causal) for i in t.tolist()]).T)
+    assert torch.equal(
+        torch.stack([low, high]), torch.tensor([rules.window_bounds(i, 3, causal) for i in t.tolist()]).T
+    )
     assert (high - low).min() >= (1 if causal else 5)
     assert torch.equal(rules.segment_rule(t, torch.tensor(-2), 4), t // 4 > -2)
 
@@ -206,8 +218,15 @@ def test_block_mask_matches_create_block_mask(drawn):
     """Partial and full key blocks of every query block equal create_block_mask's, which evaluates every pair."""
     case = build(*drawn)
     ours = case.block_mask()
-    expected = create_block_mask(case.mask_mod(), case.batch, None, case.num_queries, case.layout.num_keys,
-                                 device="cpu", BLOCK_SIZE=case.block_size)
+    expected = create_block_mask(
+        case.mask_mod(),
+        case.batch,
+        None,
+        case.num_queries,
+        case.layout.num_keys,
+        device="cpu",
+        BLOCK_SIZE=case.block_size,
+    )
     assert ours.seq_lengths == expected.seq_lengths and tuple(ours.BLOCK_SIZE) == tuple(expected.BLOCK_SIZE)
     assert ours.kv_indices.shape == expected.kv_indices.shape
     for got, want, kind in zip(block_classes(ours), block_classes(expected), ("partial", "full")):
@@ -224,8 +243,9 @@ def test_block_structure_at_the_benchmark_settings():
     partial, full = block_classes(long_short_block_mask(bidirectional, num_queries=n))
     assert full[0].sum(-1).tolist() == [3, 3] + [4] * 28 + [3, 3]
     assert not partial[0, :, :32].any() and partial[0, :, 32].all()
-    causal = KeyLayout(window_size=256, causal=True, num_window_keys=n, num_extra_keys=n // 16, segment_length=16,
-                       projection_rank=1)
+    causal = KeyLayout(
+        window_size=256, causal=True, num_window_keys=n, num_extra_keys=n // 16, segment_length=16, projection_rank=1
+    )
     partial, full = block_classes(long_short_block_mask(causal, num_queries=n))
     assert full[0, :, :32].sum(-1).tolist() == [0, 1] + [2, 3] * 15
     assert torch.equal(partial[0, :, :32], torch.eye(32, dtype=torch.bool))
@@ -251,31 +271,61 @@ def test_geometry_is_cached_per_shape():
     assert long_short_block_mask(layout, num_queries=300) is not long_short_block_mask(layout, num_queries=299)
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"window_size": -1, "causal": False, "num_window_keys": 4}, "window_size must be an integer >= 0"),
-    ({"window_size": 0, "causal": False, "num_window_keys": 4}, "num_window_keys must be 0"),
-    ({"window_size": 2, "causal": False, "num_window_keys": 0}, "both 0"),
-    ({"window_size": 2, "causal": True, "num_window_keys": 4, "segment_length": 2}, "pass both or neither"),
-    ({"window_size": 2, "causal": False, "num_window_keys": 4, "num_extra_keys": 2, "segment_length": 2,
-      "projection_rank": 1}, "causal attention only"),
-    ({"window_size": 2, "causal": True, "num_window_keys": 4, "num_extra_keys": 3, "segment_length": 2,
-      "projection_rank": 2}, "multiple of projection_rank"),
-    ({"window_size": 2, "causal": True, "num_window_keys": 4, "q_start": 1.5}, "q_start must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"window_size": -1, "causal": False, "num_window_keys": 4}, "window_size must be an integer >= 0"),
+        ({"window_size": 0, "causal": False, "num_window_keys": 4}, "num_window_keys must be 0"),
+        ({"window_size": 2, "causal": False, "num_window_keys": 0}, "both 0"),
+        ({"window_size": 2, "causal": True, "num_window_keys": 4, "segment_length": 2}, "pass both or neither"),
+        (
+            {
+                "window_size": 2,
+                "causal": False,
+                "num_window_keys": 4,
+                "num_extra_keys": 2,
+                "segment_length": 2,
+                "projection_rank": 1,
+            },
+            "causal attention only",
+        ),
+        (
+            {
+                "window_size": 2,
+                "causal": True,
+                "num_window_keys": 4,
+                "num_extra_keys": 3,
+                "segment_length": 2,
+                "projection_rank": 2,
+            },
+            "multiple of projection_rank",
+        ),
+        ({"window_size": 2, "causal": True, "num_window_keys": 4, "q_start": 1.5}, "q_start must be an integer"),
+    ],
+)
 def test_malformed_layout_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         KeyLayout(**fields)
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    ({"num_queries": 0}, "num_queries must be an integer >= 1"),
-    ({"num_queries": 4, "block_size": (16, 0)}, "block_size must be"),
-    ({"num_queries": 4, "key_valid": torch.ones(2, 5, dtype=torch.bool)}, r"key_valid must be .* \(batch, 6\)"),
-    ({"num_queries": 4, "key_valid": torch.ones(2, 6)}, "key_valid must be a bool tensor"),
-    ({"num_queries": 4, "key_valid": torch.ones(2, 6, dtype=torch.bool), "offsets": torch.zeros(3, dtype=torch.long)},
-     r"offsets must be an integer tensor \(batch,\) = \(2,\)"),
-    ({"num_queries": 4, "offsets": torch.zeros(2)}, "offsets must be an integer tensor"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"num_queries": 0}, "num_queries must be an integer >= 1"),
+        ({"num_queries": 4, "block_size": (16, 0)}, "block_size must be"),
+        ({"num_queries": 4, "key_valid": torch.ones(2, 5, dtype=torch.bool)}, r"key_valid must be .* \(batch, 6\)"),
+        ({"num_queries": 4, "key_valid": torch.ones(2, 6)}, "key_valid must be a bool tensor"),
+        (
+            {
+                "num_queries": 4,
+                "key_valid": torch.ones(2, 6, dtype=torch.bool),
+                "offsets": torch.zeros(3, dtype=torch.long),
+            },
+            r"offsets must be an integer tensor \(batch,\) = \(2,\)",
+        ),
+        ({"num_queries": 4, "offsets": torch.zeros(2)}, "offsets must be an integer tensor"),
+    ],
+)
 def test_malformed_call_is_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
         long_short_block_mask(KeyLayout(window_size=2, causal=False, num_window_keys=4, num_extra_keys=2), **arguments)
@@ -284,15 +334,40 @@ def test_malformed_call_is_refused(arguments, message):
 # ------------------------------------------------------------------------------------------------ FlexAttention
 FLEX_CASES = {  # (layout and num_queries, padding spec, qk head dim, v head dim); eager FlexAttention takes ~1 s for
     # each new layout
-    "bidirectional": ({"num_queries": 37, "num_window_keys": 37, "num_extra_keys": 9, "window_size": 5,
-                       "causal": False}, {"padding": "random", "offsets": "none", "block_size": (8, 16)}, 4, 3),
-    "rows only": ({"num_queries": 20, "num_window_keys": 0, "num_extra_keys": 6, "window_size": 0, "causal": False},
-                  {"padding": "right", "offsets": "none", "block_size": 8}, 16, 16),
-    "causal continuation": ({"num_queries": 40, "num_window_keys": 56, "num_extra_keys": 30, "window_size": 16,
-                             "causal": True, "q_start": 21, "k_start": 5, "segment_length": 4, "projection_rank": 2},
-                            {"padding": "left", "offsets": "left padding", "block_size": (16, 8)}, 20, 8),
-    "causal offsets": ({"num_queries": 50, "num_window_keys": 50, "window_size": 3, "causal": True},
-                       {"padding": "right", "offsets": "random", "block_size": 24}, 8, 16),
+    "bidirectional": (
+        {"num_queries": 37, "num_window_keys": 37, "num_extra_keys": 9, "window_size": 5, "causal": False},
+        {"padding": "random", "offsets": "none", "block_size": (8, 16)},
+        4,
+        3,
+    ),
+    "rows only": (
+        {"num_queries": 20, "num_window_keys": 0, "num_extra_keys": 6, "window_size": 0, "causal": False},
+        {"padding": "right", "offsets": "none", "block_size": 8},
+        16,
+        16,
+    ),
+    "causal continuation": (
+        {
+            "num_queries": 40,
+            "num_window_keys": 56,
+            "num_extra_keys": 30,
+            "window_size": 16,
+            "causal": True,
+            "q_start": 21,
+            "k_start": 5,
+            "segment_length": 4,
+            "projection_rank": 2,
+        },
+        {"padding": "left", "offsets": "left padding", "block_size": (16, 8)},
+        20,
+        8,
+    ),
+    "causal offsets": (
+        {"num_queries": 50, "num_window_keys": 50, "window_size": 3, "causal": True},
+        {"padding": "right", "offsets": "random", "block_size": 24},
+        8,
+        16,
+    ),
 }
 
 
@@ -310,8 +385,15 @@ def test_eager_flex_matches_dense_sdpa(flex_case):
 def test_query_without_keys_gets_zero():
     """A row whose keys are all padding, and the left padding of a causal row (offsets: its positions are negative,
     its window holds padding only): FlexAttention gives those queries 0, as the dense reference defines."""
-    fields = {"num_queries": 40, "window_size": 4, "causal": True, "num_window_keys": 40, "num_extra_keys": 6,
-              "segment_length": 4, "projection_rank": 1}
+    fields = {
+        "num_queries": 40,
+        "window_size": 4,
+        "causal": True,
+        "num_window_keys": 40,
+        "num_extra_keys": 6,
+        "segment_length": 4,
+        "projection_rank": 1,
+    }
     case = padded_case(fields, {1: slice(0, 7), 2: slice(None)}, offsets=torch.tensor([0, 7, 0]))
     keep = reference_keep(case)
     assert not keep[1, :7].any() and not keep[2].any() and keep[1, 7:].any(-1).all()
@@ -341,9 +423,17 @@ def test_compiled_flex_honours_the_block_mask():
     ones) with the BlockMask equals dense SDPA, float32, tolerance scaled to the outputs: causal continuation with
     projected rows, a left-padded row counted from its first token, a head dim of 8 (padded), lengths that are no
     multiple of the blocks. A partial block passed off as full changes the output: the kernel trusts the classes."""
-    fields = {"num_queries": 260, "window_size": 64, "causal": True, "num_window_keys": 276,
-              "num_extra_keys": 2 * (300 // 16), "q_start": 40, "k_start": 24, "segment_length": 16,
-              "projection_rank": 2}
+    fields = {
+        "num_queries": 260,
+        "window_size": 64,
+        "causal": True,
+        "num_window_keys": 276,
+        "num_extra_keys": 2 * (300 // 16),
+        "q_start": 40,
+        "k_start": 24,
+        "segment_length": 16,
+        "projection_rank": 2,
+    }
     case = padded_case(fields, {1: slice(0, 50 - 24)}, offsets=torch.tensor([0, 50]), block_size=32)
     block_mask = case.block_mask()
     q, k, v = qkv(case, dtype=torch.float32)
@@ -356,8 +446,13 @@ def test_compiled_flex_honours_the_block_mask():
     assert full.any() and not (partial | full).all()  # blocks to trust and blocks to skip
     moved = partial[0, 3].nonzero()[0]  # the first partial key block of row 0's query block 3, passed off as full
     partial[0, 3, moved], full[0, 3, moved] = False, True
-    wrong = BlockMask.from_kv_blocks(*lsb._ordered(partial), *lsb._ordered(full), BLOCK_SIZE=32,
-                                     mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
+    wrong = BlockMask.from_kv_blocks(
+        *lsb._ordered(partial),
+        *lsb._ordered(full),
+        BLOCK_SIZE=32,
+        mask_mod=block_mask.mask_mod,
+        seq_lengths=block_mask.seq_lengths,
+    )
     assert (flex_attend(q, k, v, wrong, compiled=True).double() - expected).abs().max() > 100 * tolerance
 
 
@@ -366,8 +461,14 @@ def test_block_mask_is_built_on_the_test_device(causal, device):
     """The mask is built where the keys are (on CUDA without a round trip through the CPU, offsets included) and
     equals create_block_mask's there, block class by block class."""
     n, rows = 700, 44 if causal else 64
-    layout = KeyLayout(window_size=128, causal=causal, num_window_keys=n, num_extra_keys=rows,
-                       segment_length=16 if causal else None, projection_rank=1 if causal else None)
+    layout = KeyLayout(
+        window_size=128,
+        causal=causal,
+        num_window_keys=n,
+        num_extra_keys=rows,
+        segment_length=16 if causal else None,
+        projection_rank=1 if causal else None,
+    )
     key_valid = torch.ones(2, n + rows, dtype=torch.bool, device=device)
     key_valid[1, :90] = False
     offsets = torch.tensor([0, 90], device=device) if causal else None

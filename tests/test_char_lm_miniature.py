@@ -23,8 +23,7 @@ def fake_run(root, name, *, use_dual_ln=True, results=None, step=1000, legs=(0,)
     if results is not None:
         log.append({"step": step, "train_loss": 2.0, "train_runtime": results["train_runtime"]})
         (folder / "all_results.json").write_text(json.dumps({**results, "test_dataset": "corpus.txt"}))
-    (where / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": 1000,
-                                                          "log_history": log}))
+    (where / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": 1000, "log_history": log}))
     (folder / "legs.jsonl").write_text("".join(json.dumps({"start_step": s}) + "\n" for s in legs))
 
 
@@ -53,8 +52,14 @@ def test_report_table_has_every_variant_seed_and_the_means(root, capsys):
     assert capsys.readouterr().out.strip() == table.strip()
     got = rows(table)
     assert [(r["variant"], r["seed"]) for r in got] == [
-        ("official", "0"), ("official", "1"), ("official", "mean of 0, 1"), ("official_no_dual_ln", "0"),
-        ("paper_rules", "0"), ("causal", "0"), ("full", "0")]
+        ("official", "0"),
+        ("official", "1"),
+        ("official", "mean of 0, 1"),
+        ("official_no_dual_ln", "0"),
+        ("paper_rules", "0"),
+        ("causal", "0"),
+        ("full", "0"),
+    ]
     official, resumed, mean, no_dual_ln, running, causal, full = got
     assert official["test BPC (stream)"] == "2.200" and official["test BPC (blocks)"] == "2.300"
     assert official["val BPC (stream)"] == "2.400" and official["val BPC (blocks)"] == "2.500"
@@ -74,8 +79,14 @@ def test_report_table_has_every_variant_seed_and_the_means(root, capsys):
 def test_plot_has_a_curve_per_run(root, tmp_path):
     runs = char_lm_miniature.load_runs(root)
     labels = char_lm_miniature.plot(runs, tmp_path / "curves.png")
-    assert labels == ["official, seed 0", "official, seed 1", "official_no_dual_ln, seed 0",
-                      "paper_rules, seed 0 (to step 250)", "causal, seed 0", "full, seed 0"]
+    assert labels == [
+        "official, seed 0",
+        "official, seed 1",
+        "official_no_dual_ln, seed 0",
+        "paper_rules, seed 0 (to step 250)",
+        "causal, seed 0",
+        "full, seed 0",
+    ]
     running = next(r for r in runs if r.variant == "paper_rules")
     assert running.curve[0] == list(range(25, 251, 25))
     assert running.curve[1][0] == pytest.approx((3.0 - 0.025) / math.log(2))  # nats -> bits
@@ -94,4 +105,6 @@ def test_each_session_notes_the_step_it_starts_from(tmp_path):
         (out / f"checkpoint-{step}").mkdir()
     assert char_lm_miniature.start_session(out) == 500
     assert [json.loads(line) for line in (out / "legs.jsonl").read_text().splitlines()] == [
-        {"start_step": 0}, {"start_step": 500}]
+        {"start_step": 0},
+        {"start_step": 500},
+    ]

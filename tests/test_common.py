@@ -11,7 +11,9 @@ from ls_hf.modeling_long_short import roberta_position_ids
 from .test_modeling import HEADS, head_inputs, tiny_config, tokens
 
 
-@pytest.mark.parametrize("model_class, overrides", [(h[0], h[3]) for h in HEADS], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "model_class, overrides", [(h[0], h[3]) for h in HEADS], ids=lambda v: getattr(v, "__name__", "")
+)
 def test_retain_grad_hidden_states_attentions(model_class, overrides):
     """``outputs.attentions[i]`` and ``outputs.hidden_states[i]`` are the tensors the output was computed from, so
     ``retain_grad()`` on them gets a gradient (attribution), in the documented (B, H, n, R + S) layout."""
@@ -19,7 +21,10 @@ def test_retain_grad_hidden_states_attentions(model_class, overrides):
     model = model_class(config).train()
     inputs = {k: v for k, v in head_inputs(model_class).items() if k == "input_ids"}
     outputs = model(**inputs, output_hidden_states=True, output_attentions=True)
-    assert len(outputs.attentions) == config.num_hidden_layers and len(outputs.hidden_states) == 1 + config.num_hidden_layers
+    assert (
+        len(outputs.attentions) == config.num_hidden_layers
+        and len(outputs.hidden_states) == 1 + config.num_hidden_layers
+    )
     n = inputs["input_ids"].shape[-1]
     for attentions in outputs.attentions:
         assert attentions.shape[:3] == (outputs.hidden_states[0].shape[0], config.num_attention_heads, n)
@@ -46,7 +51,9 @@ def test_one_position_rule_from_the_attention_mask():
     assert positions[0].tolist() == [2, 3, 1, 4, 5, 6, 7, 8, 9]
     assert torch.equal(roberta_position_ids(1, input_ids=ids.masked_fill(mask == 0, 1)), positions)  # ids alone
     # a mask over cached + new tokens and the new tokens' part alone after `past_length` unmasked cached tokens
-    assert torch.equal(roberta_position_ids(1, input_ids=ids[:, 6:], attention_mask=mask, past_length=6), positions[:, 6:])
+    assert torch.equal(
+        roberta_position_ids(1, input_ids=ids[:, 6:], attention_mask=mask, past_length=6), positions[:, 6:]
+    )
     ones = torch.ones(3, 3, dtype=torch.long)
     assert roberta_position_ids(1, input_ids=ids[:, :3], attention_mask=ones, past_length=4)[0].tolist() == [6, 7, 8]
     embeds = torch.zeros(2, 4, 8)
@@ -89,15 +96,17 @@ def test_decoder_model_past_with_large_inputs(causal_lm):
         prefill = causal_lm.long_short(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         step = causal_lm.long_short(input_ids=next_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True)
     torch.testing.assert_close(prefill.last_hidden_state, full[:, :14], atol=1e-12, rtol=0)
-    torch.testing.assert_close(step.last_hidden_state[full_mask[:, 14:].bool()],
-                               full[:, 14:][full_mask[:, 14:].bool()], atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        step.last_hidden_state[full_mask[:, 14:].bool()], full[:, 14:][full_mask[:, 14:].bool()], atol=1e-12, rtol=0
+    )
 
 
 def test_generate_first_step_matches_forward(causal_lm):
     """``generate``'s first scores are the logits of a plain forward with the same mask (zeros on real tokens)."""
     ids, mask = _masked_batch(10, seed=3)
-    out = causal_lm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+    out = causal_lm.generate(
+        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
         logits = causal_lm(input_ids=ids, attention_mask=mask).logits[:, -1]
     # generate hands back float32 logits: equal to the float64 forward's up to that rounding (|logits| < 1 here)
@@ -111,7 +120,9 @@ def test_generate_first_step_matches_forward(causal_lm):
     torch.testing.assert_close(out.logits[1].double(), second, atol=1e-7, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs", [{"prompt_lookup_num_tokens": 2}, {"assistant": True}], ids=["prompt_lookup", "assisted"])
+@pytest.mark.parametrize(
+    "kwargs", [{"prompt_lookup_num_tokens": 2}, {"assistant": True}], ids=["prompt_lookup", "assisted"]
+)
 def test_assisted_decoding_is_refused_up_front(causal_lm, kwargs):
     """The cache cannot be cropped (``_is_stateful``): Transformers' own error before any decoding step."""
     if kwargs.pop("assistant", False):

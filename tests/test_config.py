@@ -16,7 +16,12 @@ def test_roberta_fields_map_one_to_one():
     missing = roberta_fields - {f.name for f in fields(LongShortConfig)} - {"add_cross_attention"}
     assert not missing, f"RoBERTa fields absent from LongShortConfig: {sorted(missing)}"
     roberta = RobertaConfig(
-        hidden_size=64, num_attention_heads=4, layer_norm_eps=1e-5, type_vocab_size=1, num_labels=5, problem_type="regression"
+        hidden_size=64,
+        num_attention_heads=4,
+        layer_norm_eps=1e-5,
+        type_vocab_size=1,
+        num_labels=5,
+        problem_type="regression",
     )
     config = LongShortConfig.from_roberta(roberta, window_size=32, projection_rank=0, max_position_embeddings=1026)
     for key in roberta_fields - {"add_cross_attention", "max_position_embeddings"}:
@@ -89,8 +94,13 @@ def test_invalid_values_raise_naming_the_field(kwargs, field):
 
 def test_edited_config_is_checked_when_a_model_is_built():
     config = LongShortConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=50,
-        window_size=4, causal_segment_length=8,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=50,
+        window_size=4,
+        causal_segment_length=8,
     )
     config.is_decoder = True  # RoBERTa's way to make a decoder; l = 8 > w = 4 is now invalid
     with pytest.raises(ValueError, match="causal_segment_length"):

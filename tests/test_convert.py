@@ -85,20 +85,33 @@ def bert_tokenizer(folder) -> BertTokenizer:
 def tiny_source(kind, folder):
     """A randomly initialised 2-layer source model of ``kind`` (hidden 32, weights at std 0.2 so that a misused input
     shows) and its tokenizer, saved in ``folder``."""
-    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-              "initializer_range": 0.2}
+    common = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "initializer_range": 0.2,
+    }
     if kind == "longformer":
         tokenizer = train_tokenizer(sample_texts(), model_max_length=4096)
-        config = LongformerConfig(vocab_size=len(tokenizer), max_position_embeddings=4098, attention_window=1024,
-                                  type_vocab_size=1, pad_token_id=1, sep_token_id=2, **common)
+        config = LongformerConfig(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=4098,
+            attention_window=1024,
+            type_vocab_size=1,
+            pad_token_id=1,
+            sep_token_id=2,
+            **common,
+        )
         model = LongformerForMaskedLM(config)
     else:
         tokenizer = bert_tokenizer(folder)
         if kind == "bert":
             model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **common))
         else:
-            model = ElectraForPreTraining(ElectraConfig(vocab_size=len(tokenizer), embedding_size=32,
-                                                        max_position_embeddings=512, **common))
+            model = ElectraForPreTraining(
+                ElectraConfig(vocab_size=len(tokenizer), embedding_size=32, max_position_embeddings=512, **common)
+            )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model.eval(), tokenizer
@@ -125,8 +138,15 @@ def test_other_sources_convert_losslessly(kind, tmp_path):
     covering the input the converted model computes the source's function to 1e-5 at up to 512 tokens, with global
     tokens (the first token, and for Longformer a few more); no missing or unexpected keys."""
     source, tokenizer = tiny_source(kind, tmp_path / "src")
-    out = convert_roberta(tmp_path / "src", tmp_path / "ls", max_position_embeddings=4096 if kind == "longformer"
-                          else 1024, window_size=1024, projection_rank=0, use_dual_ln=False, log=lambda _: None)
+    out = convert_roberta(
+        tmp_path / "src",
+        tmp_path / "ls",
+        max_position_embeddings=4096 if kind == "longformer" else 1024,
+        window_size=1024,
+        projection_rank=0,
+        use_dual_ln=False,
+        log=lambda _: None,
+    )
     if kind == "electra":  # an encoder without RoBERTa's pooler, which ELECTRA lacks
         model, info = LongShortModel.from_pretrained(out, add_pooling_layer=False, output_loading_info=True)
     else:
@@ -156,8 +176,12 @@ def test_other_sources_convert_losslessly(kind, tmp_path):
     assert config.global_projections == (kind == "longformer")
     if kind == "longformer":
         assert config.max_position_embeddings == 4098
-        torch.testing.assert_close(model.long_short.embeddings.position_embeddings.weight,
-                                   source.longformer.embeddings.position_embeddings.weight, atol=0, rtol=0)
+        torch.testing.assert_close(
+            model.long_short.embeddings.position_embeddings.weight,
+            source.longformer.embeddings.position_embeddings.weight,
+            atol=0,
+            rtol=0,
+        )
     else:
         assert (config.type_vocab_size, config.layer_norm_eps) == (2, 1e-12)
 
@@ -186,11 +210,14 @@ def test_default_conversion_initialises_new_parameters(roberta, tmp_path, capsys
 def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys, monkeypatch):
     tiny = {"vocab_size": 50, "num_attention_heads": 2}
     DistilBertForMaskedLM(DistilBertConfig(dim=8, n_layers=1, hidden_dim=16, n_heads=2, vocab_size=50)).save_pretrained(
-        tmp_path / "distilbert")
-    ElectraForPreTraining(ElectraConfig(embedding_size=4, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
-                                        **tiny)).save_pretrained(tmp_path / "electra_small")
-    ElectraForMaskedLM(ElectraConfig(embedding_size=8, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
-                                     **tiny)).save_pretrained(tmp_path / "electra_generator")
+        tmp_path / "distilbert"
+    )
+    ElectraForPreTraining(
+        ElectraConfig(embedding_size=4, hidden_size=8, num_hidden_layers=1, intermediate_size=16, **tiny)
+    ).save_pretrained(tmp_path / "electra_small")
+    ElectraForMaskedLM(
+        ElectraConfig(embedding_size=8, hidden_size=8, num_hidden_layers=1, intermediate_size=16, **tiny)
+    ).save_pretrained(tmp_path / "electra_generator")
     bert_tokenizer(tmp_path / "electra_generator").save_pretrained(tmp_path / "electra_generator")
     with pytest.raises(ValueError, match="'distilbert' checkpoint.*converts model types roberta, .*bert, electra"):
         convert_roberta(tmp_path / "distilbert", tmp_path / "out")
@@ -261,7 +288,10 @@ def test_converted_config_carries_every_roberta_field(roberta, tmp_path):
     ).save_pretrained(tmp_path / "src")
     config = LongShortForMaskedLM.from_pretrained(convert_roberta(tmp_path / "src", tmp_path / "ls")).config
     assert (config.use_cache, config.num_labels, config.problem_type, config.classifier_dropout) == (
-        False, 5, "regression", 0.3
+        False,
+        5,
+        "regression",
+        0.3,
     )
     assert not config.is_decoder and config.max_position_embeddings == 4098
 
@@ -279,8 +309,11 @@ def test_causal_conversion_continues_a_prompt(roberta, tmp_path, capsys):
     model = LongShortForCausalLM.from_pretrained(tmp_path / "causal")
     assert model.config.is_decoder and model.config.max_input_length == 4096
     bidirectional = LongShortForMaskedLM.from_pretrained(mlm).state_dict()
-    assert all(torch.equal(value, bidirectional[key]) for key, value in model.state_dict().items()
-               if "dynamic_projection" not in key)  # W^P: new, drawn at random in each conversion
+    assert all(
+        torch.equal(value, bidirectional[key])
+        for key, value in model.state_dict().items()
+        if "dynamic_projection" not in key
+    )  # W^P: new, drawn at random in each conversion
     tokenizer, source = AutoTokenizer.from_pretrained(tmp_path / "causal"), AutoTokenizer.from_pretrained(roberta)
     prompt = "The film was"
     assert source(prompt).input_ids == [*tokenizer(prompt).input_ids, source.eos_token_id]  # </s> only in RoBERTa's
@@ -289,8 +322,16 @@ def test_causal_conversion_continues_a_prompt(roberta, tmp_path, capsys):
     assert generate.preprocess(prompt)["input_ids"][0].tolist() == tokenizer(prompt).input_ids
     assert generate(prompt, max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith(prompt)
 
-    ElectraForPreTraining(ElectraConfig(embedding_size=8, hidden_size=8, num_hidden_layers=1, intermediate_size=16,
-                                        vocab_size=400, num_attention_heads=2)).save_pretrained(tmp_path / "electra")
+    ElectraForPreTraining(
+        ElectraConfig(
+            embedding_size=8,
+            hidden_size=8,
+            num_hidden_layers=1,
+            intermediate_size=16,
+            vocab_size=400,
+            num_attention_heads=2,
+        )
+    ).save_pretrained(tmp_path / "electra")
     bert_tokenizer(tmp_path / "electra").save_pretrained(tmp_path / "electra")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "electra"), str(tmp_path / "out"), "--causal"])

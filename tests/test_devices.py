@@ -24,8 +24,9 @@ def test_gpu_check_without_a_gpu_says_so_and_succeeds():
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
         pytest.skip("this machine has a GPU: bash run.sh gpu-check runs the CUDA tests and benchmarks here")
     env = {**os.environ, "VENV": "/nonexistent"}  # the check comes before any environment is made
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check"], capture_output=True, text=True, env=env,
-                          check=False, timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), "gpu-check"], capture_output=True, text=True, env=env, check=False, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "no GPU found" in done.stdout
     assert not Path("/nonexistent").exists()
@@ -35,8 +36,14 @@ def test_gpu_check_without_a_gpu_says_so_and_succeeds():
 def test_gpu_check_refuses_unknown_arguments_before_anything_runs(args):
     """An unknown part, an unknown precision, or a precision after anything but 'tests': usage error, exit 2."""
     env = {**os.environ, "VENV": "/nonexistent"}
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "gpu-check", *args], capture_output=True, text=True,
-                          env=env, check=False, timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), "gpu-check", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "gpu-check [tests [float32|bfloat16]|bench]" in done.stderr and f"'{' '.join(args)}'" in done.stderr
     assert not Path("/nonexistent").exists()
@@ -93,8 +100,9 @@ def test_device_tests_need_only_what_gpu_check_needs():
     distributions = importlib.metadata.packages_distributions()
     declared = {dependencies.normalized(req.name) for req in dependencies.declared()}
     needs = {dependencies.normalized(name) for name in dependencies.GPU_CHECK_NEEDS}
-    used = {dependencies.normalized(dist) for name in _third_party_imports(listed)
-            for dist in distributions.get(name, [])}
+    used = {
+        dependencies.normalized(dist) for name in _third_party_imports(listed) for dist in distributions.get(name, [])
+    }
     assert used & declared <= needs, sorted((used & declared) - needs)
     assert {"torch", "transformers", "timm", "hypothesis"} <= used
 
@@ -139,7 +147,9 @@ def test_report_names_what_is_missing_and_refuses_only_for_what_gpu_check_needs(
     assert runnable and len(lines) == 1 and "accelerate>=1.0, datasets>=3.0" in lines[0] and "not used by" in lines[0]
     other_torch = dependencies.problems(requirements, lambda name: version_of(name, {**image, "torch": "2.10.1"}))
     lines, runnable = dependencies.report(other_torch)
-    assert runnable and "outside the declared range (gpu-check runs with them): torch>=2.11 (2.10.1 installed)" in lines[1]
+    assert (
+        runnable and "outside the declared range (gpu-check runs with them): torch>=2.11 (2.10.1 installed)" in lines[1]
+    )
     no_torch = dependencies.problems(requirements, lambda name: version_of(name, {**image, "torch": None}))
     lines, runnable = dependencies.report(no_torch)
     assert not runnable and lines[-1].startswith("gpu-check needs these and this environment lacks them: torch>=2.11;")
@@ -148,12 +158,19 @@ def test_report_names_what_is_missing_and_refuses_only_for_what_gpu_check_needs(
 
 
 def test_dependency_report_runs_in_this_environment():
-    done = subprocess.run([sys.executable, "-m", "bench.dependencies"], cwd=ROOT, capture_output=True, text=True,
-                          check=False, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.dependencies"], cwd=ROOT, capture_output=True, text=True, check=False, timeout=120
+    )
     expected_rc = 0 if dependencies.report(dependencies.problems(dependencies.declared()))[1] else 1
     assert done.returncode == expected_rc and sys.prefix in done.stdout + done.stderr
-    refused = subprocess.run([sys.executable, "-m", "bench.dependencies", "now"], cwd=ROOT, capture_output=True,
-                             text=True, check=False, timeout=120)
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.dependencies", "now"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert refused.returncode == 1 and "takes no arguments" in refused.stderr
 
 

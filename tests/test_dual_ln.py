@@ -46,8 +46,11 @@ def _layer_norm(module, x):
 def text_ratios(model, attention_class, ids):
     """(key ratio, value ratio) of every Long-Short layer of an ``ls_hf`` model on ``ids``."""
     seen = []
-    handles = [m.register_forward_pre_hook(lambda m, a, k: seen.append((m, a[0])), with_kwargs=True)
-               for m in model.modules() if isinstance(m, attention_class)]
+    handles = [
+        m.register_forward_pre_hook(lambda m, a, k: seen.append((m, a[0])), with_kwargs=True)
+        for m in model.modules()
+        if isinstance(m, attention_class)
+    ]
     with torch.no_grad():
         model(ids)
         ratios = []
@@ -74,8 +77,11 @@ def text_ratios(model, attention_class, ids):
 def image_ratios(model, images):
     """(key ratio, value ratio) of every ``LongShortAttention2d`` layer of an ``ls_timm`` model on ``images``."""
     seen = []
-    handles = [m.register_forward_pre_hook(lambda m, a: seen.append((m, *a))) for m in model.modules()
-               if isinstance(m, LongShortAttention2d) and m.projection_rank]
+    handles = [
+        m.register_forward_pre_hook(lambda m, a: seen.append((m, *a)))
+        for m in model.modules()
+        if isinstance(m, LongShortAttention2d) and m.projection_rank
+    ]
     with torch.no_grad():
         model(images)
         ratios = []
@@ -93,15 +99,38 @@ def image_ratios(model, images):
 
 
 def _text_models(use_dual_ln):
-    common = {"vocab_size": 259, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "intermediate_size": 1024, "use_dual_ln": use_dual_ln}
-    yield "bidirectional", LongShortModel(LongShortConfig(**common, window_size=16, projection_rank=8,
-                                                          max_position_embeddings=600)), LongShortSelfAttention
-    yield "causal", LongShortForCausalLM(LongShortConfig(**common, window_size=128, projection_rank=1,
-                                                         causal_segment_length=16, is_decoder=True,
-                                                         max_position_embeddings=600)), LongShortSelfAttention
-    yield "official", LongShortXLForCausalLM(LongShortXLConfig(**common, window_size=128, memory_length=0)), \
-        LongShortXLAttention
+    common = {
+        "vocab_size": 259,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 1024,
+        "use_dual_ln": use_dual_ln,
+    }
+    yield (
+        "bidirectional",
+        LongShortModel(LongShortConfig(**common, window_size=16, projection_rank=8, max_position_embeddings=600)),
+        LongShortSelfAttention,
+    )
+    yield (
+        "causal",
+        LongShortForCausalLM(
+            LongShortConfig(
+                **common,
+                window_size=128,
+                projection_rank=1,
+                causal_segment_length=16,
+                is_decoder=True,
+                max_position_embeddings=600,
+            )
+        ),
+        LongShortSelfAttention,
+    )
+    yield (
+        "official",
+        LongShortXLForCausalLM(LongShortXLConfig(**common, window_size=128, memory_length=0)),
+        LongShortXLAttention,
+    )
 
 
 @pytest.mark.parametrize("use_dual_ln", [True, False], ids=["dual_ln", "no_dual_ln"])

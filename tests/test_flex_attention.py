@@ -55,8 +55,15 @@ def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind
         rank = 1
     if extra == "cls" and dims.get("qk_head_dim"):  # the cls query attends to the token outputs
         extra = "none"
-    sdpa, flex = pair(window=window, rank=rank, seed=seed, global_projections=extra == "global_projections",
-                      device=device, dtype=dtype, **dims)
+    sdpa, flex = pair(
+        window=window,
+        rank=rank,
+        seed=seed,
+        global_projections=extra == "global_projections",
+        device=device,
+        dtype=dtype,
+        **dims,
+    )
     x, cls = inputs(sdpa, batch, n, seed)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra.startswith("global"):
@@ -196,8 +203,9 @@ def test_unknown_implementation_and_missing_flex_are_refused(monkeypatch):
 
 def test_default_stays_sdpa():
     assert LongShortSelfAttention(8, 2, 3, 2).attn_implementation == "sdpa"
-    assert {m.attn_implementation for m in LongShortModel(tiny_config()).modules()
-            if isinstance(m, LongShortSelfAttention)} == {"sdpa"}
+    assert {
+        m.attn_implementation for m in LongShortModel(tiny_config()).modules() if isinstance(m, LongShortSelfAttention)
+    } == {"sdpa"}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -248,7 +256,14 @@ def test_default_matches_the_portable_path_on_the_test_device(causal, device, dt
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
-    config = {"hidden": 32, "heads": 2, "window": 64, "rank": 4, "causal": causal, "segment_length": 8 if causal else None}
+    config = {
+        "hidden": 32,
+        "heads": 2,
+        "window": 64,
+        "rank": 4,
+        "causal": causal,
+        "segment_length": 8 if causal else None,
+    }
     default = make(**config, device=device, dtype=dtype)
     eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")
     x, _ = inputs(default, 2, 300)

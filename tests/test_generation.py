@@ -81,14 +81,28 @@ def test_left_padding_does_not_change_what_a_row_generates(model, use_cache, see
     pads = torch.randint(0, 9, (5,), generator=generator)
     mask = (torch.arange(11)[None] >= pads[:, None]).long()
     prompt = torch.where(mask.bool(), prompt, 1)
-    batched = generate(model, prompt, use_cache=use_cache, attention_mask=mask, do_sample=False, output_logits=True,
-                       return_dict_in_generate=True)
+    batched = generate(
+        model,
+        prompt,
+        use_cache=use_cache,
+        attention_mask=mask,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     for row, pad in enumerate(pads.tolist()):
-        alone = generate(model, prompt[row : row + 1, pad:], use_cache=use_cache, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+        alone = generate(
+            model,
+            prompt[row : row + 1, pad:],
+            use_cache=use_cache,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         assert torch.equal(batched.sequences[row, 11:], alone.sequences[0, 11 - pad :])
-        torch.testing.assert_close(torch.stack(batched.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=0,
-                                   atol=1e-4)
+        torch.testing.assert_close(
+            torch.stack(batched.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=0, atol=1e-4
+        )
 
 
 def test_generate_uses_a_long_short_cache_of_bounded_size(model):
@@ -152,7 +166,16 @@ def test_cache_implementation_is_refused_clearly(model, cache_implementation):
         model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation=cache_implementation)
 
 
-STATE_TENSORS = ("keys", "values", "valid", "rows_k", "rows_v", "rows_valid", "pending", "offsets")  # all of CausalState's
+STATE_TENSORS = (
+    "keys",
+    "values",
+    "valid",
+    "rows_k",
+    "rows_v",
+    "rows_valid",
+    "pending",
+    "offsets",
+)  # all of CausalState's
 
 
 def padded_batch():

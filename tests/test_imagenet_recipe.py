@@ -20,8 +20,22 @@ from recipes.imagenet import train
 from recipes.tiny import one_thread
 
 COLOURS = {"blue": (30, 30, 200), "green": (30, 200, 30), "red": (200, 30, 30)}
-TINY = ["--model", "cvt_ls_13", "--model-kwargs", "embed_dims=(16,32,48)", "depths=(1,1,1)", "num_heads=(1,2,2)",
-        "--img-size", "32", "--batch-size", "8", "--workers", "0", "--seed", "0"]
+TINY = [
+    "--model",
+    "cvt_ls_13",
+    "--model-kwargs",
+    "embed_dims=(16,32,48)",
+    "depths=(1,1,1)",
+    "num_heads=(1,2,2)",
+    "--img-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--workers",
+    "0",
+    "--seed",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +65,32 @@ def summary(out):
 
 def test_trains_resumes_and_exports(data_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    args = ["--data-dir", str(data_dir), "--output-dir", str(out), *TINY, "--lr", "2e-3", "--warmup-epochs", "1",
-            "--model-ema", "--model-ema-decay", "0.5"]
+    args = [
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(out),
+        *TINY,
+        "--lr",
+        "2e-3",
+        "--warmup-epochs",
+        "1",
+        "--model-ema",
+        "--model-ema-decay",
+        "0.5",
+    ]
     untrained = train.main([*args, "--eval-only"])  # the same seed builds the same initial weights
     first = train.main([*args, "--epochs", "2"])
     assert first["loss"] < untrained["loss"] and first["top1"] > 100 / len(COLOURS)
     assert first["top5"] == 100.0  # 3 classes: the top 5 always hold the label
     assert [row["epoch"] for row in summary(out)] == ["0", "1"]
-    for name in ("last/model.safetensors", "last/optimizer.bin", "last/progress.json", "best/model.safetensors",
-                 "best/config.json"):
+    for name in (
+        "last/model.safetensors",
+        "last/optimizer.bin",
+        "last/progress.json",
+        "best/model.safetensors",
+        "best/config.json",
+    ):
         assert (out / name).is_file(), name
 
     # A rerun with a longer schedule continues after epoch 1 instead of starting over, reading its state without
@@ -89,11 +120,29 @@ def test_trains_resumes_and_exports(data_dir, tmp_path, capsys, monkeypatch):
     # The exported best (EMA) weights load by path with their classes and input size and reproduce the best recorded
     # top-1; as a --pretrained-file they load whole too, classifier included.
     best = max(float(row["eval_ema_top1"]) for row in rows)
-    metrics = train.main(["--data-dir", str(data_dir), "--model", f"local-dir:{out / 'best'}", "--pretrained",
-                          "--eval-only", "--workers", "0"])
+    metrics = train.main(
+        [
+            "--data-dir",
+            str(data_dir),
+            "--model",
+            f"local-dir:{out / 'best'}",
+            "--pretrained",
+            "--eval-only",
+            "--workers",
+            "0",
+        ]
+    )
     assert metrics["top1"] == pytest.approx(best)
-    from_file = train.main(["--data-dir", str(data_dir), *TINY, "--pretrained-file",
-                            str(out / "best" / "model.safetensors"), "--eval-only"])
+    from_file = train.main(
+        [
+            "--data-dir",
+            str(data_dir),
+            *TINY,
+            "--pretrained-file",
+            str(out / "best" / "model.safetensors"),
+            "--eval-only",
+        ]
+    )
     assert from_file == pytest.approx(metrics)
 
 
@@ -101,8 +150,25 @@ def test_paper_defaults_without_mixup(data_dir, tmp_path):
     """Label smoothing alone (no Mixup/CutMix) takes the other loss; no EMA, a plain export. The warm-up starts from
     0.002 x --lr and rises linearly over 5 epochs of 3 steps."""
     out = tmp_path / "plain"
-    metrics = train.main(["--data-dir", str(data_dir), "--output-dir", str(out), *TINY, "--epochs", "1",
-                          "--mixup", "0", "--cutmix", "0", "--aa", "none", "--lr", "2e-3"])
+    metrics = train.main(
+        [
+            "--data-dir",
+            str(data_dir),
+            "--output-dir",
+            str(out),
+            *TINY,
+            "--epochs",
+            "1",
+            "--mixup",
+            "0",
+            "--cutmix",
+            "0",
+            "--aa",
+            "none",
+            "--lr",
+            "2e-3",
+        ]
+    )
     assert set(metrics) == {"loss", "top1", "top5"} and (out / "best" / "model.safetensors").is_file()
     start = 0.002 * 2e-3
     assert float(summary(out)[0]["lr"]) == pytest.approx(start + (2e-3 - start) * 3 / 15)
@@ -114,8 +180,15 @@ def test_pretrained_file_for_other_classes(data_dir, tmp_path, capsys):
     kwargs = {"embed_dims": (16, 32, 48), "depths": (1, 1, 1), "num_heads": (1, 2, 2)}
     save_file(timm.create_model("cvt_ls_13", num_classes=5, **kwargs).state_dict(), tmp_path / "five.safetensors")
     start = load_file(tmp_path / "five.safetensors")
-    args = ["--data-dir", str(data_dir), "--output-dir", str(tmp_path / "run"), *TINY, "--pretrained-file",
-            str(tmp_path / "five.safetensors")]
+    args = [
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(tmp_path / "run"),
+        *TINY,
+        "--pretrained-file",
+        str(tmp_path / "five.safetensors"),
+    ]
     with pytest.raises(SystemExit) as exit_info:
         train.main([*args, "--eval-only"])
     assert exit_info.value.code == 2 and "classifies 5 classes, but --data-dir" in capsys.readouterr().err
@@ -151,14 +224,17 @@ def test_model_keeps_its_input_size_without_img_size():
     assert resolve_data_config({"img_size": args.img_size}, model=model)["input_size"] == (3, 384, 384)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--data-dir", "/no/such/dir"], "--data-dir '/no/such/dir': no such folder"),
-    (["--model", "no_such_model"], "--model 'no_such_model': unknown"),
-    (["--batch-size", "7"], "must be even"),
-    (["--batch-size", "64"], "--batch-size 64: larger than the 24 training images"),
-    (["--model-kwargs", "depths=(1,1)"], "depths"),
-    (["--img-size", "8192"], "a training step needs about"),  # before training: the estimate names --batch-size
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--data-dir", "/no/such/dir"], "--data-dir '/no/such/dir': no such folder"),
+        (["--model", "no_such_model"], "--model 'no_such_model': unknown"),
+        (["--batch-size", "7"], "must be even"),
+        (["--batch-size", "64"], "--batch-size 64: larger than the 24 training images"),
+        (["--model-kwargs", "depths=(1,1)"], "depths"),
+        (["--img-size", "8192"], "a training step needs about"),  # before training: the estimate names --batch-size
+    ],
+)
 def test_bad_arguments_exit_with_a_message(data_dir, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--data-dir", str(data_dir), "--output-dir", str(tmp_path), *TINY, "--epochs", "1", *extra])
@@ -172,13 +248,25 @@ def test_start_weights_that_are_missing_or_no_weights_are_clear_errors(data_dir,
     (tmp_path / "notes.pth").write_text("not a checkpoint")
     torch.save({"epoch": 3}, tmp_path / "no_weights.pth")
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--data-dir", str(data_dir), "--output-dir", str(tmp_path / "out"), *TINY, "--epochs", "1",
-                    "--pretrained-file", str(tmp_path / "notes.pth")])
+        train.main(
+            [
+                "--data-dir",
+                str(data_dir),
+                "--output-dir",
+                str(tmp_path / "out"),
+                *TINY,
+                "--epochs",
+                "1",
+                "--pretrained-file",
+                str(tmp_path / "notes.pth"),
+            ]
+        )
     assert exit_info.value.code == 2 and "holds no weights that can be read" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     with pytest.raises(FileNotFoundError, match="file '.*missing.pth': no such file; give the path of the downloaded"):
-        timm.create_model("vil_ls_small", pretrained=True,
-                          pretrained_cfg_overlay={"file": str(tmp_path / "missing.pth")})
+        timm.create_model(
+            "vil_ls_small", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / "missing.pth")}
+        )
     for name in ("notes.pth", "no_weights.pth"):
         with pytest.raises(ValueError, match=f"{name}' holds no vil_ls_small weights that can be read"):
             timm.create_model("vil_ls_small", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / name)})
@@ -186,8 +274,13 @@ def test_start_weights_that_are_missing_or_no_weights_are_clear_errors(data_dir,
 
 def test_missing_split_from_the_command_line(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
-    result = subprocess.run([sys.executable, "-m", "recipes.imagenet.train", "--data-dir", str(tmp_path)],
-                            check=False, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.imagenet.train", "--data-dir", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert result.returncode == 2
     assert f"{tmp_path / 'val'} is missing or has no class folders" in result.stderr
 

@@ -61,8 +61,10 @@ def test_listops_rules_and_labels():
 
 def test_listops_lra_tokenisation_drops_brackets():
     """LRA's released pipeline keeps only alphanumeric tokens: the same expressions without ']' (same labels)."""
-    plain, bracketed = generate_listops(5, SMALL), generate_listops(5, ListOpsRules(**{**SMALL.__dict__,
-                                                                                       "brackets": True}))
+    plain, bracketed = (
+        generate_listops(5, SMALL),
+        generate_listops(5, ListOpsRules(**{**SMALL.__dict__, "brackets": True})),
+    )
     close = LISTOPS_VOCAB.index("]")
     assert close not in plain["train"].tokens
     np.testing.assert_array_equal(plain["train"].tokens, bracketed["train"].tokens[bracketed["train"].tokens != close])
@@ -88,8 +90,10 @@ def test_fresh_listops_leaves_out_the_training_split():
     assert len(lra_data.fresh_listops(1, 20, SMALL, exclude=train)) == 0  # the same stream: all in train already
     fresh = lra_data.fresh_listops(2, 20, SMALL, exclude=train)
     assert len(fresh) == 20 and fresh.lengths().max() < SMALL.max_length
-    np.testing.assert_array_equal(fresh.labels, generate_listops(2, ListOpsRules(**{**SMALL.__dict__, "train": 1,
-                                                                                    "dev": 1, "test": 20}))["test"].labels)
+    np.testing.assert_array_equal(
+        fresh.labels,
+        generate_listops(2, ListOpsRules(**{**SMALL.__dict__, "train": 1, "dev": 1, "test": 20}))["test"].labels,
+    )
 
 
 def test_listops_bad_rules():
@@ -108,10 +112,18 @@ def test_official_lra_model(case):
 
     meta = json.loads((FIXTURES / "lra_model.json").read_text())["cases"][case]
     tensors = load_file(FIXTURES / "lra_model.safetensors")
-    part = {p: {k[len(f"{case}.{p}.") :]: v for k, v in tensors.items() if k.startswith(f"{case}.{p}.")}
-            for p in ("model", "head")}
-    config = LRAConfig(vocab_size=16, max_length=meta["seq_len"], num_classes=10, attention=case,
-                       window_size=meta["window_size"] or 8, projection_rank=meta["num_landmarks"] or 32)
+    part = {
+        p: {k[len(f"{case}.{p}.") :]: v for k, v in tensors.items() if k.startswith(f"{case}.{p}.")}
+        for p in ("model", "head")
+    }
+    config = LRAConfig(
+        vocab_size=16,
+        max_length=meta["seq_len"],
+        num_classes=10,
+        attention=case,
+        window_size=meta["window_size"] or 8,
+        projection_rank=meta["num_landmarks"] or 32,
+    )
     model = LRAClassifier(config).double().eval()
     model.load_state_dict(from_official(part["model"], part["head"]), strict=True)
     ids, mask = tensors[f"{case}.input_ids"], tensors[f"{case}.mask"] > 0
@@ -126,8 +138,15 @@ def test_official_lra_model(case):
 def test_model_padding_invariance(attention):
     """Padding a batch further changes no logit (masked keys, projection and CLS)."""
     torch.manual_seed(0)
-    model = LRAClassifier(LRAConfig(vocab_size=16, max_length=64, num_classes=10, attention=attention,
-                                    window_size=4, projection_rank=3)).double().eval()
+    model = (
+        LRAClassifier(
+            LRAConfig(
+                vocab_size=16, max_length=64, num_classes=10, attention=attention, window_size=4, projection_rank=3
+            )
+        )
+        .double()
+        .eval()
+    )
     ids = torch.randint(1, 15, (2, 40))
     mask = torch.arange(40)[None] < torch.tensor([[40], [23]])
     ids[~mask] = 0
@@ -147,8 +166,9 @@ def test_bad_config_names_the_argument():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("name, message", [("meta", "must be cpu or cuda"), ("gpu0", "must name a torch device"),
-                                           ("cuda:7", "CUDA device")])
+@pytest.mark.parametrize(
+    "name, message", [("meta", "must be cpu or cuda"), ("gpu0", "must name a torch device"), ("cuda:7", "CUDA device")]
+)
 def test_bad_device_is_refused_before_any_work(tmp_path, capsys, name, message):
     if name == "cuda:7" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a CUDA device 7")
@@ -160,10 +180,38 @@ def test_bad_device_is_refused_before_any_work(tmp_path, capsys, name, message):
 
 
 def _argv(out, steps, *extra):
-    return ["--task", "listops", "--output_dir", str(out), "--data_dir", str(out.parent / "data"), "--steps",
-            str(steps), "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--eval_batch_size", "8",
-            "--window_size", "4", "--projection_rank", "2", "--listops_train", "24", "--listops_dev", "8",
-            "--listops_test", "8", "--no_progress", "--threads", "1", *extra]
+    return [
+        "--task",
+        "listops",
+        "--output_dir",
+        str(out),
+        "--data_dir",
+        str(out.parent / "data"),
+        "--steps",
+        str(steps),
+        "--warmup",
+        "2",
+        "--eval_every",
+        "2",
+        "--batch_size",
+        "4",
+        "--eval_batch_size",
+        "8",
+        "--window_size",
+        "4",
+        "--projection_rank",
+        "2",
+        "--listops_train",
+        "24",
+        "--listops_dev",
+        "8",
+        "--listops_test",
+        "8",
+        "--no_progress",
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device, capsys):
@@ -202,7 +250,9 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device, capsy
     assert [h["step"] for h in resumed["history"]] == [2, 4, 6]
     loss_tol = 1e-6 if device.type == "cpu" else 1e-4  # CUDA's backward sums with atomics, in no fixed order
     for a, b in zip(whole["history"], resumed["history"]):
-        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(b["train_loss"], abs=loss_tol)
+        assert a["dev_accuracy"] == b["dev_accuracy"] and a["train_loss"] == pytest.approx(
+            b["train_loss"], abs=loss_tol
+        )
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     # a finished run is not retrained; other settings in the same folder are refused, finished or not
     assert main(_argv(tmp_path / "split", 6, *on))["test_accuracy"] == whole["test_accuracy"]
@@ -221,14 +271,19 @@ def test_train_resume_matches_uninterrupted(tmp_path, monkeypatch, device, capsy
 
     best, last = score([str(tmp_path / "whole"), *on, "--threads", "1", "--json", str(tmp_path / "scores.json")])
     assert (best["checkpoint"], best["step"], last["checkpoint"], last["step"]) == (
-        "best.pt", whole["tested_checkpoint_step"], "last.pt", 6)
+        "best.pt",
+        whole["tested_checkpoint_step"],
+        "last.pt",
+        6,
+    )
     assert best["test"]["accuracy"] == whole["test_accuracy"]
     assert best["dev"]["accuracy"] == {h["step"]: h["dev_accuracy"] for h in whole["history"]}[best["step"]]
     assert sum(best["test"]["label_counts"]) == 8 and json.loads((tmp_path / "scores.json").read_text())[0] == best
     with pytest.raises(SystemExit, match="results.json not found"):
         score([str(tmp_path / "missing")])
-    fresh = score([str(tmp_path / "whole"), *on, "--threads", "1", "--checkpoint", "best", "--fresh", "12",
-                   "--fresh_seed", "5"])
+    fresh = score(
+        [str(tmp_path / "whole"), *on, "--threads", "1", "--checkpoint", "best", "--fresh", "12", "--fresh_seed", "5"]
+    )
     assert len(fresh) == 1 and fresh[0]["test"] == best["test"] and sum(fresh[0]["fresh"]["label_counts"]) == 12
     with pytest.raises(SystemExit, match="--fresh_seed 0 is"):
         score([str(tmp_path / "whole"), *on, "--fresh", "12", "--fresh_seed", "0"])
@@ -317,8 +372,13 @@ def test_synthetic_batch(size):
 
 @pytest.mark.parametrize(
     ("setting", "message"),
-    [({"length": 1}, "--length"), ({"vocab_size": 4}, "--vocab_size"), ({"labels": "equal"}, "--labels"),
-     ({"marker_from": 1.0}, "--marker_from"), ({"marker_from": 0.01, "length": 64}, "--marker_from")],
+    [
+        ({"length": 1}, "--length"),
+        ({"vocab_size": 4}, "--vocab_size"),
+        ({"labels": "equal"}, "--labels"),
+        ({"marker_from": 1.0}, "--marker_from"),
+        ({"marker_from": 0.01, "length": 64}, "--marker_from"),
+    ],
 )
 def test_synthetic_task_settings_are_checked(setting, message):
     from recipes.lra.synthetic import Task
@@ -348,7 +408,8 @@ def test_synthetic_checkpoint_resumes_the_same_run(tmp_path):
     train("long_short", task, 4, eval_every=2, eval_size=16, checkpoint=checkpoint)
     resumed = train("long_short", task, 6, eval_every=2, eval_size=16, checkpoint=checkpoint)
     assert [(h["step"], h["loss"], h["accuracy"]) for h in resumed["history"]] == [
-        (h["step"], h["loss"], h["accuracy"]) for h in whole["history"]]
+        (h["step"], h["loss"], h["accuracy"]) for h in whole["history"]
+    ]
     with pytest.raises(ValueError, match="--checkpoint"):
         train("long_short", Task(128, vocab_size=17), 6, eval_every=2, eval_size=16, checkpoint=checkpoint)
 
@@ -362,7 +423,9 @@ def test_synthetic_only_the_projection_reaches_the_second_half():
     changed = ids.clone()
     changed[:, 256:] = torch.randint(4, 32, (2, 256), generator=torch.Generator().manual_seed(1))
     for attention, global_first_token, reaches in (
-        ("window", False, False), ("long_short", False, True), ("window", True, True)
+        ("window", False, False),
+        ("long_short", False, True),
+        ("window", True, True),
     ):
         model = build(attention, Task(512)).eval()
         with torch.no_grad():
@@ -390,26 +453,81 @@ def _write_jsonl(folder: Path, rows_by_split: dict) -> Path:
 def test_text_and_retrieval_files(tmp_path):
     """Bytes + 1 as ids, truncated to --max_length; Retrieval keeps two sequences per example and trains its dual
     tower end to end."""
-    text = _write_jsonl(tmp_path / "text", {s: [{"text": "héllo", "label": 1}, {"text": "a" * 50, "label": 0}]
-                                            for s in ("train", "dev", "test")})
+    text = _write_jsonl(
+        tmp_path / "text",
+        {s: [{"text": "héllo", "label": 1}, {"text": "a" * 50, "label": 0}] for s in ("train", "dev", "test")},
+    )
     splits = lra_data.load_user_data("text", text, max_length=16, num_classes=2)
     ex = splits["dev"]
     assert list(ex.tokens[ex.offsets[0, 0] : ex.offsets[0, 1]]) == [b + 1 for b in "héllo".encode()]
     assert ex.lengths()[0, 1] == 16 and list(ex.labels) == [1, 0]
 
-    reviews = _write_jsonl(tmp_path / "reviews", {s: [{"text": f"review {i}", "label": ["neg", "pos"][i % 2]}
-                                                      for i in range(8)] for s in ("train", "dev", "test")})
+    reviews = _write_jsonl(
+        tmp_path / "reviews",
+        {
+            s: [{"text": f"review {i}", "label": ["neg", "pos"][i % 2]} for i in range(8)]
+            for s in ("train", "dev", "test")
+        },
+    )
     assert list(lra_data.load_user_data("text", reviews, 16, num_classes=2)["dev"].labels[:4]) == [0, 1, 0, 1]
-    result = main(["--task", "text", "--data_dir", str(reviews), "--output_dir", str(tmp_path / "text_run"),
-                   "--steps", "4", "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--max_length", "32",
-                   "--window_size", "4", "--projection_rank", "2", "--no_progress", "--threads", "1"])
+    result = main(
+        [
+            "--task",
+            "text",
+            "--data_dir",
+            str(reviews),
+            "--output_dir",
+            str(tmp_path / "text_run"),
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--eval_every",
+            "2",
+            "--batch_size",
+            "4",
+            "--max_length",
+            "32",
+            "--window_size",
+            "4",
+            "--projection_rank",
+            "2",
+            "--no_progress",
+            "--threads",
+            "1",
+        ]
+    )
     assert 0 <= result["test_accuracy"] <= 1
 
     pairs = [{"text1": f"doc {i}", "text2": f"other {i % 2}", "label": i % 2} for i in range(8)]
     retrieval = _write_jsonl(tmp_path / "retrieval", {s: pairs for s in ("train", "dev", "test")})
-    result = main(["--task", "retrieval", "--data_dir", str(retrieval), "--output_dir", str(tmp_path / "run"),
-                   "--steps", "4", "--warmup", "2", "--eval_every", "2", "--batch_size", "4", "--max_length", "32",
-                   "--window_size", "4", "--projection_rank", "2", "--no_progress", "--threads", "1"])
+    result = main(
+        [
+            "--task",
+            "retrieval",
+            "--data_dir",
+            str(retrieval),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--eval_every",
+            "2",
+            "--batch_size",
+            "4",
+            "--max_length",
+            "32",
+            "--window_size",
+            "4",
+            "--projection_rank",
+            "2",
+            "--no_progress",
+            "--threads",
+            "1",
+        ]
+    )
     assert result["model"]["dual"] and result["split_sizes"] == {"train": 8, "dev": 8, "test": 8}
 
 
@@ -419,9 +537,10 @@ def test_image_dataset_folder(tmp_path):
     from PIL import Image
 
     rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
-    split = datasets.Dataset.from_dict({"image": [Image.fromarray(a) for a in rgb], "label": [3, 7]},
-                                       features=datasets.Features({"image": datasets.Image(),
-                                                                   "label": datasets.Value("int64")}))
+    split = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(a) for a in rgb], "label": [3, 7]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+    )
     datasets.DatasetDict({s: split for s in ("train", "dev", "test")}).save_to_disk(tmp_path / "cifar")
     ex = lra_data.load_user_data("image", tmp_path / "cifar", max_length=16, num_classes=10)["test"]
     grey = np.asarray(Image.fromarray(rgb[1]).convert("L"), dtype=np.int64).reshape(-1)
@@ -439,8 +558,14 @@ def test_user_data_errors(tmp_path):
     _write_jsonl(folder, {"test": [{"body": "x", "label": 0}]})
     with pytest.raises(ValueError, match="lacks the column"):
         lra_data.load_user_data("text", folder, 16, 2)
-    _write_jsonl(folder, {"train": [{"text": "x", "label": "neg"}, {"text": "y", "label": "pos"}],
-                          "dev": [{"text": "x", "label": "neutral"}], "test": [{"text": "x", "label": "pos"}]})
+    _write_jsonl(
+        folder,
+        {
+            "train": [{"text": "x", "label": "neg"}, {"text": "y", "label": "pos"}],
+            "dev": [{"text": "x", "label": "neutral"}],
+            "test": [{"text": "x", "label": "pos"}],
+        },
+    )
     with pytest.raises(ValueError, match=r"the dev split has the label\(s\) \['neutral'\]"):
         lra_data.load_user_data("text", folder, 16, 2)
     _write_jsonl(folder, {split: [{"text": "x", "label": 2}] for split in ("train", "dev", "test")})

@@ -15,15 +15,49 @@ from recipes.tiny import IMDB_TRAIN, tiny_long_short
 # Small models, one of each kind the recipes train: each step measured in a fresh process (peak RSS growth over three
 # Trainer steps, as bench/memory_calibration.py measures), a few seconds each.
 SMALL = {
-    "classifier, attention dropout": {"family": "hf", "head": "classification", "width": 128, "layers": 2,
-                                      "length": 1024, "batch": 4, "window": 128, "rank": 32},
+    "classifier, attention dropout": {
+        "family": "hf",
+        "head": "classification",
+        "width": 128,
+        "layers": 2,
+        "length": 1024,
+        "batch": 4,
+        "window": 128,
+        "rank": 32,
+    },
     "classifier, recompute_window_tiles and checkpointing": {
-        "family": "hf", "head": "classification", "width": 128, "layers": 2, "length": 1024, "batch": 4,
-        "window": 128, "rank": 32, "attention_dropout": 0.0, "recompute": True, "checkpointing": True},
-    "causal LM, bytes": {"family": "hf", "head": "causal_lm", "vocab": 259, "width": 128, "layers": 2,
-                         "length": 512, "batch": 2, "window": 128, "rank": 32},
-    "LRA, ListOps shape": {"family": "lra", "width": 64, "layers": 2, "length": 1024, "batch": 16, "window": 8,
-                           "rank": 32},
+        "family": "hf",
+        "head": "classification",
+        "width": 128,
+        "layers": 2,
+        "length": 1024,
+        "batch": 4,
+        "window": 128,
+        "rank": 32,
+        "attention_dropout": 0.0,
+        "recompute": True,
+        "checkpointing": True,
+    },
+    "causal LM, bytes": {
+        "family": "hf",
+        "head": "causal_lm",
+        "vocab": 259,
+        "width": 128,
+        "layers": 2,
+        "length": 512,
+        "batch": 2,
+        "window": 128,
+        "rank": 32,
+    },
+    "LRA, ListOps shape": {
+        "family": "lra",
+        "width": 64,
+        "layers": 2,
+        "length": 1024,
+        "batch": 16,
+        "window": 8,
+        "rank": 32,
+    },
 }
 
 
@@ -38,15 +72,17 @@ def test_estimate_is_within_a_quarter_of_a_measured_step(name):
 
 def test_estimate_counts_what_a_step_holds():
     """Each part of the estimate by the formula of its coefficient."""
-    layer = AttentionLayer(tokens=50, width=64, intermediate=256, heads=2, keys=48, window=8, dropout=True,
-                           probabilities=True)
+    layer = AttentionLayer(
+        tokens=50, width=64, intermediate=256, heads=2, keys=48, window=8, dropout=True, probabilities=True
+    )
     c = CALIBRATED
     per_token = (c.width + c.tile * 48 / 8 + c.dropout) * 64 + c.intermediate * 256 + c.probability * 2 * 48
     step = TrainingStep(parameters=1000, layers=(layer, layer), examples=2, vocab=10, head_tokens=50)
     assert step.bytes() == pytest.approx(c.fixed + c.parameter * 1000 + 2 * 50 * (2 * per_token + c.logit * 10))
     held = 2 * c.checkpoint * 64 + per_token
-    checkpointed = TrainingStep(parameters=1000, layers=(layer, layer), examples=2, vocab=10, head_tokens=50,
-                                checkpointing=True)
+    checkpointed = TrainingStep(
+        parameters=1000, layers=(layer, layer), examples=2, vocab=10, head_tokens=50, checkpointing=True
+    )
     assert checkpointed.activation_bytes() == pytest.approx(2 * 50 * (held + c.logit * 10))
 
 
@@ -57,18 +93,45 @@ def test_a_step_that_cannot_fit_stops_before_any_work(tmp_path, capsys):
     model = tiny_long_short(tmp_path / "ls-tiny")
     for recipe in (finetune_classification, pretrain_mlm):
         with pytest.raises(SystemExit) as exit_info:
-            recipe.main(["--model_name_or_path", str(model), "--train_file", str(IMDB_TRAIN), "--output_dir",
-                         str(tmp_path / "out"), "--do_train", "--per_device_train_batch_size", "1000000",
-                         "--max_seq_length", "128"])
+            recipe.main(
+                [
+                    "--model_name_or_path",
+                    str(model),
+                    "--train_file",
+                    str(IMDB_TRAIN),
+                    "--output_dir",
+                    str(tmp_path / "out"),
+                    "--do_train",
+                    "--per_device_train_batch_size",
+                    "1000000",
+                    "--max_seq_length",
+                    "128",
+                ]
+            )
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "a training step needs about" in err
-        for fix in ("--gradient_checkpointing", "--recompute_window_tiles --attention_probs_dropout_prob 0",
-                    "--per_device_train_batch_size"):
+        for fix in (
+            "--gradient_checkpointing",
+            "--recompute_window_tiles --attention_probs_dropout_prob 0",
+            "--per_device_train_batch_size",
+        ):
             assert fix in err, (recipe.__name__, fix, err)
         assert not (tmp_path / "out").exists()
     with pytest.raises(SystemExit, match="a training step needs about") as exit_info:
-        lra_main(["--task", "listops", "--output_dir", str(tmp_path / "lra"), "--batch_size", "10000000",
-                  "--threads", "1", "--device", "cpu"])
+        lra_main(
+            [
+                "--task",
+                "listops",
+                "--output_dir",
+                str(tmp_path / "lra"),
+                "--batch_size",
+                "10000000",
+                "--threads",
+                "1",
+                "--device",
+                "cpu",
+            ]
+        )
     message = str(exit_info.value)
     assert "--batch_size" in message and "--recompute_window_tiles" in message
     assert not (tmp_path / "lra").exists() and not (tmp_path / "data").exists()
@@ -85,9 +148,17 @@ def test_long_short_layers_follow_the_config():
     assert all(layer.probabilities and not layer.lean for layer in bidirectional)
     lean = long_short_layers(config, 1024, lean=True)
     assert all(layer.lean and not layer.probabilities for layer in lean)
-    causal = long_short_layers(LongShortConfig(num_hidden_layers=1, window_size=128, projection_rank=1,
-                                               is_decoder=True, causal_segment_length=16,
-                                               attention_probs_dropout_prob=0.0), 4096)
+    causal = long_short_layers(
+        LongShortConfig(
+            num_hidden_layers=1,
+            window_size=128,
+            projection_rank=1,
+            is_decoder=True,
+            causal_segment_length=16,
+            attention_probs_dropout_prob=0.0,
+        ),
+        4096,
+    )
     assert causal[0].keys == 128 + 4096 / 16 and not causal[0].probabilities
 
 

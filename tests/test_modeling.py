@@ -105,11 +105,16 @@ def head_inputs(model_class, batch=2, length=19):
 
 
 # global tokens each head makes by default (Longformer's): the first token, or the question
-DEFAULT_GLOBAL = {LongShortForSequenceClassification: 1, LongShortForMultipleChoice: 1,
-                  LongShortForQuestionAnswering: 4}
+DEFAULT_GLOBAL = {
+    LongShortForSequenceClassification: 1,
+    LongShortForMultipleChoice: 1,
+    LongShortForQuestionAnswering: 4,
+}
 
 
-@pytest.mark.parametrize("model_class, auto_class, output_class, overrides", HEADS, ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "model_class, auto_class, output_class, overrides", HEADS, ids=lambda v: getattr(v, "__name__", "")
+)
 def test_heads_auto_registration_outputs_and_loss(model_class, auto_class, output_class, overrides, device, dtype):
     config = tiny_config(**overrides)
     model = auto_class.from_config(config).to(device, dtype)
@@ -144,8 +149,10 @@ def test_masked_lm_refuses_causal_config_and_causal_lm_refuses_bidirectional():
 
 @pytest.mark.parametrize(
     "model_class, auto_class",
-    [(LongShortForSequenceClassification, AutoModelForSequenceClassification),
-     (LongShortForMultipleChoice, AutoModelForMultipleChoice)],
+    [
+        (LongShortForSequenceClassification, AutoModelForSequenceClassification),
+        (LongShortForMultipleChoice, AutoModelForMultipleChoice),
+    ],
     ids=lambda v: v.__name__,
 )
 def test_first_token_heads_refuse_a_causal_config(tmp_path, model_class, auto_class):
@@ -166,8 +173,16 @@ def test_converted_roberta_reproduces_roberta(tmp_path, attn_implementation):
     input the LongShort model computes RoBERTa's outputs with every head (num_labels=2: QA's start and end logits,
     compared apart). initializer_range=0.2 makes the weights large enough that a misused input shows beyond atol."""
     roberta_config = RobertaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
-        max_position_embeddings=40, type_vocab_size=1, layer_norm_eps=1e-5, num_labels=2, initializer_range=0.2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        type_vocab_size=1,
+        layer_norm_eps=1e-5,
+        num_labels=2,
+        initializer_range=0.2,
         attn_implementation=attn_implementation,
     )
     config = LongShortConfig.from_roberta(roberta_config, window_size=32, projection_rank=0, use_dual_ln=False)
@@ -213,7 +228,10 @@ def test_heads_set_longformer_global_defaults_and_a_given_mask_wins():
     first = none.clone()
     first[:, 0] = 1
     question = (torch.arange(19) < torch.tensor([[6], [3]])).long()
-    for model_class, default in ((LongShortForSequenceClassification, first), (LongShortForQuestionAnswering, question)):
+    for model_class, default in (
+        (LongShortForSequenceClassification, first),
+        (LongShortForQuestionAnswering, question),
+    ):
         model = model_class(config).eval()
         with torch.no_grad():
             got = model(ids).to_tuple()
@@ -224,8 +242,12 @@ def test_heads_set_longformer_global_defaults_and_a_given_mask_wins():
     model = LongShortForMultipleChoice(config).eval()
     choices = ids[:, None].expand(-1, 3, -1)
     with torch.no_grad():
-        torch.testing.assert_close(model(choices).logits, model(
-            choices, global_attention_mask=first[:, None].expand(-1, 3, -1)).logits, atol=0, rtol=0)
+        torch.testing.assert_close(
+            model(choices).logits,
+            model(choices, global_attention_mask=first[:, None].expand(-1, 3, -1)).logits,
+            atol=0,
+            rtol=0,
+        )
     with pytest.raises(ValueError, match=r"rows \[0, 1\] hold no separator token"):
         LongShortForQuestionAnswering(config)(tokens(2, 19))
 
@@ -261,8 +283,14 @@ def test_global_tokens_with_gradient_checkpointing_and_global_projections():
         torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
 
 
-@pytest.mark.parametrize("model_class, overrides", [(LongShortForMaskedLM, {}), (LongShortForCausalLM, {"is_decoder": True}),
-                                                    (LongShortForMultipleChoice, {"qk_head_dim": 4})])
+@pytest.mark.parametrize(
+    "model_class, overrides",
+    [
+        (LongShortForMaskedLM, {}),
+        (LongShortForCausalLM, {"is_decoder": True}),
+        (LongShortForMultipleChoice, {"qk_head_dim": 4}),
+    ],
+)
 def test_every_parameter_is_initialised_by_init_weights(model_class, overrides):
     config = tiny_config(**overrides)
     with torch.device("meta"):
@@ -360,8 +388,10 @@ def test_right_padding_does_not_change_real_positions(overrides, device, dtype):
     mask = torch.cat([torch.ones(1, 13), torch.zeros(1, 10)], 1).long()
     with torch.no_grad():
         alone = model(ids.to(device)).last_hidden_state
-        batch = model(torch.cat([padded, tokens(1, 23, seed=1)]).to(device),
-                      attention_mask=torch.cat([mask, torch.ones_like(mask)]).to(device))
+        batch = model(
+            torch.cat([padded, tokens(1, 23, seed=1)]).to(device),
+            attention_mask=torch.cat([mask, torch.ones_like(mask)]).to(device),
+        )
     assert_close(batch.last_hidden_state[:1, :13], alone, atol=1e-12)
 
 
@@ -535,8 +565,11 @@ def test_package_exports():
     assert {"CausalState", "LongShortSelfAttention", "LongShortConfig", "LongShortCache"} <= set(ls_hf.__all__)
 
 
-@pytest.mark.parametrize("problem_type", [None, "single_label_classification", "regression",
-                                          "multi_label_classification"], ids=["mlm", "single", "regression", "multi"])
+@pytest.mark.parametrize(
+    "problem_type",
+    [None, "single_label_classification", "regression", "multi_label_classification"],
+    ids=["mlm", "single", "regression", "multi"],
+)
 def test_trainer_loss_is_not_scaled_by_gradient_accumulation(tmp_path, problem_type):
     """The Trainer passes num_items_in_batch to heads that take **kwargs; with lr = 0 its reported loss must be
     the plain mean loss (a head averaging per micro-batch would report it x gradient_accumulation_steps): the MLM
@@ -551,12 +584,22 @@ def test_trainer_loss_is_not_scaled_by_gradient_accumulation(tmp_path, problem_t
         num_labels = 1 if problem_type == "regression" else 3
         model = LongShortForSequenceClassification(tiny_config(num_labels=num_labels, problem_type=problem_type))
         torch.manual_seed(1)
-        labels = {"single_label_classification": torch.randint(0, 3, (8,)), "regression": torch.randn(8),
-                  "multi_label_classification": torch.randint(0, 2, (8, 3)).float()}[problem_type]
+        labels = {
+            "single_label_classification": torch.randint(0, 3, (8,)),
+            "regression": torch.randn(8),
+            "multi_label_classification": torch.randint(0, 2, (8, 3)).float(),
+        }[problem_type]
     data = [{"input_ids": i, "labels": label} for i, label in zip(ids, labels)]
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
     )
     result = Trainer(model=model, args=args, train_dataset=data).train()
     with torch.no_grad():

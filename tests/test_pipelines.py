@@ -53,7 +53,9 @@ def test_fill_mask(tmp_path_factory, tokenizer):
 
 
 def test_text_classification(tmp_path_factory, tokenizer):
-    classify = pipeline("text-classification", model=saved(tmp_path_factory, tokenizer, AutoModelForSequenceClassification))
+    classify = pipeline(
+        "text-classification", model=saved(tmp_path_factory, tokenizer, AutoModelForSequenceClassification)
+    )
     (result,) = classify(TEXT)
     assert result["label"] in {"LABEL_0", "LABEL_1", "LABEL_2"} and 0 < result["score"] <= 1
 
@@ -84,7 +86,9 @@ def test_extractive_question_answering(tmp_path_factory, tokenizer):
 
 
 def test_text_generation(tmp_path_factory, tokenizer):
-    generate = pipeline("text-generation", model=saved(tmp_path_factory, tokenizer, AutoModelForCausalLM, is_decoder=True))
+    generate = pipeline(
+        "text-generation", model=saved(tmp_path_factory, tokenizer, AutoModelForCausalLM, is_decoder=True)
+    )
     (result,) = generate("Long-Short", max_new_tokens=8, do_sample=False)
     assert result["generated_text"].startswith("Long-Short") and len(result["generated_text"]) > len("Long-Short")
 
@@ -93,14 +97,24 @@ def test_text_generation_with_the_official_character_model(tmp_path):
     """A LongShortXLForCausalLM folder without tokenizer files: AutoTokenizer gives ByT5's byte tokenizer (that of
     recipes.char_lm) and the pipeline continues the bytes as generate does."""
     torch.manual_seed(0)
-    model = LongShortXLForCausalLM(LongShortXLConfig(vocab_size=384, num_hidden_layers=1, hidden_size=16,
-                                                     num_attention_heads=2, intermediate_size=32, window_size=16,
-                                                     memory_length=16, eos_token_id=None)).eval()
+    model = LongShortXLForCausalLM(
+        LongShortXLConfig(
+            vocab_size=384,
+            num_hidden_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            window_size=16,
+            memory_length=16,
+            eos_token_id=None,
+        )
+    ).eval()
     model.save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert isinstance(tokenizer, ByT5Tokenizer)
-    (result,) = pipeline("text-generation", model=str(tmp_path))(TEXT, max_new_tokens=8, do_sample=False,
-                                                                  add_special_tokens=False)
+    (result,) = pipeline("text-generation", model=str(tmp_path))(
+        TEXT, max_new_tokens=8, do_sample=False, add_special_tokens=False
+    )
     ids = tokenizer(TEXT, add_special_tokens=False, return_tensors="pt").input_ids
     assert ids.tolist() == [[3 + byte for byte in TEXT.encode()]]
     with torch.no_grad():

@@ -31,7 +31,9 @@ else:
 import torch
 """
 
-CHILD = NO_LS_HF + """
+CHILD = (
+    NO_LS_HF
+    + """
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 folder = sys.argv[1]
 model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True).eval()
@@ -43,8 +45,11 @@ classes = [type(model).__module__, type(AutoModel.from_pretrained(folder, trust_
            type(AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)).__name__]
 print(json.dumps({"logits": logits.tolist(), "classes": classes}))
 """
+)
 
-CHILD_XL = NO_LS_HF + """
+CHILD_XL = (
+    NO_LS_HF
+    + """
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 folder = sys.argv[1]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
@@ -57,6 +62,7 @@ classes = [type(model).__module__, type(model).__name__, type(tokenizer).__name_
            type(AutoModel.from_pretrained(folder, trust_remote_code=True)).__name__]
 print(json.dumps({"ids": ids.tolist(), "logits": logits.tolist(), "generated": generated.tolist(), "classes": classes}))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +70,32 @@ def trained(tmp_path_factory):
     """A LongShort classifier trained for a few steps by finetune_imdb (its output folder, with all_results.json)."""
     root = tmp_path_factory.mktemp("push")
     with one_thread():
-        finetune_imdb.main([
-            "--model_name_or_path", str(tiny_long_short(root / "ls-tiny")), "--train_file", str(IMDB_TRAIN),
-            "--validation_file", str(IMDB_TEST), "--output_dir", str(root / "imdb"), "--do_train", "--do_eval",
-            "--max_steps", "4", "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end", "False",
-            "--learning_rate", "1e-3", "--disable_tqdm", "True",
-        ])
+        finetune_imdb.main(
+            [
+                "--model_name_or_path",
+                str(tiny_long_short(root / "ls-tiny")),
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--validation_file",
+                str(IMDB_TEST),
+                "--output_dir",
+                str(root / "imdb"),
+                "--do_train",
+                "--do_eval",
+                "--max_steps",
+                "4",
+                "--eval_strategy",
+                "no",
+                "--save_strategy",
+                "no",
+                "--load_best_model_at_end",
+                "False",
+                "--learning_rate",
+                "1e-3",
+                "--disable_tqdm",
+                "True",
+            ]
+        )
     return root / "imdb"
 
 
@@ -83,14 +109,47 @@ def trained_xl(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (1500,), generator=generator).tolist()))
     with one_thread():
-        char_lm.main([
-            "--train_file", str(text), "--output_dir", str(root / "xl"), "--model_type", "long_short_xl",
-            "--num_hidden_layers", "2", "--hidden_size", "32", "--num_attention_heads", "2", "--window_size", "32",
-            "--causal_segment_length", "16", "--dropout", "0", "--max_seq_length", "64",
-            "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--max_steps", "4", "--save_strategy",
-            "no", "--disable_tqdm", "True", "--eval_memory_length", "128", "--eval_block_length", "32",
-            "--do_train", "--do_eval", "--do_predict",
-        ])
+        char_lm.main(
+            [
+                "--train_file",
+                str(text),
+                "--output_dir",
+                str(root / "xl"),
+                "--model_type",
+                "long_short_xl",
+                "--num_hidden_layers",
+                "2",
+                "--hidden_size",
+                "32",
+                "--num_attention_heads",
+                "2",
+                "--window_size",
+                "32",
+                "--causal_segment_length",
+                "16",
+                "--dropout",
+                "0",
+                "--max_seq_length",
+                "64",
+                "--per_device_train_batch_size",
+                "2",
+                "--learning_rate",
+                "3e-3",
+                "--max_steps",
+                "4",
+                "--save_strategy",
+                "no",
+                "--disable_tqdm",
+                "True",
+                "--eval_memory_length",
+                "128",
+                "--eval_block_length",
+                "32",
+                "--do_train",
+                "--do_eval",
+                "--do_predict",
+            ]
+        )
     return root / "xl"
 
 
@@ -100,10 +159,23 @@ def run_without_ls_hf(code: str, folder, tmp_path) -> dict:
     guard = tmp_path / "guard"
     guard.mkdir()
     (guard / "sitecustomize.py").write_text("import sys\nsys.modules['ls_hf'] = None\n")
-    env = {**os.environ, "PYTHONPATH": str(guard), "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=guard, env=env, check=False,
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(guard),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(folder)],
+        cwd=guard,
+        env=env,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
@@ -112,12 +184,23 @@ def test_dry_run_folder_is_complete_and_loads_without_ls_hf(trained, tmp_path):
     folder = tmp_path / "hub"
     push_to_hub.main([str(trained), "someone/roberta-ls-tiny-demo", "--dry-run", str(folder)])
     assert {p.name for p in folder.iterdir()} >= {
-        "model.safetensors", "config.json", "configuration_long_short.py", "modeling_long_short.py",
-        "long_short_attention.py", "tokenizer.json", "tokenizer_config.json", "README.md",
+        "model.safetensors",
+        "config.json",
+        "configuration_long_short.py",
+        "modeling_long_short.py",
+        "long_short_attention.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
     }
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    assert {"AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForCausalLM",
-            "AutoModelForSequenceClassification"} <= set(auto_map)
+    assert {
+        "AutoConfig",
+        "AutoModel",
+        "AutoModelForMaskedLM",
+        "AutoModelForCausalLM",
+        "AutoModelForSequenceClassification",
+    } <= set(auto_map)
 
     results = json.loads((trained / "all_results.json").read_text())
     card = ModelCard.load(folder / "README.md")
@@ -133,8 +216,9 @@ def test_dry_run_folder_is_complete_and_loads_without_ls_hf(trained, tmp_path):
 
     model = LongShortForSequenceClassification.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer(["A wonderful film, the acting was superb.", "Dull and lifeless."], padding=True,
-                    return_tensors="pt")
+    ids = tokenizer(
+        ["A wonderful film, the acting was superb.", "Dull and lifeless."], padding=True, return_tensors="pt"
+    )
     with torch.no_grad():
         expected = model(**ids).logits
     assert torch.allclose(torch.tensor(loaded["logits"]), expected, atol=1e-5)
@@ -158,7 +242,9 @@ def test_named_card_and_errors(trained, tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
-CHILD_CAUSAL = NO_LS_HF + """
+CHILD_CAUSAL = (
+    NO_LS_HF
+    + """
 from transformers import pipeline
 generate = pipeline("text-generation", model=sys.argv[1], trust_remote_code=True)
 prompt = "A wonderful film"
@@ -168,6 +254,7 @@ tokenizer = generate.tokenizer
 print(json.dumps({"ids": ids, "plain": tokenizer(prompt, add_special_tokens=False).input_ids, "text": text,
                   "special": [tokenizer.bos_token_id, tokenizer.eos_token_id]}))
 """
+)
 
 
 def test_causal_folder_continues_a_prompt_in_the_text_generation_pipeline(tmp_path):
@@ -192,7 +279,11 @@ def test_official_char_lm_folder_is_complete_and_loads_without_ls_hf(trained_xl,
     folder = tmp_path / "hub"
     push_to_hub.main([str(trained_xl), "someone/ls-xl-tiny-chars", "--dry-run", str(folder)])
     assert {p.name for p in folder.iterdir()} >= {
-        "model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json", "README.md",
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "README.md",
         *REMOTE_CODE_FILES_XL,
     }
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
@@ -202,8 +293,10 @@ def test_official_char_lm_folder_is_complete_and_loads_without_ls_hf(trained_xl,
     card = ModelCard.load(folder / "README.md")  # model_cards/template-long-short-xl.md, filled
     assert card.data.pipeline_tag == "text-generation"
     bpc = {r.metric_name: r.metric_value for r in card.data.eval_results if r.metric_type == "bpc"}
-    assert bpc == {"Bits per character, streaming with up to 128 bytes of context": round(results["test_bpc"], 4),
-                   "Bits per character, each block alone": round(results["test_block_bpc"], 4)}
+    assert bpc == {
+        "Bits per character, streaming with up to 128 bytes of context": round(results["test_bpc"], 4),
+        "Bits per character, each block alone": round(results["test_block_bpc"], 4),
+    }
     assert f"| Bits per character, each block alone | {results['test_block_bpc']:.4f} |" in card.text
     assert "LongShortXLForCausalLM: 2 layers, hidden size 32, Transformer-XL relative positions" in card.text
     assert 'from_pretrained("someone/ls-xl-tiny-chars", trust_remote_code=True)' in card.text
@@ -221,8 +314,9 @@ def test_official_char_lm_folder_is_complete_and_loads_without_ls_hf(trained_xl,
 
 
 @pytest.mark.parametrize("model_dir", ["trained", "trained_xl"])
-def test_upload_without_login_or_network_is_a_clear_error_before_any_work(model_dir, request, tmp_path, capsys,
-                                                                           monkeypatch):
+def test_upload_without_login_or_network_is_a_clear_error_before_any_work(
+    model_dir, request, tmp_path, capsys, monkeypatch
+):
     model_dir = request.getfixturevalue(model_dir)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -24,8 +24,24 @@ from recipes import char_lm, common, demo, finetune_classification, finetune_imd
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short, tiny_roberta
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
-TINY_CHAR_LM = ["--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--window_size", "32",
-                "--causal_segment_length", "16", "--max_positions", "256", "--dropout", "0", "--max_seq_length", "128"]
+TINY_CHAR_LM = [
+    "--num_hidden_layers",
+    "2",
+    "--hidden_size",
+    "64",
+    "--num_attention_heads",
+    "4",
+    "--window_size",
+    "32",
+    "--causal_segment_length",
+    "16",
+    "--max_positions",
+    "256",
+    "--dropout",
+    "0",
+    "--max_seq_length",
+    "128",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +58,16 @@ def roberta_dir(tmp_path_factory):
 def xl_dir(tmp_path_factory):
     """A tiny byte-level LongShortXLForCausalLM folder (the official character-level model)."""
     folder = tmp_path_factory.mktemp("models") / "xl-tiny"
-    LongShortXLForCausalLM(LongShortXLConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                             intermediate_size=32, window_size=16, memory_length=16)).save_pretrained(folder)
+    LongShortXLForCausalLM(
+        LongShortXLConfig(
+            num_hidden_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            window_size=16,
+            memory_length=16,
+        )
+    ).save_pretrained(folder)
     return folder
 
 
@@ -60,8 +84,23 @@ def logged_losses(output_dir):
 
 def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
     out = tmp_path / "mlm"
-    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--output_dir", str(out),
-            "--do_train", "--do_eval", "--max_seq_length", "64", "--warmup_steps", "0", "--save_steps", "12", *FAST]
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "--do_eval",
+        "--max_seq_length",
+        "64",
+        "--warmup_steps",
+        "0",
+        "--save_steps",
+        "12",
+        *FAST,
+    ]
     metrics = pretrain_mlm.main([*args, "--max_steps", "12", "--logging_steps", "1"])
     losses = logged_losses(out)
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
@@ -80,9 +119,24 @@ def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
 
 def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_dir, tmp_path, capsys, caplog):
     out = tmp_path / "imdb"
-    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
-            "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict", "--logging_steps", "1",
-            "--max_train_samples", "160", *FAST]
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--test_file",
+        str(IMDB_TEST),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "--do_eval",
+        "--do_predict",
+        "--logging_steps",
+        "1",
+        "--max_train_samples",
+        "160",
+        *FAST,
+    ]
     metrics = finetune_imdb.main([*args, "--num_train_epochs", "4"])  # 10 steps per epoch
     assert not [record for record in caplog.records if "evaluate" in record.getMessage()]  # accuracy computed here
     losses = logged_losses(out)
@@ -92,8 +146,11 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     state = json.loads((out / "trainer_state.json").read_text())
     validation = [entry["eval_accuracy"] for entry in state["log_history"] if "eval_accuracy" in entry]
     assert len(validation) == 4 and max(validation) == metrics["eval_accuracy"]
-    best_epoch = next(entry["epoch"] for entry in state["log_history"]
-                      if entry.get("eval_accuracy_loss_tiebreak") == state["best_metric"])
+    best_epoch = next(
+        entry["epoch"]
+        for entry in state["log_history"]
+        if entry.get("eval_accuracy_loss_tiebreak") == state["best_metric"]
+    )
     assert f"Kept the best model: {state['best_model_checkpoint']} (epoch {best_epoch}" in capsys.readouterr().err
     kept, best = (load_file(Path(folder) / "model.safetensors") for folder in (out, state["best_model_checkpoint"]))
     assert kept.keys() == best.keys() and all(torch.equal(kept[name], best[name]) for name in kept)
@@ -108,30 +165,68 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     assert logged_losses(out)[:40] == losses and len(logged_losses(out)) == 50
 
 
-def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_count(model_dir, tmp_path,
-                                                                                 capsys, caplog):
+def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_count(
+    model_dir, tmp_path, capsys, caplog
+):
     """JSON Lines with renamed columns, a text pair and string labels: trains, selects the best epoch on the validation
     file, scores the test file once, and reports how many documents --max_seq_length cut."""
-    rows = {split: list(load_dataset("csv", data_files=str(path))["train"])
-            for split, path in (("train", IMDB_TRAIN), ("test", IMDB_TEST))}
+    rows = {
+        split: list(load_dataset("csv", data_files=str(path))["train"])
+        for split, path in (("train", IMDB_TRAIN), ("test", IMDB_TEST))
+    }
     files = {}
     for split, examples in (("train", rows["train"][:96]), ("dev", rows["train"][96:128]), ("test", rows["test"])):
         files[split] = tmp_path / f"{split}.jsonl"
-        files[split].write_text("".join(json.dumps({
-            "review": row["text"], "headline": " ".join(row["text"].split()[:4]),
-            "sentiment": ["negative", "positive"][row["label"]]}) + "\n" for row in examples))
+        files[split].write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "review": row["text"],
+                        "headline": " ".join(row["text"].split()[:4]),
+                        "sentiment": ["negative", "positive"][row["label"]],
+                    }
+                )
+                + "\n"
+                for row in examples
+            )
+        )
     out = tmp_path / "classifier"
-    metrics = finetune_classification.main([
-        "--model_name_or_path", str(model_dir), "--train_file", str(files["train"]), "--validation_file",
-        str(files["dev"]), "--test_file", str(files["test"]), "--text_column_name", "review",
-        "--text_pair_column_name", "headline", "--label_column_name", "sentiment", "--max_seq_length", "48",
-        "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict", "--num_train_epochs", "2", *FAST])
+    metrics = finetune_classification.main(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--train_file",
+            str(files["train"]),
+            "--validation_file",
+            str(files["dev"]),
+            "--test_file",
+            str(files["test"]),
+            "--text_column_name",
+            "review",
+            "--text_pair_column_name",
+            "headline",
+            "--label_column_name",
+            "sentiment",
+            "--max_seq_length",
+            "48",
+            "--output_dir",
+            str(out),
+            "--do_train",
+            "--do_eval",
+            "--do_predict",
+            "--num_train_epochs",
+            "2",
+            *FAST,
+        ]
+    )
     lengths = [len(text.split()) for text in (json.loads(line)["review"] for line in files["train"].open())]
     assert metrics["max_seq_length"] == 48 and 0 < metrics["truncated_train"] <= 96
     assert metrics["truncated_train"] >= sum(n > 48 for n in lengths)  # a word is one token or more
     warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
-    assert f"train: {metrics['truncated_train']} of 96 documents are longer than 48 tokens and were truncated" \
+    assert (
+        f"train: {metrics['truncated_train']} of 96 documents are longer than 48 tokens and were truncated"
         " (--max_seq_length)." in warned
+    )
     assert {"truncated_validation", "truncated_test", "test_accuracy", "eval_accuracy"} <= metrics.keys()
     assert metrics["eval_dataset"] == "dev.jsonl" and metrics["test_dataset"] == "test.jsonl"
     state = json.loads((out / "trainer_state.json").read_text())
@@ -140,10 +235,23 @@ def test_finetune_classification_any_columns_pairs_string_labels_and_truncation_
     assert model.config.id2label == {0: "negative", 1: "positive"}
 
     with pytest.raises(SystemExit) as exit_info:
-        finetune_classification.main([
-            "--model_name_or_path", str(model_dir), "--train_file", str(files["train"]), "--text_column_name",
-            "review", "--text_pair_column_name", "title", "--label_column_name", "sentiment", "--output_dir",
-            str(tmp_path / "o"), "--do_train"])
+        finetune_classification.main(
+            [
+                "--model_name_or_path",
+                str(model_dir),
+                "--train_file",
+                str(files["train"]),
+                "--text_column_name",
+                "review",
+                "--text_pair_column_name",
+                "title",
+                "--label_column_name",
+                "sentiment",
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--do_train",
+            ]
+        )
     assert exit_info.value.code == 2 and not (tmp_path / "o").exists()
     assert "no column 'title'" in capsys.readouterr().err
 
@@ -176,8 +284,21 @@ def test_imdb_dataset_name_holds_out_validation_reviews_and_keeps_test_apart(tmp
 def test_finetune_imdb_train_only(model_dir, tmp_path, extra, selects):
     """Without --do_eval the run still keeps its best epoch on held-out reviews, or with --eval_strategy no its last."""
     out = tmp_path / "imdb"
-    metrics = finetune_imdb.main(["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN),
-                                  "--output_dir", str(out), "--do_train", "--max_steps", "2", *extra, *FAST])
+    metrics = finetune_imdb.main(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--train_file",
+            str(IMDB_TRAIN),
+            "--output_dir",
+            str(out),
+            "--do_train",
+            "--max_steps",
+            "2",
+            *extra,
+            *FAST,
+        ]
+    )
     assert metrics["train_loss"] > 0 and (out / "model.safetensors").is_file()
     state = json.loads((out / "trainer_state.json").read_text())
     assert (state["best_model_checkpoint"] is not None) == selects
@@ -191,18 +312,34 @@ def test_max_tokens_is_the_models_max_input_length():
 
 
 def test_model_card_reports_the_test_metrics(tmp_path):
-    results = {"eval_accuracy": 0.9, "eval_loss": 0.3, "eval_dataset": "imdb_train.csv", "test_accuracy": 0.8,
-               "test_loss": 0.4, "test_dataset": "imdb_test.csv"}
+    results = {
+        "eval_accuracy": 0.9,
+        "eval_loss": 0.3,
+        "eval_dataset": "imdb_train.csv",
+        "test_accuracy": 0.8,
+        "test_loss": 0.4,
+        "test_dataset": "imdb_test.csv",
+    }
     (tmp_path / "all_results.json").write_text(json.dumps(results))
     assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.8, "eval_loss": 0.4}, "imdb_test.csv", None)
     (tmp_path / "all_results.json").write_text(json.dumps({k: v for k, v in results.items() if "test" not in k}))
     assert push_to_hub.measured_metrics(tmp_path) == ({"eval_accuracy": 0.9, "eval_loss": 0.3}, "imdb_train.csv", None)
     # char_lm --model_type long_short_xl: streaming and block-by-block bits per character, and the streaming context
-    streaming = {"test_bpc": 1.5, "test_block_bpc": 1.7, "test_loss": 1.04, "test_dataset": "corpus.txt",
-                 "test_memory_length": 4096, "eval_bpc": 1.6, "eval_dataset": "corpus.txt"}
+    streaming = {
+        "test_bpc": 1.5,
+        "test_block_bpc": 1.7,
+        "test_loss": 1.04,
+        "test_dataset": "corpus.txt",
+        "test_memory_length": 4096,
+        "eval_bpc": 1.6,
+        "eval_dataset": "corpus.txt",
+    }
     (tmp_path / "all_results.json").write_text(json.dumps(streaming))
     assert push_to_hub.measured_metrics(tmp_path) == (
-        {"eval_bpc": 1.5, "eval_block_bpc": 1.7, "eval_loss": 1.04}, "corpus.txt", 4096)
+        {"eval_bpc": 1.5, "eval_block_bpc": 1.7, "eval_loss": 1.04},
+        "corpus.txt",
+        4096,
+    )
 
 
 def test_classification_metrics_rank_equal_accuracies_by_the_loss():
@@ -212,8 +349,10 @@ def test_classification_metrics_rank_equal_accuracies_by_the_loss():
     labels = np.array([1, 1, 1, 0])
     sure, unsure = ([[0.0, s], [0.0, s], [0.0, s], [s, 0.0]] for s in (4.0, 0.5))  # both 4/4 right
     wrong = [[0.0, 9.0], [0.0, 9.0], [9.0, 0.0], [9.0, 0.0]]  # 3/4 right, confidently
-    scores = [classification_metrics(EvalPrediction(predictions=np.array(logits, dtype=np.float32), label_ids=labels))
-              for logits in (sure, unsure, wrong)]
+    scores = [
+        classification_metrics(EvalPrediction(predictions=np.array(logits, dtype=np.float32), label_ids=labels))
+        for logits in (sure, unsure, wrong)
+    ]
     assert [score["accuracy"] for score in scores] == [1.0, 1.0, 0.75]
     ranks = [score["accuracy_loss_tiebreak"] for score in scores]
     assert ranks[0] > ranks[1] > ranks[2] and all(0 < a - r < 1 / 4 for a, r in zip((1.0, 1.0, 0.75), ranks))
@@ -230,9 +369,24 @@ def test_best_epoch_among_equal_accuracies_has_the_lowest_loss(model_dir, tmp_pa
             writer.writeheader()
             writer.writerows(examples)
     out = tmp_path / "imdb"
-    finetune_imdb.main(["--model_name_or_path", str(model_dir), "--train_file", str(tmp_path / "train.csv"),
-                        "--validation_file", str(tmp_path / "dev.csv"), "--output_dir", str(out), "--do_train",
-                        "--num_train_epochs", "3", "--max_seq_length", "32", *FAST])
+    finetune_imdb.main(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--train_file",
+            str(tmp_path / "train.csv"),
+            "--validation_file",
+            str(tmp_path / "dev.csv"),
+            "--output_dir",
+            str(out),
+            "--do_train",
+            "--num_train_epochs",
+            "3",
+            "--max_seq_length",
+            "32",
+            *FAST,
+        ]
+    )
     state = json.loads((out / "trainer_state.json").read_text())
     evaluations = [entry for entry in state["log_history"] if "eval_loss" in entry]
     assert len({entry["eval_accuracy"] for entry in evaluations}) == 1  # a tie: the case this test is about
@@ -245,66 +399,239 @@ def test_best_epoch_among_equal_accuracies_has_the_lowest_loss(model_dir, tmp_pa
     "script, argv, message",
     [
         (finetune_imdb, ["--output_dir", "o", "--do_train"], "--model_name_or_path"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--train_file", str(IMDB_TRAIN)],
-         "nothing to do"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         "missing.csv"], "--train_file 'missing.csv': no such file"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         str(IMDB_TRAIN), "--validation_file", str(IMDB_TEST), "--text_column_name", "review"],
-         "no column 'review'"),
+        (
+            pretrain_mlm,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--train_file", str(IMDB_TRAIN)],
+            "nothing to do",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file", "missing.csv"],
+            "--train_file 'missing.csv': no such file",
+        ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--validation_file",
+                str(IMDB_TEST),
+                "--text_column_name",
+                "review",
+            ],
+            "no column 'review'",
+        ),
         (finetune_imdb, ["--model_name_or_path", "./nowhere", "--output_dir", "o", "--do_eval"], "no model folder"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_predict", "--train_file",
-                         str(IMDB_TRAIN)], "--do_predict needs test data: pass --test_file"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         str(IMDB_TRAIN), "--validation_split_percentage", "0"], "--validation_split_percentage"),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_predict", "--train_file", str(IMDB_TRAIN)],
+            "--do_predict needs test data: pass --test_file",
+        ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--validation_split_percentage",
+                "0",
+            ],
+            "--validation_split_percentage",
+        ),
         (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train"], "no data"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                        str(IMDB_TRAIN), "--mlm_probability", "1.5"], "--mlm_probability"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                        str(IMDB_TRAIN), "--max_train_samples", "1", "--max_seq_length", "500"], "fewer than 500"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--do_predict",
-                        "--train_file", str(IMDB_TRAIN)], "--do_predict is not an action of this recipe"),
-        (finetune_imdb, ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file",
-                         str(IMDB_TRAIN)], "holds a 'roberta' model, not LongShort"),
-        (pretrain_mlm, ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file",
-                        str(IMDB_TRAIN)], "convert a RoBERTa checkpoint with ls-convert-roberta"),
-        (finetune_imdb, ["--model_name_or_path", "XL", "--output_dir", "o", "--do_train", "--train_file",
-                         str(IMDB_TRAIN)], "only `recipes.char_lm --model_type long_short_xl` continues training"),
-        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
-                   "XL"], "only `recipes.char_lm --model_type long_short_xl` continues training"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         "one_label.csv", "--eval_strategy", "no"], "a classifier needs at least two"),
+        (
+            pretrain_mlm,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--mlm_probability",
+                "1.5",
+            ],
+            "--mlm_probability",
+        ),
+        (
+            pretrain_mlm,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--max_train_samples",
+                "1",
+                "--max_seq_length",
+                "500",
+            ],
+            "fewer than 500",
+        ),
+        (
+            pretrain_mlm,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--do_predict",
+                "--train_file",
+                str(IMDB_TRAIN),
+            ],
+            "--do_predict is not an action of this recipe",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file", str(IMDB_TRAIN)],
+            "holds a 'roberta' model, not LongShort",
+        ),
+        (
+            pretrain_mlm,
+            ["--model_name_or_path", "ROBERTA", "--output_dir", "o", "--do_train", "--train_file", str(IMDB_TRAIN)],
+            "convert a RoBERTa checkpoint with ls-convert-roberta",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "XL", "--output_dir", "o", "--do_train", "--train_file", str(IMDB_TRAIN)],
+            "only `recipes.char_lm --model_type long_short_xl` continues training",
+        ),
+        (
+            char_lm,
+            ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path", "XL"],
+            "only `recipes.char_lm --model_type long_short_xl` continues training",
+        ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                "one_label.csv",
+                "--eval_strategy",
+                "no",
+            ],
+            "a classifier needs at least two",
+        ),
         (char_lm, ["--output_dir", "o", "--do_train"], "exactly one of --train_file"),
-        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
-                   "MODEL"], "is not a byte-level LongShort decoder"),
-        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path",
-                   "./nowhere"], "no model there"),
-        (char_lm, ["--train_file", "one_label.csv", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
-         "fewer than one block"),
-        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
-                   "--max_seq_length", "1024"], "exceeds the 256 positions"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         "empty.csv"], "--train_file 'empty.csv' is empty"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                         "header.csv"], "a CSV needs a header row and at least one example row"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file",
-                        "empty.txt"], "--train_file 'empty.txt' is empty"),
-        (pretrain_mlm, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--do_eval",
-                        "--train_file", "one_line.txt"], "holding some out for evaluation needs at least 2"),
-        (char_lm, ["--train_file", "two.zip", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
-         "is a zip archive of 2 files"),
-        (char_lm, ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", *TINY_CHAR_LM,
-                   "--per_device_train_batch_size", "10000000"], "a training step needs about"),
-        (finetune_imdb, ["--model_name_or_path", "ls-tiny-modle", "--output_dir", "o", "--do_train", "--train_file",
-                         str(IMDB_TRAIN)], "'ls-tiny-modle': no such local folder; did you mean 'ls-tiny-model'?"),
-        (finetune_imdb, ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--dataset_name",
-                         "./imdb_folder"], "--dataset_name './imdb_folder': no such local folder"),
+        (
+            char_lm,
+            ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path", "MODEL"],
+            "is not a byte-level LongShort decoder",
+        ),
+        (
+            char_lm,
+            ["--train_file", str(IMDB_TRAIN), "--output_dir", "o", "--do_train", "--model_name_or_path", "./nowhere"],
+            "no model there",
+        ),
+        (
+            char_lm,
+            ["--train_file", "one_label.csv", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
+            "fewer than one block",
+        ),
+        (
+            char_lm,
+            [
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--output_dir",
+                "o",
+                "--do_train",
+                *TINY_CHAR_LM,
+                "--max_seq_length",
+                "1024",
+            ],
+            "exceeds the 256 positions",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file", "empty.csv"],
+            "--train_file 'empty.csv' is empty",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file", "header.csv"],
+            "a CSV needs a header row and at least one example row",
+        ),
+        (
+            pretrain_mlm,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file", "empty.txt"],
+            "--train_file 'empty.txt' is empty",
+        ),
+        (
+            pretrain_mlm,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--do_eval",
+                "--train_file",
+                "one_line.txt",
+            ],
+            "holding some out for evaluation needs at least 2",
+        ),
+        (
+            char_lm,
+            ["--train_file", "two.zip", "--output_dir", "o", "--do_train", *TINY_CHAR_LM],
+            "is a zip archive of 2 files",
+        ),
+        (
+            char_lm,
+            [
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--output_dir",
+                "o",
+                "--do_train",
+                *TINY_CHAR_LM,
+                "--per_device_train_batch_size",
+                "10000000",
+            ],
+            "a training step needs about",
+        ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "ls-tiny-modle",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+            ],
+            "'ls-tiny-modle': no such local folder; did you mean 'ls-tiny-model'?",
+        ),
+        (
+            finetune_imdb,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--dataset_name", "./imdb_folder"],
+            "--dataset_name './imdb_folder': no such local folder",
+        ),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
 )
-def test_bad_arguments_exit_with_a_clear_message(script, argv, message, model_dir, roberta_dir, xl_dir, tmp_path,
-                                                 capsys, monkeypatch):
+def test_bad_arguments_exit_with_a_clear_message(
+    script, argv, message, model_dir, roberta_dir, xl_dir, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "one_label.csv").write_text("text,label\n" + "".join(f"review {i},1\n" for i in range(8)))
     (tmp_path / "header.csv").write_text("text,label\n")
@@ -328,9 +655,24 @@ def test_hub_dataset_offline_is_a_clear_error(model_dir, tmp_path):
     """finetune_imdb without local files and without the Hub (offline): an error naming the local-file options, not a
     traceback, and nothing written."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "recipes.finetune_imdb", "--model_name_or_path", str(model_dir),
-                           "--output_dir", str(tmp_path / "o"), "--do_train"], cwd=Path(__file__).parents[1], env=env,
-                          capture_output=True, text=True, check=False, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.finetune_imdb",
+            "--model_name_or_path",
+            str(model_dir),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--do_train",
+        ],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--dataset_name 'stanfordnlp/imdb' could not be loaded" in done.stderr and "--train_file" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
@@ -347,8 +689,13 @@ def test_demo_end_to_end(tmp_path, capsys):
     summary = demo.main(["--output-dir", str(tmp_path / "demo")])
     assert "Summary" in capsys.readouterr().out
     assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == summary
-    for key in ("converted LongShort masked LM", "masked-LM pretraining output",
-                "IMDb-format classifier (best validation epoch)", "causal LM output", "Hub repo folder (dry run)"):
+    for key in (
+        "converted LongShort masked LM",
+        "masked-LM pretraining output",
+        "IMDb-format classifier (best validation epoch)",
+        "causal LM output",
+        "Hub repo folder (dry run)",
+    ):
         assert (Path(summary[key]) / "config.json").is_file(), key
     assert summary["causal LM greedy continuation"].startswith(demo.PROMPT)
     assert 0 <= float(summary["IMDb-format test accuracy of that classifier"]) <= 1
@@ -363,13 +710,29 @@ def test_pretrain_mlm_schedulers_and_warmup_ratio(scheduler, tmp_path):
 
     _, _, args = common.parse_args(
         (common.ModelArguments, pretrain_mlm.MlmDataArguments, pretrain_mlm.MlmTrainingArguments),
-        ["--model_name_or_path", "some/model", "--output_dir", str(tmp_path), "--do_train", "--train_file",
-         str(IMDB_TRAIN), "--lr_scheduler_type", scheduler, "--warmup_steps", "0.1"],
+        [
+            "--model_name_or_path",
+            "some/model",
+            "--output_dir",
+            str(tmp_path),
+            "--do_train",
+            "--train_file",
+            str(IMDB_TRAIN),
+            "--lr_scheduler_type",
+            scheduler,
+            "--warmup_steps",
+            "0.1",
+        ],
     )
     assert (args.lr_scheduler_kwargs or {}) == ({"power": 3.0} if scheduler == "polynomial" else {})
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    schedule = get_scheduler(scheduler, optimizer, num_warmup_steps=args.get_warmup_steps(100),
-                             num_training_steps=100, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    schedule = get_scheduler(
+        scheduler,
+        optimizer,
+        num_warmup_steps=args.get_warmup_steps(100),
+        num_training_steps=100,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )
     rates = []
     for _ in range(100):
         rates.append(schedule.get_last_lr()[0])
@@ -382,9 +745,23 @@ def test_training_again_drops_the_earlier_runs_metrics(model_dir, tmp_path):
     """A new training run in the same --output_dir removes the old eval/test results, which described the old
     weights (Trainer.save_metrics merges into all_results.json, and model cards read it)."""
     out = tmp_path / "ft"
-    args = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST),
-            "--output_dir", str(out), "--max_seq_length", "32", "--eval_strategy", "no", "--save_strategy", "no",
-            *FAST]
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--test_file",
+        str(IMDB_TEST),
+        "--output_dir",
+        str(out),
+        "--max_seq_length",
+        "32",
+        "--eval_strategy",
+        "no",
+        "--save_strategy",
+        "no",
+        *FAST,
+    ]
     finetune_imdb.main([*args, "--do_train", "--do_predict", "--max_steps", "1"])
     assert "test_accuracy" in json.loads((out / "all_results.json").read_text())
     finetune_imdb.main([*args, "--do_train", "--max_steps", "2"])
@@ -402,14 +779,30 @@ def test_char_lm_splits_like_enwik8(tmp_path):
     assert [len(splits[s]) for s in ("train", "validation", "test")] == [922, 51, 51]
     assert splits["train"] + splits["validation"] + splits["test"] == path.read_bytes()
     (tmp_path / "valid.txt").write_bytes(b"held out")
-    splits = char_lm.read_splits(char_lm.CharLmArguments(train_file=str(path), validation_file=str(tmp_path / "valid.txt")))
+    splits = char_lm.read_splits(
+        char_lm.CharLmArguments(train_file=str(path), validation_file=str(tmp_path / "valid.txt"))
+    )
     assert splits["validation"] == b"held out" and splits["train"] + splits["test"] == path.read_bytes()
     path.write_bytes(bytes(range(256)) * 4 + b"abcdef")  # 1030 bytes: every byte lands in one split
     splits = char_lm.read_splits(char_lm.CharLmArguments(train_file=str(path)))
     assert splits["train"] + splits["validation"] + splits["test"] == path.read_bytes()
     # Only the splits a run uses must hold a block: 5 % of 1030 bytes is below 128, and training alone still runs.
-    metrics = char_lm.main(["--train_file", str(path), "--output_dir", str(tmp_path / "o"), "--do_train",
-                            *TINY_CHAR_LM, "--max_steps", "1", "--save_strategy", "no", "--disable_tqdm", "True"])
+    metrics = char_lm.main(
+        [
+            "--train_file",
+            str(path),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--do_train",
+            *TINY_CHAR_LM,
+            "--max_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "True",
+        ]
+    )
     assert "train_loss" in metrics
 
 
@@ -421,10 +814,32 @@ def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
     text = tmp_path / "reviews.txt"
     text.write_text("\n\n".join(sample_texts()))
     out = tmp_path / "chars"
-    args = ["--train_file", str(text), "--output_dir", str(out), "--do_train", "--do_eval", "--do_predict",
-            *TINY_CHAR_LM, "--max_steps", "60", "--warmup_steps", "5", "--learning_rate", "3e-3",
-            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--save_strategy", "no",
-            "--disable_tqdm", "True", "--seed", "0"]
+    args = [
+        "--train_file",
+        str(text),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "--do_eval",
+        "--do_predict",
+        *TINY_CHAR_LM,
+        "--max_steps",
+        "60",
+        "--warmup_steps",
+        "5",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "8",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "True",
+        "--seed",
+        "0",
+    ]
     metrics = char_lm.main(args)
     losses = logged_losses(out)
     assert len(losses) == 60 and sum(losses[-10:]) < 0.7 * sum(losses[:10])
@@ -443,12 +858,27 @@ def test_char_lm_trains_reports_bpc_generates_and_continues(tmp_path):
     assert generated.shape == (1, prompt.shape[1] + 12)
     generate = pipeline("text-generation", model=str(out))
     assert generate.preprocess("This movie ")["input_ids"].tolist() == prompt.tolist()
-    assert generate("This movie ", max_new_tokens=12, do_sample=False)[0]["generated_text"] == \
-        tokenizer.decode(generated[0])
+    assert generate("This movie ", max_new_tokens=12, do_sample=False)[0]["generated_text"] == tokenizer.decode(
+        generated[0]
+    )
 
-    phase2 = char_lm.main([*args[: args.index("--max_steps")], "--model_name_or_path", str(out), "--max_seq_length",
-                           "256", "--output_dir", str(tmp_path / "phase2"), "--max_steps", "2",
-                           "--save_strategy", "no", "--disable_tqdm", "True"])
+    phase2 = char_lm.main(
+        [
+            *args[: args.index("--max_steps")],
+            "--model_name_or_path",
+            str(out),
+            "--max_seq_length",
+            "256",
+            "--output_dir",
+            str(tmp_path / "phase2"),
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "True",
+        ]
+    )
     assert phase2["eval_bpc"] < 8
 
 
@@ -458,8 +888,9 @@ def test_char_lm_reads_a_zipped_text_like_the_raw_file(tmp_path):
     raw.write_bytes(bytes(range(256)) * 4)
     with zipfile.ZipFile(tmp_path / "enwik8.zip", "w", compression=zipfile.ZIP_DEFLATED) as archive:
         archive.write(raw, "enwik8")
-    assert char_lm.read_splits(char_lm.CharLmArguments(train_file=str(tmp_path / "enwik8.zip"))) == \
-        char_lm.read_splits(char_lm.CharLmArguments(train_file=str(raw)))
+    assert char_lm.read_splits(char_lm.CharLmArguments(train_file=str(tmp_path / "enwik8.zip"))) == char_lm.read_splits(
+        char_lm.CharLmArguments(train_file=str(raw))
+    )
 
 
 def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, capsys, caplog):
@@ -469,16 +900,28 @@ def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, c
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(sample_texts()))
     out = tmp_path / "chars"
-    args = ["--train_file", str(text), "--output_dir", str(out), "--do_train", *TINY_CHAR_LM, "--save_steps", "2",
-            "--disable_tqdm", "True"]
+    args = [
+        "--train_file",
+        str(text),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        *TINY_CHAR_LM,
+        "--save_steps",
+        "2",
+        "--disable_tqdm",
+        "True",
+    ]
     char_lm.main([*args, "--max_steps", "2"])
     capsys.readouterr()
     char_lm.main([*args, "--max_steps", "3"])
     err = capsys.readouterr().err
     assert f"Resuming training from {out / 'checkpoint-2'}" in err
     assert "missing keys" not in caplog.text  # lm_head.decoder is tied to the word embeddings, not saved
-    for changed, message in ((["--hidden_size", "32"], "'hidden_size': (64, 32)"),
-                             (["--window_size", "16"], "'window_size': (32, 16)")):
+    for changed, message in (
+        (["--hidden_size", "32"], "'hidden_size': (64, 32)"),
+        (["--window_size", "16"], "'window_size': (32, 16)"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             char_lm.main([*args, "--max_steps", "4", *changed])
         err = capsys.readouterr().err
@@ -487,6 +930,8 @@ def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, c
 
 
 def test_checkpoints_are_bounded_by_default():
-    for script, arguments in ((pretrain_mlm, pretrain_mlm.MlmTrainingArguments),
-                              (char_lm, char_lm.CharLmTrainingArguments)):
+    for script, arguments in (
+        (pretrain_mlm, pretrain_mlm.MlmTrainingArguments),
+        (char_lm, char_lm.CharLmTrainingArguments),
+    ):
         assert arguments(output_dir="o").save_total_limit == 3, script.__name__

@@ -58,9 +58,19 @@ def test_saved_folder_loads_without_the_package(tmp_path):
     torch.save(ids, tmp_path / "ids.pt")
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
     subprocess.run(
-        [sys.executable, "-c", CLEAN_PROCESS, str(tmp_path / "mlm"), str(tmp_path / "clm"), str(tmp_path / "ids.pt"),
-         str(tmp_path / "out.pt")],
-        check=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            CLEAN_PROCESS,
+            str(tmp_path / "mlm"),
+            str(tmp_path / "clm"),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     result = torch.load(tmp_path / "out.pt")
     assert result["modules"] == ["transformers_modules"]

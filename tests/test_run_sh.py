@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("args", [["tests"], ["demos", "--output-dir", "x"], []])
 def test_unknown_command_is_refused_before_the_environment_is_made(args, tmp_path):
     venv = tmp_path / "venv"
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), *args], capture_output=True, text=True, check=False,
-                          env={**os.environ, "VENV": str(venv)}, timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "VENV": str(venv)},
+        timeout=60,
+    )
     assert done.returncode == 2 and "usage: bash run.sh demo|test|gpu-check" in done.stderr
     assert (f"got '{args[0]}'" in done.stderr) if args else "got" not in done.stderr
     assert not venv.exists() and not done.stdout
@@ -26,13 +32,20 @@ def test_installation_shows_pips_progress(tmp_path):
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     log = tmp_path / "calls"
-    (bin_dir / "python").write_text(f'#!/bin/sh\necho "python $*" >> {log}\n'
-                                    'case "$*" in *"import ls_hf"*) exit 1;; esac\n')
+    (bin_dir / "python").write_text(
+        f'#!/bin/sh\necho "python $*" >> {log}\ncase "$*" in *"import ls_hf"*) exit 1;; esac\n'
+    )
     (bin_dir / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> {log}\n')
     for name in ("python", "pip"):
         (bin_dir / name).chmod(0o755)
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "demo", "--output-dir", "out"], capture_output=True,
-                          text=True, check=False, env={**os.environ, "VENV": str(tmp_path / "venv")}, timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), "demo", "--output-dir", "out"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "VENV": str(tmp_path / "venv")},
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "installing torch, Transformers, timm" in done.stderr and "pip's progress follows" in done.stderr
     calls = log.read_text().splitlines()

@@ -49,8 +49,9 @@ def reference_attention(m: LongShortAttention2d, x: torch.Tensor, feat_size) -> 
         patches = x[:, g:]
         if m.dp_conv is not None:
             wt = m.dp_conv.weight
-            wt = (wt - wt.mean((1, 2, 3), keepdim=True)) / (wt.var((1, 2, 3), unbiased=False, keepdim=True)
-                                                            + m.dp_conv.eps).sqrt()
+            wt = (wt - wt.mean((1, 2, 3), keepdim=True)) / (
+                wt.var((1, 2, 3), unbiased=False, keepdim=True) + m.dp_conv.eps
+            ).sqrt()
             patches = F.conv2d(patches.transpose(1, 2).reshape(B, C, H, W), wt, padding=1, groups=C)
             patches = patches.flatten(2).transpose(1, 2)
         prob = m.dynamic_projection(patches).view(B, H * W, heads, -1).softmax(1)  # softmax over the HW tokens, Eq. 3
@@ -115,8 +116,10 @@ def test_reparameterize_model_fuses_the_conv_projections():
     x = torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=1e-9, rtol=1e-9)
-        for got, want in zip(fused.forward_intermediates(x, intermediates_only=True),
-                             model.forward_intermediates(x, intermediates_only=True)):
+        for got, want in zip(
+            fused.forward_intermediates(x, intermediates_only=True),
+            model.forward_intermediates(x, intermediates_only=True),
+        ):
             torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
 
 
@@ -144,8 +147,9 @@ def test_matches_reference(H, W, dim, heads, w, r, g, kwargs, strips, device, dt
         assert_close(m(x, (H, W)), reference_attention(*cpu64(m, x), (H, W)), atol=1e-9, rtol=1e-9)
 
 
-@pytest.mark.parametrize("w,side,strips", [(2, 14, True), (3, 24, True), (4, 28, False), (2, 15, True),
-                                           (2, 17, False), (2, 21, False)])
+@pytest.mark.parametrize(
+    "w,side,strips", [(2, 14, True), (3, 24, True), (4, 28, False), (2, 15, True), (2, 17, False), (2, 21, False)]
+)
 def test_layout_choice(w, side, strips):
     """Strips for maps of up to 576 patches whose height w divides (CvT stage 3 at 224 and 384), one strip only up to
     256 patches, blocks otherwise (CvT stage 3 at 448, odd sizes, stages 1-2)."""
@@ -173,8 +177,9 @@ def test_layouts_give_the_same_gradients(H, W, dim, heads, w, r, g, kwargs, devi
     torch.testing.assert_close(grads[1], grads[0], atol=1e-9, rtol=1e-9)
 
 
-@pytest.mark.parametrize("kwargs", [{"window_bias": True}, {"conv_proj": True, "conv_dynamic_proj": True}],
-                         ids=["vil", "cvt"])
+@pytest.mark.parametrize(
+    "kwargs", [{"window_bias": True}, {"conv_proj": True, "conv_dynamic_proj": True}], ids=["vil", "cvt"]
+)
 @pytest.mark.parametrize("chunk", ["block", "half_image", "two_images"])
 def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
     """The blocked layout taken in chunks (one block, part of an image, several images with a shorter last chunk)
@@ -186,8 +191,11 @@ def test_chunked_blocks_match_reference_and_gradients(kwargs, chunk):
     m.strip_max_tokens = 0
     blocks = math.ceil(H / w) * math.ceil(W / w)
     block_bytes = ((w + 2 * (w // 2)) ** 2 + r + g) * 2 * dim * 8  # keys + values of one block, float64
-    m.chunk_bytes = {"block": block_bytes, "half_image": blocks * block_bytes // 2,
-                     "two_images": 2 * blocks * block_bytes}[chunk]
+    m.chunk_bytes = {
+        "block": block_bytes,
+        "half_image": blocks * block_bytes // 2,
+        "two_images": 2 * blocks * block_bytes,
+    }[chunk]
     x = torch.randn(B, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     chunks = m._chunks(B, blocks, block_bytes, x.device)
     assert len(chunks) == {"block": B * blocks, "half_image": 2 * B, "two_images": 2}[chunk]
@@ -247,8 +255,16 @@ def test_conv_bn_trains_on_batch_statistics_and_folds_in_eval():
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 torch.testing.assert_close(getattr(conv_bn[1], name), getattr(bn, name), msg=name)
         assert conv_bn[1].num_batches_tracked == 2
-        want = F.batch_norm(F.conv2d(x, conv.weight, padding=1, groups=6), bn.running_mean, bn.running_var, bn.weight,
-                            bn.bias, False, 0.0, bn.eps)
+        want = F.batch_norm(
+            F.conv2d(x, conv.weight, padding=1, groups=6),
+            bn.running_mean,
+            bn.running_var,
+            bn.weight,
+            bn.bias,
+            False,
+            0.0,
+            bn.eps,
+        )
         torch.testing.assert_close(conv_bn.eval()(x), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(conv_bn[1].running_mean, bn.running_mean)  # eval leaves them alone
 
@@ -288,15 +304,18 @@ def test_lmsa_table1_parameter_counts(qk_head_dim, count):
     assert m(torch.randn(1, 36, 64), (6, 6)).shape == (1, 36, 64)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"dim": 10, "num_heads": 3}, "divisible by num_heads"),
-    ({"window_size": 0}, "window_size"),
-    ({"projection_rank": -1}, "projection_rank"),
-    ({"qk_head_dim": 0}, "qk_head_dim"),
-    ({"qk_head_dim": 2.5}, "qk_head_dim"),
-    ({"qk_head_dim": 4, "num_prefix_tokens": 1}, "num_prefix_tokens=0"),
-    ({"window_size": 1, "window_bias": True}, "window_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"dim": 10, "num_heads": 3}, "divisible by num_heads"),
+        ({"window_size": 0}, "window_size"),
+        ({"projection_rank": -1}, "projection_rank"),
+        ({"qk_head_dim": 0}, "qk_head_dim"),
+        ({"qk_head_dim": 2.5}, "qk_head_dim"),
+        ({"qk_head_dim": 4, "num_prefix_tokens": 1}, "num_prefix_tokens=0"),
+        ({"window_size": 1, "window_bias": True}, "window_bias"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     args = {"dim": 16, "num_heads": 2, "window_size": 4, "projection_rank": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -329,11 +348,16 @@ def test_vil_ls_reproduces_official_fixture(name):
     tensors, meta = _fixture(name)
     stages = meta["stages"]
     model = VilLs(
-        img_size=meta["constructor"]["kwargs"]["img_size"], num_classes=meta["constructor"]["kwargs"]["num_classes"],
-        patch_sizes=[s["patch_size"] for s in stages], embed_dims=[s["dim"] for s in stages],
-        depths=[s["blocks"] for s in stages], num_heads=[s["heads"] for s in stages],
-        num_global_tokens=[s["global_tokens"] for s in stages], long_short=[s["attention"] == "ls" for s in stages],
-        window_size=stages[0]["window_w"], projection_rank=stages[0]["dp_rank_r"],
+        img_size=meta["constructor"]["kwargs"]["img_size"],
+        num_classes=meta["constructor"]["kwargs"]["num_classes"],
+        patch_sizes=[s["patch_size"] for s in stages],
+        embed_dims=[s["dim"] for s in stages],
+        depths=[s["blocks"] for s in stages],
+        num_heads=[s["heads"] for s in stages],
+        num_global_tokens=[s["global_tokens"] for s in stages],
+        long_short=[s["attention"] == "ls" for s in stages],
+        window_size=stages[0]["window_w"],
+        projection_rank=stages[0]["dp_rank_r"],
     ).eval()
     official = {k: v for k, v in tensors.items() if not k.startswith("fixture.")}
     # released checkpoints: {'net': state_dict saved from DDP, 'module.' prefix}
@@ -342,12 +366,16 @@ def test_vil_ls_reproduces_official_fixture(name):
     x = tensors["fixture.input"]
     with torch.no_grad():
         torch.testing.assert_close(model(x), tensors["fixture.logits"], atol=1e-4, rtol=0)
-        torch.testing.assert_close(model.forward_head(model.forward_features(x), pre_logits=True),
-                                   tensors["fixture.features"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model.forward_head(model.forward_features(x), pre_logits=True),
+            tensors["fixture.features"],
+            atol=1e-4,
+            rtol=0,
+        )
         for i, stage in enumerate(model.stages):
             x, feat_size = stage(x)
             torch.testing.assert_close(x, tensors[f"fixture.layer{i + 1}_out"], atol=1e-4, rtol=0)
-            x = x[:, stage.num_prefix_tokens:].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)
+            x = x[:, stage.num_prefix_tokens :].transpose(1, 2).reshape(x.shape[0], -1, *feat_size)
 
 
 @pytest.mark.parametrize("strips", [True, False])
@@ -364,14 +392,25 @@ def test_one_row_map_is_the_1d_attention(w, r, n, strips, device):
         for p in two_d.parameters():
             p.normal_()
         weights, biases = two_d.qkv.weight.split(two_d.splits), two_d.qkv.bias.split(two_d.splits)
-        state = {f"{name}.{leaf}": tensor for leaf, tensors in (("weight", weights), ("bias", biases))
-                 for name, tensor in zip(("query", "key", "value"), tensors)}
-        state |= {"output.weight": two_d.proj.weight, "output.bias": two_d.proj.bias,
-                 **{f"dual_ln_{which}.{leaf}": getattr(getattr(two_d, f"dual_ln_{which}"), leaf)
-                    for which in ("local", "global") for leaf in ("weight", "bias")}}
+        state = {
+            f"{name}.{leaf}": tensor
+            for leaf, tensors in (("weight", weights), ("bias", biases))
+            for name, tensor in zip(("query", "key", "value"), tensors)
+        }
+        state |= {
+            "output.weight": two_d.proj.weight,
+            "output.bias": two_d.proj.bias,
+            **{
+                f"dual_ln_{which}.{leaf}": getattr(getattr(two_d, f"dual_ln_{which}"), leaf)
+                for which in ("local", "global")
+                for leaf in ("weight", "bias")
+            },
+        }
         if r:
-            state |= {"dynamic_projection.weight": two_d.dynamic_projection.weight,
-                      "dynamic_projection.bias": two_d.dynamic_projection.bias}
+            state |= {
+                "dynamic_projection.weight": two_d.dynamic_projection.weight,
+                "dynamic_projection.bias": two_d.dynamic_projection.bias,
+            }
         one_d.load_state_dict(state)
         two_d.strip_max_tokens = 10**6 if strips else 0
         two_d, one_d = two_d.to(device), one_d.to(device)

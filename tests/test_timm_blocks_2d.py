@@ -52,8 +52,9 @@ def test_block_mask_equals_create_block_mask(window):
     extra_and_blocks = itertools.cycle(itertools.product((0, 1, 9), BLOCKS))
     for (H, W), (extra, block) in zip(itertools.product(SIDES, SIDES), extra_and_blocks):
         slots = tile_slots((H, W), window)
-        expected = create_block_mask(tile_mask_mod((H, W), window), None, None, slots, slots + extra, device=CPU,
-                                     BLOCK_SIZE=block)
+        expected = create_block_mask(
+            tile_mask_mod((H, W), window), None, None, slots, slots + extra, device=CPU, BLOCK_SIZE=block
+        )
         got = tile_block_mask((H, W), window, extra, block_size=block)
         assert_same_blocks(got, expected)
         partial, full = int(got.kv_num_blocks.sum()), int(got.full_kv_num_blocks.sum())
@@ -74,12 +75,13 @@ def test_tile_order_is_the_window_rule(H, W, w):
     inside = (y < H) & (x < W)
     assert int(inside.sum()) == H * W
     numbered = torch.arange(1.0, H * W + 1, dtype=torch.float64).view(1, H * W, 1)  # raster row + 1
-    assert torch.equal(to_tile_order(numbered, (H, W), w, heads=1)[0, 0, :, 0],
-                       torch.where(inside, y * W + x + 1, 0).double())
+    assert torch.equal(
+        to_tile_order(numbered, (H, W), w, heads=1)[0, 0, :, 0], torch.where(inside, y * W + x + 1, 0).double()
+    )
     rows = torch.randn(2, H * W, 3 * 4, dtype=torch.float64)
     tiles = to_tile_order(rows, (H, W), w, heads=3)
     for head in range(3):
-        assert torch.equal(tiles[:, head], to_tile_order(rows[..., 4 * head:4 * head + 4], (H, W), w, heads=1)[:, 0])
+        assert torch.equal(tiles[:, head], to_tile_order(rows[..., 4 * head : 4 * head + 4], (H, W), w, heads=1)[:, 0])
     assert torch.equal(from_tile_order(tiles, (H, W), w), rows)
 
     mask = create_mask(tile_mask_mod((H, W), w), None, None, slots, slots + extra, device=CPU)[0, 0]

@@ -45,8 +45,11 @@ def test_flex_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, strips, use_dual_l
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("case", [(19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), (20, 18, 16, 1, 4, 4, 1, CASES[3][-1])],
-                         ids=["vil_bias_cls", "cvt_one_head"])
+@pytest.mark.parametrize(
+    "case",
+    [(19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), (20, 18, 16, 1, 4, 4, 1, CASES[3][-1])],
+    ids=["vil_bias_cls", "cvt_one_head"],
+)
 def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
     """The package's compiled FlexAttention kernel (``compiled_flex_attention``, as CUDA runs it: the fused kernel, which
     skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32, tolerance scaled to the
@@ -62,10 +65,14 @@ def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
         torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("name,kwargs", [
-    ("cvt_ls_13", {"depths": (1, 1, 2)}),
-    ("vil_ls_small", {"depths": (1, 1, 1, 1), "img_size": 64}),
-], ids=["cvt", "vil"])
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("cvt_ls_13", {"depths": (1, 1, 2)}),
+        ("vil_ls_small", {"depths": (1, 1, 1, 1), "img_size": 64}),
+    ],
+    ids=["cvt", "vil"],
+)
 def test_models_take_attn_implementation(name, kwargs, device, dtype):
     """``timm.create_model(..., attn_implementation="flex_attention")`` reaches every Long-Short layer and gives the
     default model's outputs (odd input size for CvT: partial blocks in every stage)."""

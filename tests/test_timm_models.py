@@ -22,11 +22,20 @@ VIL = ["vil_ls_small", "vil_ls_medium", "vil_ls_medium_384", "vil_ls_base"]
 
 # entry -> (paper count in M, relative tolerance); ViL-LS also against NVIDIA's code (exact, counted in M)
 PAPER_PARAMS = {
-    "cvt_ls_13": (20.3, 0.01), "cvt_ls_17": (23.7, 0.01), "cvt_ls_21": (32.1, 0.01), "cvt_ls_21s": (30.1, 0.03),
-    "vil_ls_medium": (39.8, 0.005), "vil_ls_medium_384": (39.9, 0.005), "vil_ls_base": (55.8, 0.005),
+    "cvt_ls_13": (20.3, 0.01),
+    "cvt_ls_17": (23.7, 0.01),
+    "cvt_ls_21": (32.1, 0.01),
+    "cvt_ls_21s": (30.1, 0.03),
+    "vil_ls_medium": (39.8, 0.005),
+    "vil_ls_medium_384": (39.9, 0.005),
+    "vil_ls_base": (55.8, 0.005),
 }
-OFFICIAL_CODE_PARAMS = {"vil_ls_small": 24_666_529, "vil_ls_medium": 39_799_423, "vil_ls_medium_384": 39_947_653,
-                        "vil_ls_base": 55_834_363}
+OFFICIAL_CODE_PARAMS = {
+    "vil_ls_small": 24_666_529,
+    "vil_ls_medium": 39_799_423,
+    "vil_ls_medium_384": 39_947_653,
+    "vil_ls_base": 55_834_363,
+}
 
 
 def _count(model):
@@ -44,7 +53,10 @@ def test_registry():
     assert sorted(timm.list_models("*_ls_*")) == sorted(CVT + VIL)
     assert set(timm.list_models(module=["cvt_ls", "vil_ls"])) == set(CVT + VIL)
     assert timm.list_models("vil_ls*", pretrained=True) == [
-        "vil_ls_base.nv_in1k", "vil_ls_medium.nv_in1k", "vil_ls_medium_384.nv_in1k"]
+        "vil_ls_base.nv_in1k",
+        "vil_ls_medium.nv_in1k",
+        "vil_ls_medium_384.nv_in1k",
+    ]
 
 
 @pytest.mark.parametrize("name", CVT + VIL)
@@ -86,8 +98,9 @@ def test_forward_backward_and_grad_checkpointing(name, device):
     missing = {n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
     # As in the official ViL-LS: the global-query bias of a stage's last full-attention block only feeds the global
     # token, which is dropped before the next stage, so it cannot receive a gradient.
-    dropped = {f"stages.{i}.blocks.{len(s.blocks) - 1}.attn.g2g_relative_position_bias"
-               for i, s in enumerate(model.stages)}
+    dropped = {
+        f"stages.{i}.blocks.{len(s.blocks) - 1}.attn.g2g_relative_position_bias" for i, s in enumerate(model.stages)
+    }
     assert not missing - dropped
     model.eval()
     with torch.no_grad():
@@ -227,8 +240,9 @@ def test_prune_intermediate_layers(name, prune_norm, prune_head):
     assert len(model.stages) == 2 and model.num_classes == 0 and model.num_features == want[-1].shape[1]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    torch.testing.assert_close(to_map(out, model.num_prefix_tokens, want[-1].shape[-2:]) if out.ndim == 3 else out,
-                               want[-1])
+    torch.testing.assert_close(
+        to_map(out, model.num_prefix_tokens, want[-1].shape[-2:]) if out.ndim == 3 else out, want[-1]
+    )
     model.to(torch.float64).reset_classifier(5, "avg")
     assert model.head.weight.dtype == torch.float64 and not model.head.training
     assert model(x.double()).shape == (1, 5)
@@ -242,8 +256,12 @@ def test_save_load_and_hub_round_trip(name, tmp_path):
     with torch.no_grad():
         ref = model(x)
     save_file(model.state_dict(), tmp_path / "weights.safetensors")
-    reloaded, _ = _reduced(name, num_classes=4, pretrained=True,
-                           pretrained_cfg_overlay={"file": str(tmp_path / "weights.safetensors"), "num_classes": 4})
+    reloaded, _ = _reduced(
+        name,
+        num_classes=4,
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(tmp_path / "weights.safetensors"), "num_classes": 4},
+    )
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(x), ref)
     assert set(load_file(tmp_path / "weights.safetensors")) == set(model.state_dict())
@@ -266,8 +284,10 @@ def test_released_weights_load_from_their_own_cache_files(tmp_path, monkeypatch)
         torch.manual_seed(seed)
         source, _ = _reduced(name)
         (tmp_path / "hub" / "checkpoints").mkdir(parents=True, exist_ok=True)
-        torch.save({"net": {"module." + k: v for k, v in source.state_dict().items()}},
-                   tmp_path / "hub" / "checkpoints" / timm.models.get_pretrained_cfg(name).url[1])
+        torch.save(
+            {"net": {"module." + k: v for k, v in source.state_dict().items()}},
+            tmp_path / "hub" / "checkpoints" / timm.models.get_pretrained_cfg(name).url[1],
+        )
         for num_classes in (1000, 7):  # the released head, or a new one for fine-tuning (timm drops the head)
             loaded, _ = _reduced(name, pretrained=True, num_classes=num_classes)
             kept = {k: v for k, v in source.state_dict().items() if num_classes == 1000 or not k.startswith("head.")}
@@ -294,8 +314,9 @@ def test_pretrained_without_a_download_names_the_local_file_fix(tmp_path, monkey
     torch.manual_seed(0)
     source, _ = _reduced("vil_ls_medium")
     torch.save({"net": {"module." + k: v for k, v in source.state_dict().items()}}, tmp_path / "model_best.pth")
-    loaded, _ = _reduced("vil_ls_medium", pretrained=True,
-                         pretrained_cfg_overlay={"file": str(tmp_path / "model_best.pth")})
+    loaded, _ = _reduced(
+        "vil_ls_medium", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / "model_best.pth")}
+    )
     for key, value in source.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value, msg=key)
 
@@ -318,6 +339,7 @@ def test_meta_device_creation_then_load():
 def test_paper_resolution_settings():
     """Appendix E: r and w per input size for CvT*-LS (or one value for every stage); ViL-LS-Medium at 384 uses
     w = 8."""
+
     def settings(**kwargs):
         with torch.device("meta"):
             model = timm.create_model("cvt_ls_21", **kwargs)
@@ -398,14 +420,24 @@ def test_state_dicts_under_the_earlier_parameter_names_load(tmp_path):
     saved = load_file(FIXTURES / "cvt_ls_earlier_names.safetensors")
     state = {k.removeprefix("param."): v for k, v in saved.items() if k.startswith("param.")}
     assert any(".dynamic_proj." in k for k in state) and any(".dual_ln_global_k." in k for k in state)
-    kwargs = {"img_size": 32, "num_classes": 3, "embed_dims": (4, 8, 8), "depths": (1, 1, 1), "num_heads": (2, 2, 2),
-              "qk_head_dims": (1, 2, None)}  # saved with qk_dims=(2, 4, None): query/key widths in all
+    kwargs = {
+        "img_size": 32,
+        "num_classes": 3,
+        "embed_dims": (4, 8, 8),
+        "depths": (1, 1, 1),
+        "num_heads": (2, 2, 2),
+        "qk_head_dims": (1, 2, None),
+    }  # saved with qk_dims=(2, 4, None): query/key widths in all
     model = timm.create_model("cvt_ls_13", **kwargs)
     model.load_state_dict(state)
     assert not any(".dynamic_proj." in k or k.endswith(("_k.weight", "_k.bias")) for k in model.state_dict())
     save_file(state, tmp_path / "earlier.safetensors")
-    loaded = timm.create_model("cvt_ls_13", pretrained=True, pretrained_cfg_overlay={
-        "file": str(tmp_path / "earlier.safetensors"), "num_classes": 3}, **kwargs)
+    loaded = timm.create_model(
+        "cvt_ls_13",
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(tmp_path / "earlier.safetensors"), "num_classes": 3},
+        **kwargs,
+    )
     with torch.no_grad():
         for m in (model, loaded):
             torch.testing.assert_close(m.eval()(saved["fixture.input"]), saved["fixture.logits"])

@@ -9,22 +9,86 @@ import csv
 import random
 from pathlib import Path
 
-FILMS = ["this film", "the movie", "this picture", "the sequel", "this thriller", "the comedy", "this drama",
-         "the documentary", "this western", "the musical", "this remake", "the cartoon"]
-PARTS = ["the acting", "the script", "the soundtrack", "the ending", "the camera work", "the lead actor",
-         "the dialogue", "the pacing", "the villain", "the plot", "the editing", "the supporting cast"]
-GOOD = ["wonderful", "brilliant", "superb", "delightful", "moving", "excellent", "charming", "gripping",
-        "beautiful", "clever", "touching", "outstanding"]
-BAD = ["awful", "boring", "dreadful", "terrible", "clumsy", "dull", "painful", "lifeless", "annoying", "weak",
-       "silly", "forgettable"]
-POSITIVE = ["I loved {film}, {part} was {adj}.", "{Part} was {adj} and I would happily watch it again.",
-            "Truly {adj} from start to finish, I left the cinema smiling.", "Highly recommended: {part} is {adj}.",
-            "My whole family enjoyed {film}; {part} felt {adj}.", "The story is {adj} and told with real heart."]
-NEGATIVE = ["I hated {film}, {part} was {adj}.", "{Part} was {adj} and I almost walked out.",
-            "Simply {adj} from start to finish, a waste of two hours.", "Avoid it: {part} is {adj}.",
-            "Nobody in my family enjoyed {film}; {part} felt {adj}.", "The story is {adj} and told without any care."]
-NEUTRAL = ["I saw {film} last weekend.", "It runs a little under two hours.", "{Part} reminded me of older films.",
-           "The cinema was half full.", "My friend suggested {film} to me.", "It was released in the autumn."]
+FILMS = [
+    "this film",
+    "the movie",
+    "this picture",
+    "the sequel",
+    "this thriller",
+    "the comedy",
+    "this drama",
+    "the documentary",
+    "this western",
+    "the musical",
+    "this remake",
+    "the cartoon",
+]
+PARTS = [
+    "the acting",
+    "the script",
+    "the soundtrack",
+    "the ending",
+    "the camera work",
+    "the lead actor",
+    "the dialogue",
+    "the pacing",
+    "the villain",
+    "the plot",
+    "the editing",
+    "the supporting cast",
+]
+GOOD = [
+    "wonderful",
+    "brilliant",
+    "superb",
+    "delightful",
+    "moving",
+    "excellent",
+    "charming",
+    "gripping",
+    "beautiful",
+    "clever",
+    "touching",
+    "outstanding",
+]
+BAD = [
+    "awful",
+    "boring",
+    "dreadful",
+    "terrible",
+    "clumsy",
+    "dull",
+    "painful",
+    "lifeless",
+    "annoying",
+    "weak",
+    "silly",
+    "forgettable",
+]
+POSITIVE = [
+    "I loved {film}, {part} was {adj}.",
+    "{Part} was {adj} and I would happily watch it again.",
+    "Truly {adj} from start to finish, I left the cinema smiling.",
+    "Highly recommended: {part} is {adj}.",
+    "My whole family enjoyed {film}; {part} felt {adj}.",
+    "The story is {adj} and told with real heart.",
+]
+NEGATIVE = [
+    "I hated {film}, {part} was {adj}.",
+    "{Part} was {adj} and I almost walked out.",
+    "Simply {adj} from start to finish, a waste of two hours.",
+    "Avoid it: {part} is {adj}.",
+    "Nobody in my family enjoyed {film}; {part} felt {adj}.",
+    "The story is {adj} and told without any care.",
+]
+NEUTRAL = [
+    "I saw {film} last weekend.",
+    "It runs a little under two hours.",
+    "{Part} reminded me of older films.",
+    "The cinema was half full.",
+    "My friend suggested {film} to me.",
+    "It was released in the autumn.",
+]
 
 
 def review(rng: random.Random, label: int) -> str:

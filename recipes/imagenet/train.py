@@ -43,18 +43,28 @@ EMA_FILE = "ema.safetensors"  # in OUTPUT_DIR/last
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m recipes.imagenet.train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.imagenet.train",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add = parser.add_argument
     add("--data-dir", required=True, help="ImageFolder root with train/ and val/ (or validation/) class folders.")
     add("--output-dir", default="output/train", help="Where the state, best weights and summary.csv go.")
     add("--model", default="vil_ls_medium", help="timm model name (e.g. vil_ls_medium, cvt_ls_13) or local-dir:PATH.")
     add("--model-kwargs", nargs="*", default={}, action=ParseKwargs, help="Extra model arguments, e.g. depths=(1,1,2).")
     add("--pretrained", action="store_true", help="Start from the model's registered weights (downloaded by timm).")
-    add("--pretrained-file", help="Start from a local checkpoint (timm or official format, converted by the model); "
-        "a classifier for other classes is replaced by a new one to fine-tune.")
-    add("--img-size", type=int, help="Training and evaluation image side (CvT-LS picks r and w from it); default: the "
-        "model's own, e.g. 384 for vil_ls_medium_384.")
+    add(
+        "--pretrained-file",
+        help="Start from a local checkpoint (timm or official format, converted by the model); "
+        "a classifier for other classes is replaced by a new one to fine-tune.",
+    )
+    add(
+        "--img-size",
+        type=int,
+        help="Training and evaluation image side (CvT-LS picks r and w from it); default: the "
+        "model's own, e.g. 384 for vil_ls_medium_384.",
+    )
     add("--eval-only", action="store_true", help="Only evaluate the (pretrained) model on the validation images.")
     add("--epochs", type=int, default=300, help="Training epochs (official: 300).")
     add("--batch-size", type=int, default=128, help="Images per process and step (official: 8 GPUs x 128).")
@@ -76,10 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--reprob", type=float, default=0.25, help="Random erasing probability.")
     add("--model-ema", action="store_true", help="Keep an EMA of the weights; it is evaluated and exported as best.")
     add("--model-ema-decay", type=float, default=0.99996, help="EMA decay per step (with --model-ema).")
-    add("--mixed-precision", choices=("no", "fp16", "bf16"),
-        help="Autocast precision; default: accelerate's config (the official runs used fp16 AMP).")
-    add("--use-cpu", action="store_true", help="Run on the CPU even with a GPU; needed for multi-process CPU launches "
-        "(accelerate launch --config_file recipes/accelerate/cpu.yaml).")
+    add(
+        "--mixed-precision",
+        choices=("no", "fp16", "bf16"),
+        help="Autocast precision; default: accelerate's config (the official runs used fp16 AMP).",
+    )
+    add(
+        "--use-cpu",
+        action="store_true",
+        help="Run on the CPU even with a GPU; needed for multi-process CPU launches "
+        "(accelerate launch --config_file recipes/accelerate/cpu.yaml).",
+    )
     add("--workers", type=int, default=8, help="Data loading processes per training process.")
     add("--seed", type=int, default=42, help="Random seed (weights, data order, augmentation).")
     return parser
@@ -94,25 +111,33 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
     splits["val"] = next((data_dir / s for s in EVAL_SPLITS if (data_dir / s).is_dir()), data_dir / EVAL_SPLITS[0])
     for name, folder in splits.items():
         if not folder.is_dir() or not any(p.is_dir() for p in folder.iterdir()):
-            parser.error(f"--data-dir {args.data_dir!r}: {folder} is missing or has no class folders; lay the images "
-                         f"out as {folder}/<class>/<image>.")
+            parser.error(
+                f"--data-dir {args.data_dir!r}: {folder} is missing or has no class folders; lay the images "
+                f"out as {folder}/<class>/<image>."
+            )
     if ":" not in args.model and not timm.is_model(args.model):
-        parser.error(f"--model {args.model!r}: unknown; pick a registered model, e.g. one of "
-                     f"{', '.join(timm.list_models('*_ls_*'))}.")
+        parser.error(
+            f"--model {args.model!r}: unknown; pick a registered model, e.g. one of "
+            f"{', '.join(timm.list_models('*_ls_*'))}."
+        )
     if args.pretrained and args.pretrained_file:
         parser.error("--pretrained and --pretrained-file both pick start weights; pass one of them.")
     if args.pretrained_file and not Path(args.pretrained_file).is_file():
         parser.error(f"--pretrained-file {args.pretrained_file!r}: no such file.")
     if args.pretrained_file and ":" in args.model:
-        parser.error(f"--pretrained-file loads into a registered --model; {args.model!r} brings its own weights: pass "
-                     f"--pretrained instead.")
+        parser.error(
+            f"--pretrained-file loads into a registered --model; {args.model!r} brings its own weights: pass "
+            f"--pretrained instead."
+        )
     if args.pretrained_file:
         try:
             checkpoint_classes(args.pretrained_file, timm.models.get_pretrained_cfg_value(args.model, "classifier"))
         except (KeyError, RuntimeError, ValueError, pickle.UnpicklingError) as err:  # torch.load of a non-checkpoint
-            parser.error(f"--pretrained-file {args.pretrained_file!r} holds no weights that can be read "
-                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); pass a timm or official "
-                         f"checkpoint (.pth, .safetensors) of --model {args.model}.")
+            parser.error(
+                f"--pretrained-file {args.pretrained_file!r} holds no weights that can be read "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); pass a timm or official "
+                f"checkpoint (.pth, .safetensors) of --model {args.model}."
+            )
     for name in ("epochs", "batch_size", "img_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
@@ -129,8 +154,9 @@ def checkpoint_classes(path: str, classifier: str) -> int:
     return 0 if weight is None else len(weight)
 
 
-def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_classes: int,
-                 log=print) -> torch.nn.Module:
+def create_model(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, num_classes: int, log=print
+) -> torch.nn.Module:
     """The timm model for ``num_classes`` classes, with the start weights asked for.
 
     Start weights whose classifier has ``num_classes`` outputs are loaded whole. Weights trained on other classes
@@ -145,8 +171,9 @@ def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_
         classifier = timm.models.get_pretrained_cfg_value(args.model, "classifier")
         overlay = {"file": args.pretrained_file, "num_classes": checkpoint_classes(args.pretrained_file, classifier)}
     try:
-        model = timm.create_model(args.model, pretrained=args.pretrained or overlay is not None,
-                                  pretrained_cfg_overlay=overlay, **kwargs)
+        model = timm.create_model(
+            args.model, pretrained=args.pretrained or overlay is not None, pretrained_cfg_overlay=overlay, **kwargs
+        )
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: start weights that do not fit the model
         parser.error(f"--model {args.model} with {kwargs}: {err}")
     start_classes = model.pretrained_cfg["num_classes"]
@@ -154,8 +181,10 @@ def create_model(parser: argparse.ArgumentParser, args: argparse.Namespace, num_
         start = f"--pretrained-file {args.pretrained_file!r}" if args.pretrained_file else f"--pretrained {args.model}"
         mismatch = f"{start} classifies {start_classes} classes, but --data-dir {args.data_dir!r} holds {num_classes}"
         if args.eval_only:
-            parser.error(f"{mismatch}; --eval-only would score a new, untrained classifier. Evaluate on data with the "
-                         f"weights' classes, or train (no --eval-only) to fine-tune them.")
+            parser.error(
+                f"{mismatch}; --eval-only would score a new, untrained classifier. Evaluate on data with the "
+                f"weights' classes, or train (no --eval-only) to fine-tune them."
+            )
         log(f"{mismatch}: fine-tuning with a new classifier.")
     return model
 
@@ -169,8 +198,10 @@ def attention_layers(model: HierarchicalTransformer, input_size: tuple[int, int,
     layers = []
     for stage in model.stages:
         conv = stage.embed.proj
-        height, width = ((size + 2 * pad - kernel) // stride + 1 for size, pad, kernel, stride
-                         in zip((height, width), conv.padding, conv.kernel_size, conv.stride))
+        height, width = (
+            (size + 2 * pad - kernel) // stride + 1
+            for size, pad, kernel, stride in zip((height, width), conv.padding, conv.kernel_size, conv.stride)
+        )
         tokens = height * width + stage.num_prefix_tokens
         for block in stage.blocks:
             attn = block.attn
@@ -179,14 +210,23 @@ def attention_layers(model: HierarchicalTransformer, input_size: tuple[int, int,
                 keys, window = (w + 2 * max(w // 2, 1)) ** 2 + attn.projection_rank + attn.num_prefix_tokens, w * w
             else:
                 keys = window = tokens
-            layers.append(AttentionLayer(tokens, block.norm1.normalized_shape[0], block.mlp.fc1.out_features,
-                                         attn.num_heads, keys, window,
-                                         probabilities=getattr(attn, "attn_drop", 0) > 0))
+            layers.append(
+                AttentionLayer(
+                    tokens,
+                    block.norm1.normalized_shape[0],
+                    block.mlp.fc1.out_features,
+                    attn.num_heads,
+                    keys,
+                    window,
+                    probabilities=getattr(attn, "attn_drop", 0) > 0,
+                )
+            )
     return tuple(layers)
 
 
-def check_training_memory(parser: argparse.ArgumentParser, model: torch.nn.Module, data_config: dict, args,
-                          device: torch.device) -> None:
+def check_training_memory(
+    parser: argparse.ArgumentParser, model: torch.nn.Module, data_config: dict, args, device: torch.device
+) -> None:
     """Exit before training when a step of --batch-size images cannot fit the device's memory (``recipes.memory``),
     naming --batch-size. The estimate describes ``ls_timm``'s models; another timm model is not checked."""
     if not isinstance(model, HierarchicalTransformer):
@@ -258,19 +298,33 @@ def main(argv=None) -> dict[str, float]:
 
     train_set = create_dataset("", root=str(splits["train"]), split="train", is_training=True)
     if train_set.reader.class_to_idx != val_set.reader.class_to_idx:
-        parser.error(f"--data-dir {args.data_dir!r}: {splits['train']} and {splits['val']} hold different class "
-                     f"folders; both splits need the same classes.")
+        parser.error(
+            f"--data-dir {args.data_dir!r}: {splits['train']} and {splits['val']} hold different class "
+            f"folders; both splits need the same classes."
+        )
     if len(train_set) < args.batch_size * accelerator.num_processes:
-        parser.error(f"--batch-size {args.batch_size}: larger than the {len(train_set)} training images per step; "
-                     f"lower it.")
+        parser.error(
+            f"--batch-size {args.batch_size}: larger than the {len(train_set)} training images per step; lower it."
+        )
     check_training_memory(parser, model, data_config, args, accelerator.device)
-    train_set.transform = create_transform(**data_config, is_training=True, re_prob=args.reprob, re_mode="pixel",
-                                           auto_augment=None if args.aa == "none" else args.aa)
+    train_set.transform = create_transform(
+        **data_config,
+        is_training=True,
+        re_prob=args.reprob,
+        re_mode="pixel",
+        auto_augment=None if args.aa == "none" else args.aa,
+    )
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers)
     mixup = None
     if args.mixup > 0 or args.cutmix > 0:
-        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, prob=args.mixup_prob,
-                      switch_prob=args.mixup_switch_prob, label_smoothing=args.smoothing, num_classes=len(classes))
+        mixup = Mixup(
+            mixup_alpha=args.mixup,
+            cutmix_alpha=args.cutmix,
+            prob=args.mixup_prob,
+            switch_prob=args.mixup_switch_prob,
+            label_smoothing=args.smoothing,
+            num_classes=len(classes),
+        )
         criterion = SoftTargetCrossEntropy()
     else:
         criterion = LabelSmoothingCrossEntropy(args.smoothing) if args.smoothing > 0 else torch.nn.CrossEntropyLoss()
@@ -278,18 +332,27 @@ def main(argv=None) -> dict[str, float]:
     optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay, eps=args.opt_eps)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     warmup_lr = WARMUP_FACTOR * args.lr if args.warmup_lr is None else args.warmup_lr
-    scheduler, epochs = create_scheduler_v2(optimizer, sched="cosine", num_epochs=args.epochs, min_lr=args.min_lr,
-                                            warmup_lr=warmup_lr, warmup_epochs=args.warmup_epochs,
-                                            step_on_epochs=False, updates_per_epoch=len(train_loader))
+    scheduler, epochs = create_scheduler_v2(
+        optimizer,
+        sched="cosine",
+        num_epochs=args.epochs,
+        min_lr=args.min_lr,
+        warmup_lr=warmup_lr,
+        warmup_epochs=args.warmup_epochs,
+        step_on_epochs=False,
+        updates_per_epoch=len(train_loader),
+    )
     # The scheduler needs no state: it steps on the absolute step. The EMA is saved beside the state as safetensors
     # (accelerate would pickle it, and read it back with torch.load(weights_only=False)).
     ema = ModelEmaV3(accelerator.unwrap_model(model), decay=args.model_ema_decay) if args.model_ema else None
 
     out = Path(args.output_dir)
-    accelerator.print(f"training {args.model} on {len(train_set)} images of {len(classes)} classes "
-                      f"({len(val_set)} for validation) for {epochs} epochs, {accelerator.num_processes} process(es) x "
-                      f"batch {args.batch_size}, {accelerator.device}; state, summary.csv and the best weights go to "
-                      f"{out}")
+    accelerator.print(
+        f"training {args.model} on {len(train_set)} images of {len(classes)} classes "
+        f"({len(val_set)} for validation) for {epochs} epochs, {accelerator.num_processes} process(es) x "
+        f"batch {args.batch_size}, {accelerator.device}; state, summary.csv and the best weights go to "
+        f"{out}"
+    )
     progress = {"epoch": -1, "best_top1": -1.0, "metrics": {}}
     if (out / "last" / "progress.json").is_file():
         accelerator.load_state(out / "last")
@@ -301,20 +364,28 @@ def main(argv=None) -> dict[str, float]:
             accelerator.print(f"{out / 'last'} holds no EMA ({EMA_FILE}): the EMA starts from the current weights")
     metrics = progress.get("metrics", {})  # a finished run's last metrics, when no epoch is left
     for epoch in range(progress["epoch"] + 1, epochs):
-        train_metrics = train_one_epoch(model, train_loader, optimizer, scheduler, criterion, mixup, ema, accelerator,
-                                        epoch, args)
+        train_metrics = train_one_epoch(
+            model, train_loader, optimizer, scheduler, criterion, mixup, ema, accelerator, epoch, args
+        )
         metrics = evaluate(model, val_loader, accelerator)
         if ema is not None:
             metrics.update({f"ema_{k}": v for k, v in evaluate(ema.module, val_loader, accelerator).items()})
         top1 = metrics["ema_top1" if ema is not None else "top1"]
-        accelerator.print(f"epoch {epoch}: train loss {train_metrics['loss']:.4f}  "
-                          + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        accelerator.print(
+            f"epoch {epoch}: train loss {train_metrics['loss']:.4f}  "
+            + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        )
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             if top1 > progress["best_top1"]:
                 best = ema.module if ema is not None else accelerator.unwrap_model(model)
-                save_for_hf(best, out / "best", model_config={"label_names": classes}, data_config=data_config,
-                            safe_serialization=True)
+                save_for_hf(
+                    best,
+                    out / "best",
+                    model_config={"label_names": classes},
+                    data_config=data_config,
+                    safe_serialization=True,
+                )
             update_summary(epoch, train_metrics, metrics, out / "summary.csv", lr=optimizer.param_groups[0]["lr"])
         progress = {"epoch": epoch, "best_top1": max(top1, progress["best_top1"]), "metrics": metrics}
         accelerator.save_state(out / "last")
@@ -323,8 +394,10 @@ def main(argv=None) -> dict[str, float]:
                 save_model(ema.module, out / "last" / EMA_FILE)
             (out / "last" / "progress.json").write_text(json.dumps(progress))
     accelerator.end_training()
-    accelerator.print(f"best top-1 {progress['best_top1']:.3f} %: weights in {out / 'best'} (timm.create_model("
-                      f"'local-dir:{out / 'best'}', pretrained=True)); last state in {out / 'last'}")
+    accelerator.print(
+        f"best top-1 {progress['best_top1']:.3f} %: weights in {out / 'best'} (timm.create_model("
+        f"'local-dir:{out / 'best'}', pretrained=True)); last state in {out / 'last'}"
+    )
     return metrics
 
 

@@ -54,8 +54,10 @@ class ListOpsRules:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"--listops_{name} must be an integer >= {low}, got {value!r}.")
         if self.max_length <= self.min_length + 1:
-            raise ValueError(f"--listops_max_length ({self.max_length}) must exceed --listops_min_length "
-                             f"({self.min_length}) by at least 2 (lengths are kept strictly between them).")
+            raise ValueError(
+                f"--listops_max_length ({self.max_length}) must exceed --listops_min_length "
+                f"({self.min_length}) by at least 2 (lengths are kept strictly between them)."
+            )
 
 
 class _TooLong(Exception):
@@ -93,8 +95,9 @@ def generate_listops(seed: int, rules: ListOpsRules, progress: bool = False) -> 
     rng = random.Random(seed)
     seen, kept = set(), []
     total = rules.train + rules.dev + rules.test
-    with tqdm(total=total, desc="generating ListOps", unit=" expressions", disable=not progress,
-              file=sys.stdout) as bar:
+    with tqdm(
+        total=total, desc="generating ListOps", unit=" expressions", disable=not progress, file=sys.stdout
+    ) as bar:
         while len(kept) < total:
             out = []
             try:
@@ -117,8 +120,7 @@ def generate_listops(seed: int, rules: ListOpsRules, progress: bool = False) -> 
     return splits
 
 
-def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules, progress: bool = False
-            ) -> dict[str, Examples]:
+def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules, progress: bool = False) -> dict[str, Examples]:
     """The generated splits, read from ``data_dir`` if this seed and these rules were generated before. Generating
     says so on stdout (``progress``: with a progress bar)."""
     rules.check()
@@ -127,8 +129,11 @@ def listops(data_dir: str | os.PathLike, seed: int, rules: ListOpsRules, progres
     if path.exists():
         with np.load(path) as npz:
             return {split: Examples.from_arrays(npz, split) for split in SPLITS}
-    print(f"Generating {rules.train:,} / {rules.dev:,} / {rules.test:,} ListOps expressions (data seed {seed}) into "
-          f"{path}; later runs with this seed and these rules read them from there.", flush=True)
+    print(
+        f"Generating {rules.train:,} / {rules.dev:,} / {rules.test:,} ListOps expressions (data seed {seed}) into "
+        f"{path}; later runs with this seed and these rules read them from there.",
+        flush=True,
+    )
     splits = generate_listops(seed, rules, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
@@ -143,8 +148,11 @@ def fresh_listops(seed: int, size: int, rules: ListOpsRules, exclude: Examples) 
     ``exclude`` (a run's training split) holds: an independent sample of the distribution its test split is one of."""
     drawn = generate_listops(seed, replace(rules, train=1, dev=1, test=size))["test"]
     seen = {exclude.tokens[a:b].tobytes() for a, b in zip(exclude.offsets[0, :-1], exclude.offsets[0, 1:])}
-    keep = [i for i, (a, b) in enumerate(zip(drawn.offsets[0, :-1], drawn.offsets[0, 1:]))
-            if drawn.tokens[a:b].tobytes() not in seen]
+    keep = [
+        i
+        for i, (a, b) in enumerate(zip(drawn.offsets[0, :-1], drawn.offsets[0, 1:]))
+        if drawn.tokens[a:b].tobytes() not in seen
+    ]
     sequences = [drawn.tokens[drawn.offsets[0, i] : drawn.offsets[0, i + 1]].tolist() for i in keep]
     return Examples.build([sequences], drawn.labels[keep])
 
@@ -229,29 +237,37 @@ def class_ids(labels: dict[str, list], num_classes: int, where: str) -> dict[str
     """Each split's labels as class ids: integer labels as they are (0 .. ``num_classes`` - 1); any other values
     (e.g. "neg"/"pos") numbered in the sorted order of the training split's values, as
     ``recipes.finetune_classification`` numbers them. A ``ValueError`` names a label that does not fit."""
-    if all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for split in labels.values()
-           for value in split):
+    if all(
+        isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        for split in labels.values()
+        for value in split
+    ):
         for split, values in labels.items():
             wrong = [value for value in values if not 0 <= value < num_classes]
             if wrong:
-                raise ValueError(f"{where}: the {split} split has the label {wrong[0]}; integer labels are class ids "
-                                 f"0 .. {num_classes - 1} for this task.")
+                raise ValueError(
+                    f"{where}: the {split} split has the label {wrong[0]}; integer labels are class ids "
+                    f"0 .. {num_classes - 1} for this task."
+                )
         return {split: np.asarray(values, dtype=np.int64) for split, values in labels.items()}
     classes = sorted(set(labels["train"]), key=str)
     if len(classes) > num_classes:
-        raise ValueError(f"{where}: the train split holds {len(classes)} label values {classes[:12]}, more than the "
-                         f"task's {num_classes} classes.")
+        raise ValueError(
+            f"{where}: the train split holds {len(classes)} label values {classes[:12]}, more than the "
+            f"task's {num_classes} classes."
+        )
     ids = {value: i for i, value in enumerate(classes)}
     for split, values in labels.items():
         unknown = sorted(set(values) - set(ids), key=str)
         if unknown:
-            raise ValueError(f"{where}: the {split} split has the label(s) {unknown[:5]}, which the train split does "
-                             f"not (labels: {classes}).")
+            raise ValueError(
+                f"{where}: the {split} split has the label(s) {unknown[:5]}, which the train split does "
+                f"not (labels: {classes})."
+            )
     return {split: np.asarray([ids[value] for value in values], dtype=np.int64) for split, values in labels.items()}
 
 
-def load_user_data(task: str, data_path: str | os.PathLike, max_length: int, num_classes: int
-                   ) -> dict[str, Examples]:
+def load_user_data(task: str, data_path: str | os.PathLike, max_length: int, num_classes: int) -> dict[str, Examples]:
     """Text/Retrieval/Image splits from a ``save_to_disk`` folder or ``{train,dev,test}.<ext>`` files in
     ``data_path``, with columns ``text`` | ``text1``, ``text2`` | ``image`` and ``label`` (``class_ids``)."""
     import datasets
@@ -282,9 +298,15 @@ def load_user_data(task: str, data_path: str | os.PathLike, max_length: int, num
     for split in SPLITS:
         absent = [c for c in columns if c not in data[split].column_names]
         if absent:
-            raise ValueError(f"--data_dir {str(path)!r}: the {split} split lacks the column(s) {absent}; the "
-                             f"{task} task reads {list(columns)}.")
+            raise ValueError(
+                f"--data_dir {str(path)!r}: the {split} split lacks the column(s) {absent}; the "
+                f"{task} task reads {list(columns)}."
+            )
     labels = class_ids({split: data[split]["label"] for split in SPLITS}, num_classes, f"--data_dir {str(path)!r}")
     encode = _pixels if task == "image" else _bytes
-    return {split: Examples.build([[encode(value, max_length) for value in data[split][column]]
-                                   for column in COLUMNS[task]], labels[split]) for split in SPLITS}
+    return {
+        split: Examples.build(
+            [[encode(value, max_length) for value in data[split][column]] for column in COLUMNS[task]], labels[split]
+        )
+        for split in SPLITS
+    }

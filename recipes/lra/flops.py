@@ -45,15 +45,33 @@ def main(argv=None):
     args = p.parse_args(argv)
     rows = {}
     for attention in ATTENTIONS:
-        config = LRAConfig(vocab_size=16, max_length=args.length, num_classes=args.num_classes, attention=attention,
-                           window_size=args.window_size, projection_rank=args.projection_rank, dual=args.dual)
+        config = LRAConfig(
+            vocab_size=16,
+            max_length=args.length,
+            num_classes=args.num_classes,
+            attention=attention,
+            window_size=args.window_size,
+            projection_rank=args.projection_rank,
+            dual=args.dual,
+        )
         rows[attention] = count(config, args.length)
-        print(f"{attention:>11}: {rows[attention]['gmacs']:.3f} G multiply-adds per example "
-              f"({rows[attention]['flops'] / 1e9:.3f} GFLOPs) at {args.length} tokens")
+        print(
+            f"{attention:>11}: {rows[attention]['gmacs']:.3f} G multiply-adds per example "
+            f"({rows[attention]['flops'] / 1e9:.3f} GFLOPs) at {args.length} tokens"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"length": args.length, "window_size": args.window_size,
-                       "projection_rank": args.projection_rank, "torch": torch.__version__, "counts": rows}, f, indent=1)
+            json.dump(
+                {
+                    "length": args.length,
+                    "window_size": args.window_size,
+                    "projection_rank": args.projection_rank,
+                    "torch": torch.__version__,
+                    "counts": rows,
+                },
+                f,
+                indent=1,
+            )
     return rows
 
 

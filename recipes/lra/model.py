@@ -50,11 +50,20 @@ class LRAConfig:
                 raise ValueError(f"--{name} must be an integer >= 1, got {value!r}.")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout is a probability, 0 <= p < 1; got {self.dropout!r}.")
-        validate_long_short_args(hidden_size=self.hidden_size, num_heads=self.num_heads, window_size=self.window,
-                                 projection_rank=self.rank, attention_dropout=self.attention_dropout,
-                                 names={"window_size": "--window_size", "projection_rank": "--projection_rank",
-                                        "hidden_size": "--hidden_size", "num_heads": "--num_heads",
-                                        "attention_dropout": "--attention_dropout"})
+        validate_long_short_args(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            window_size=self.window,
+            projection_rank=self.rank,
+            attention_dropout=self.attention_dropout,
+            names={
+                "window_size": "--window_size",
+                "projection_rank": "--projection_rank",
+                "hidden_size": "--hidden_size",
+                "num_heads": "--num_heads",
+                "attention_dropout": "--attention_dropout",
+            },
+        )
 
     @property
     def window(self) -> int:
@@ -77,8 +86,17 @@ class LRAConfig:
         else:
             keys, window = self.window + 2 * max(self.window // 2, 1) + self.rank + 1, self.window
         probabilities = not lean and self.attention_dropout > 0
-        layer = AttentionLayer(seq_length, self.hidden_size, self.intermediate_size, self.num_heads, keys, window,
-                               self.dropout > 0, probabilities, lean)
+        layer = AttentionLayer(
+            seq_length,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            keys,
+            window,
+            self.dropout > 0,
+            probabilities,
+            lean,
+        )
         return (layer,) * self.num_layers
 
 
@@ -97,8 +115,9 @@ class DenseSelfAttention(nn.Module):
         if cls_hidden is not None:
             x = torch.cat([cls_hidden, x], 1)
             valid = torch.cat([valid.new_ones(valid.shape[0], 1), valid], 1)
-        q, k, v = (proj(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for proj in (self.query, self.key,
-                                                                                          self.value))
+        q, k, v = (
+            proj(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for proj in (self.query, self.key, self.value)
+        )
         dropout = self.attention_dropout if self.training else 0.0
         context = masked_sdpa(q, k, v, valid[:, None, None, :], dropout_p=dropout)
         context = context.transpose(1, 2).flatten(2) * valid[:, :, None].to(context.dtype)  # padded rows: bias only
@@ -114,9 +133,14 @@ class Block(nn.Module):
         if config.attention == "full":
             self.attention = DenseSelfAttention(config.hidden_size, config.num_heads, config.attention_dropout)
         else:
-            self.attention = LongShortSelfAttention(config.hidden_size, config.num_heads, config.window,
-                                                    config.rank, attention_dropout=config.attention_dropout,
-                                                    recompute_window_tiles=config.recompute_window_tiles)
+            self.attention = LongShortSelfAttention(
+                config.hidden_size,
+                config.num_heads,
+                config.window,
+                config.rank,
+                attention_dropout=config.attention_dropout,
+                recompute_window_tiles=config.recompute_window_tiles,
+            )
         self.dropout1 = nn.Dropout(config.dropout)
         self.norm2 = nn.LayerNorm(config.hidden_size)
         self.mlp = nn.Sequential(
@@ -150,7 +174,9 @@ class LRAEncoder(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         n = input_ids.shape[1]
         if n > self.position_embeddings.num_embeddings:
-            raise ValueError(f"input of {n} tokens is longer than max_length ({self.position_embeddings.num_embeddings})")
+            raise ValueError(
+                f"input of {n} tokens is longer than max_length ({self.position_embeddings.num_embeddings})"
+            )
         x = self.dropout(self.word_embeddings(input_ids) + self.position_embeddings.weight[:n])
         for layer in self.layers[:-1]:
             x = layer(x, attention_mask)
@@ -168,8 +194,11 @@ class LRAClassifier(nn.Module):
         self.config = config
         self.encoder = LRAEncoder(config)
         width = config.hidden_size * (4 if config.dual else 1)
-        self.head = nn.Sequential(nn.Linear(width, config.intermediate_size), nn.ReLU(),
-                                  nn.Linear(config.intermediate_size, config.num_classes))
+        self.head = nn.Sequential(
+            nn.Linear(width, config.intermediate_size),
+            nn.ReLU(),
+            nn.Linear(config.intermediate_size, config.num_classes),
+        )
 
     def forward(self, input_ids: list[Tensor], attention_mask: list[Tensor]) -> Tensor:
         pooled = [self.encoder(ids, mask) for ids, mask in zip(input_ids, attention_mask)]
@@ -180,10 +209,16 @@ class LRAClassifier(nn.Module):
 
 
 # Official ``lra/model.py`` / ``model_wrapper.py`` state-dict names -> ours (``transformer_{i}`` blocks).
-OFFICIAL_NAMES = {"mha.W_q": "attention.query", "mha.W_k": "attention.key", "mha.W_v": "attention.value",
-                  "mha.W_o": "attention.output", "mha.dconv_fc": "attention.dynamic_projection",
-                  "mha.dual_ln_l": "attention.dual_ln_local", "mha.dual_ln_s": "attention.dual_ln_global",
-                  "mlpblock": "mlp"}
+OFFICIAL_NAMES = {
+    "mha.W_q": "attention.query",
+    "mha.W_k": "attention.key",
+    "mha.W_v": "attention.value",
+    "mha.W_o": "attention.output",
+    "mha.dconv_fc": "attention.dynamic_projection",
+    "mha.dual_ln_l": "attention.dual_ln_local",
+    "mha.dual_ln_s": "attention.dual_ln_global",
+    "mlpblock": "mlp",
+}
 
 
 def from_official(model_state: dict, head_state: dict) -> dict:

@@ -37,8 +37,16 @@ def plot(paths: list[str], output: str, title: str | None = None) -> None:
         results = json.loads(file.read_text())
         steps = [h["step"] for h in results["history"]]
         colour = colours.setdefault(results["run"]["attention"], f"C{len(colours)}")
-        ax.plot(steps, [100 * h["dev_accuracy"] for h in results["history"]], marker=".", markersize=3, linewidth=1,
-                alpha=0.8, color=colour, label=label(results))
+        ax.plot(
+            steps,
+            [100 * h["dev_accuracy"] for h in results["history"]],
+            marker=".",
+            markersize=3,
+            linewidth=1,
+            alpha=0.8,
+            color=colour,
+            label=label(results),
+        )
     ax.set_xlabel("training step")
     ax.set_ylabel("dev accuracy (%)")
     ax.set_title(title or f"LRA {results['run']['task']}: dev accuracy")

@@ -44,8 +44,11 @@ def label_scores(labels: np.ndarray, predicted: np.ndarray, num_classes: int) ->
     """Accuracy, examples per label and accuracy per label (None for a label the split does not hold)."""
     counts = np.bincount(labels, minlength=num_classes)
     right = np.bincount(labels[labels == predicted], minlength=num_classes)
-    return {"accuracy": float((labels == predicted).mean()), "label_counts": counts.tolist(),
-            "label_accuracy": [float(r / c) if c else None for r, c in zip(right, counts)]}
+    return {
+        "accuracy": float((labels == predicted).mean()),
+        "label_counts": counts.tolist(),
+        "label_accuracy": [float(r / c) if c else None for r, c in zip(right, counts)],
+    }
 
 
 def reweighted(label_accuracy: list, label_counts: list) -> float:
@@ -54,9 +57,15 @@ def reweighted(label_accuracy: list, label_counts: list) -> float:
     return sum(a * c for a, c in pairs) / sum(c for _, c in pairs)
 
 
-def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int = 64,
-              device: str | None = None, fresh: int = 0, fresh_seed: int = 1,
-              checkpoints: tuple[str, ...] = CHECKPOINTS) -> list[dict]:
+def score_run(
+    run_dir: str | Path,
+    data_dir: str | None = None,
+    batch_size: int = 64,
+    device: str | None = None,
+    fresh: int = 0,
+    fresh_seed: int = 1,
+    checkpoints: tuple[str, ...] = CHECKPOINTS,
+) -> list[dict]:
     """One row per checkpoint (of ``best.pt``, ``last.pt``) of the run, scored on ``device`` (default: cuda if
     available); with ``fresh``, also on that many new ListOps expressions (``fresh_listops``)."""
     args = run_settings(run_dir, data_dir, device)
@@ -82,28 +91,41 @@ def score_run(run_dir: str | Path, data_dir: str | None = None, batch_size: int 
             labels, logits = predictions(model, splits[split], batch_size, max(config.window, 1))
             scores[split] = label_scores(labels, logits.argmax(-1), config.num_classes)
         dev, test = scores["dev"], scores["test"]
-        rows.append({"run": str(run_dir), "checkpoint": name, "step": step, **scores,
-                     "dev_with_test_labels": reweighted(dev["label_accuracy"], test["label_counts"]),
-                     "test_with_dev_labels": reweighted(test["label_accuracy"], dev["label_counts"])})
+        rows.append(
+            {
+                "run": str(run_dir),
+                "checkpoint": name,
+                "step": step,
+                **scores,
+                "dev_with_test_labels": reweighted(dev["label_accuracy"], test["label_counts"]),
+                "test_with_dev_labels": reweighted(test["label_accuracy"], dev["label_counts"]),
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
     fresh = f" fresh ({sum(rows[0]['fresh']['label_counts'])}) |" if "fresh" in rows[0] else ""
-    lines = [f"| run | checkpoint (step) | dev | test | dev with test's labels | test with dev's labels |{fresh}",
-             "|---|---|---|---|---|---|" + ("---|" if fresh else "")]
-    lines += [f"| {r['run']} | {r['checkpoint']} ({r['step']}) | {100 * r['dev']['accuracy']:.2f} | "
-              f"{100 * r['test']['accuracy']:.2f} | {100 * r['dev_with_test_labels']:.2f} | "
-              f"{100 * r['test_with_dev_labels']:.2f} |" + (f" {100 * r['fresh']['accuracy']:.2f} |" if fresh else "")
-              for r in rows]
+    lines = [
+        f"| run | checkpoint (step) | dev | test | dev with test's labels | test with dev's labels |{fresh}",
+        "|---|---|---|---|---|---|" + ("---|" if fresh else ""),
+    ]
+    lines += [
+        f"| {r['run']} | {r['checkpoint']} ({r['step']}) | {100 * r['dev']['accuracy']:.2f} | "
+        f"{100 * r['test']['accuracy']:.2f} | {100 * r['dev_with_test_labels']:.2f} | "
+        f"{100 * r['test_with_dev_labels']:.2f} |" + (f" {100 * r['fresh']['accuracy']:.2f} |" if fresh else "")
+        for r in rows
+    ]
     for split in SCORED_SPLITS + (("fresh",) if fresh else ()):
         lines.append(f"\n{split}: examples per label, then accuracy (%) per label")
         for run in dict.fromkeys(r["run"] for r in rows):
             mine = [r for r in rows if r["run"] == run]
             lines.append(f"- {run}: {mine[0][split]['label_counts']}")
-            lines += [f"  - {r['checkpoint']}: "
-                      + ", ".join("-" if a is None else f"{100 * a:.0f}" for a in r[split]["label_accuracy"])
-                      for r in mine]
+            lines += [
+                f"  - {r['checkpoint']}: "
+                + ", ".join("-" if a is None else f"{100 * a:.0f}" for a in r[split]["label_accuracy"])
+                for r in mine
+            ]
     return "\n".join(lines)
 
 
@@ -115,8 +137,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", help="where to score, e.g. cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--checkpoint", choices=("best", "last", "both"), default="both", help="which ones to score")
-    p.add_argument("--fresh", type=int, default=0, metavar="N",
-                   help="ListOps: also score N new expressions by the runs' rules, none from their training split")
+    p.add_argument(
+        "--fresh",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ListOps: also score N new expressions by the runs' rules, none from their training split",
+    )
     p.add_argument("--fresh_seed", type=int, default=1, help="--fresh: generator seed (not the runs' --data_seed)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
@@ -125,8 +152,13 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoints = CHECKPOINTS if args.checkpoint == "both" else (f"{args.checkpoint}.pt",)
-    rows = [row for run_dir in args.run_dirs for row in score_run(run_dir, args.data_dir, args.batch_size, args.device,
-                                                           args.fresh, args.fresh_seed, checkpoints)]
+    rows = [
+        row
+        for run_dir in args.run_dirs
+        for row in score_run(
+            run_dir, args.data_dir, args.batch_size, args.device, args.fresh, args.fresh_seed, checkpoints
+        )
+    ]
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

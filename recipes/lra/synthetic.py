@@ -50,14 +50,18 @@ class Task:
         if self.length < 2:
             raise ValueError(f"--length must be at least 2 (BOS and a marker), got {self.length}.")
         if self.vocab_size <= FIRST_RANDOM:
-            raise ValueError(f"--vocab_size must be at least {FIRST_RANDOM + 1}: ids 0-3 are BOS, PAD and the two "
-                             f"markers, the random tokens come after them; got {self.vocab_size}.")
+            raise ValueError(
+                f"--vocab_size must be at least {FIRST_RANDOM + 1}: ids 0-3 are BOS, PAD and the two "
+                f"markers, the random tokens come after them; got {self.vocab_size}."
+            )
         if self.labels not in LABELS:
             raise ValueError(f"--labels must be one of {LABELS}, got {self.labels!r}.")
         if not 1 <= self.first_marker_position < self.length:
-            raise ValueError(f"--marker_from must leave the markers a position in [1, {self.length}) (after BOS, "
-                             f"before the end): a fraction in (0, 1) with int(marker_from * length) >= 1; got "
-                             f"{self.marker_from} (first position {self.first_marker_position}).")
+            raise ValueError(
+                f"--marker_from must leave the markers a position in [1, {self.length}) (after BOS, "
+                f"before the end): a fraction in (0, 1) with int(marker_from * length) >= 1; got "
+                f"{self.marker_from} (first position {self.first_marker_position})."
+            )
 
     @property
     def first_marker_position(self) -> int:
@@ -78,18 +82,31 @@ class Task:
         return ids, labels
 
 
-def build(attention: str, task: Task, window_size: int = 16, projection_rank: int = 8,
-          seed: int = 0) -> LongShortForSequenceClassification:
+def build(
+    attention: str, task: Task, window_size: int = 16, projection_rank: int = 8, seed: int = 0
+) -> LongShortForSequenceClassification:
     """2 layers, width 64, 2 heads, FFN 128, no dropout; ``full``: one window covering the input, no projection."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention must be one of {ATTENTIONS}, got {attention!r}.")
-    window, rank = {"long_short": (window_size, projection_rank), "window": (window_size, 0),
-                    "full": (task.length, 0)}[attention]
-    config = LongShortConfig(vocab_size=task.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                             intermediate_size=128, window_size=window, projection_rank=rank,
-                             max_position_embeddings=task.length + 2, hidden_dropout_prob=0.0,
-                             attention_probs_dropout_prob=0.0, num_labels=2, pad_token_id=PAD, bos_token_id=BOS,
-                             eos_token_id=None)
+    window, rank = {"long_short": (window_size, projection_rank), "window": (window_size, 0), "full": (task.length, 0)}[
+        attention
+    ]
+    config = LongShortConfig(
+        vocab_size=task.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        window_size=window,
+        projection_rank=rank,
+        max_position_embeddings=task.length + 2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=None,
+    )
     torch.manual_seed(seed)
     return LongShortForSequenceClassification(config)
 
@@ -104,35 +121,62 @@ def logits(model, ids, global_first_token: bool = False):
 @torch.no_grad()
 def accuracy(model, ids, labels, batch_size: int = 64, global_first_token: bool = False) -> float:
     model.eval()
-    correct = sum(int((logits(model, ids[i : i + batch_size], global_first_token).argmax(-1)
-                       == labels[i : i + batch_size]).sum())
-                  for i in range(0, len(ids), batch_size))
+    correct = sum(
+        int((logits(model, ids[i : i + batch_size], global_first_token).argmax(-1) == labels[i : i + batch_size]).sum())
+        for i in range(0, len(ids), batch_size)
+    )
     model.train()
     return correct / len(ids)
 
 
-def train(attention: str, task: Task, steps: int, *, window_size: int = 16, projection_rank: int = 8,
-          lr: float = 1e-3, batch_size: int = 16, eval_every: int = 100, eval_size: int = 512, seed: int = 0,
-          target: float | None = None, checkpoint: str | Path | None = None, progress: bool = False) -> dict:
+def train(
+    attention: str,
+    task: Task,
+    steps: int,
+    *,
+    window_size: int = 16,
+    projection_rank: int = 8,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+    eval_every: int = 100,
+    eval_size: int = 512,
+    seed: int = 0,
+    target: float | None = None,
+    checkpoint: str | Path | None = None,
+    progress: bool = False,
+) -> dict:
     """AdamW, fresh batches every step; accuracy on ``eval_size`` held-out sequences every ``eval_every`` steps.
     Stops early once it reaches ``target``. With ``checkpoint``, the run is saved there at every evaluation and
     resumed from it when the file exists (the same settings; ``steps`` may grow). Returns the settings, the history
     and the best accuracy."""
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("eval_every", eval_every),
-                        ("eval_size", eval_size)):
+    for name, value in (
+        ("steps", steps),
+        ("batch_size", batch_size),
+        ("eval_every", eval_every),
+        ("eval_size", eval_size),
+    ):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
     if target is not None and not 0 < target <= 1:
         raise ValueError(f"--target must be an accuracy in (0, 1], got {target}.")
     if checkpoint:
         Path(checkpoint).parent.mkdir(parents=True, exist_ok=True)
-    settings = {"attention": attention, **dataclasses.asdict(task), "window_size": window_size,
-                "projection_rank": projection_rank, "lr": lr, "batch_size": batch_size, "eval_every": eval_every,
-                "eval_size": eval_size, "seed": seed}
+    settings = {
+        "attention": attention,
+        **dataclasses.asdict(task),
+        "window_size": window_size,
+        "projection_rank": projection_rank,
+        "lr": lr,
+        "batch_size": batch_size,
+        "eval_every": eval_every,
+        "eval_size": eval_size,
+        "seed": seed,
+    }
     state = torch.load(checkpoint) if checkpoint and Path(checkpoint).exists() else None
     if state is not None and state["settings"] != settings:
-        raise ValueError(f"--checkpoint {checkpoint} is of another run ({state['settings']}); give a new path or "
-                         f"delete it.")
+        raise ValueError(
+            f"--checkpoint {checkpoint} is of another run ({state['settings']}); give a new path or delete it."
+        )
     model = build(attention, task, window_size, projection_rank, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     data = torch.Generator().manual_seed(seed + 1)
@@ -145,8 +189,9 @@ def train(attention: str, task: Task, steps: int, *, window_size: int = 16, proj
         history, done, seconds, cpu_seconds = state["history"], state["step"], state["seconds"], state["cpu_seconds"]
     reached = bool(history) and target is not None and history[-1]["accuracy"] >= target
     start, cpu = time.perf_counter() - seconds, time.process_time() - cpu_seconds
-    bar = tqdm(range(done + 1, (done if reached else steps) + 1), disable=not progress,
-               desc=f"{attention} n={task.length}")
+    bar = tqdm(
+        range(done + 1, (done if reached else steps) + 1), disable=not progress, desc=f"{attention} n={task.length}"
+    )
     for step in bar:
         ids, labels = task.batch(data, batch_size)
         loss = F.cross_entropy(logits(model, ids, task.global_first_token), labels)
@@ -154,30 +199,56 @@ def train(attention: str, task: Task, steps: int, *, window_size: int = 16, proj
         loss.backward()
         optimizer.step()
         if step % eval_every == 0 or step == steps:
-            history.append({"step": step, "loss": loss.item(),
-                            "accuracy": accuracy(model, *held_out, global_first_token=task.global_first_token),
-                            "seconds": round(time.perf_counter() - start, 1),
-                            "cpu_seconds": round(time.process_time() - cpu, 1)})
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "accuracy": accuracy(model, *held_out, global_first_token=task.global_first_token),
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "cpu_seconds": round(time.process_time() - cpu, 1),
+                }
+            )
             bar.set_postfix(accuracy=history[-1]["accuracy"])
             if checkpoint:
-                save({"settings": settings, "step": step, "model": model.state_dict(),
-                      "optimizer": optimizer.state_dict(), "data": data.get_state(), "history": history,
-                      "seconds": history[-1]["seconds"], "cpu_seconds": history[-1]["cpu_seconds"]}, Path(checkpoint))
+                save(
+                    {
+                        "settings": settings,
+                        "step": step,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "data": data.get_state(),
+                        "history": history,
+                        "seconds": history[-1]["seconds"],
+                        "cpu_seconds": history[-1]["cpu_seconds"],
+                    },
+                    Path(checkpoint),
+                )
             if target is not None and history[-1]["accuracy"] >= target:
                 break
-    return {**settings, "history": history, "best_accuracy": max(h["accuracy"] for h in history),
-            "torch": torch.__version__}
+    return {
+        **settings,
+        "history": history,
+        "best_accuracy": max(h["accuracy"] for h in history),
+        "torch": torch.__version__,
+    }
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m recipes.lra.synthetic", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.lra.synthetic",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--attention", choices=ATTENTIONS, default="long_short")
     p.add_argument("--length", type=int, default=Task.length)
     p.add_argument("--vocab_size", type=int, default=Task.vocab_size, help="ids 0-3 reserved, random ids after them")
     p.add_argument("--labels", choices=LABELS, default=Task.labels, help="within each batch")
-    p.add_argument("--marker_from", type=float, default=Task.marker_from,
-                   help="the markers' first position, as a fraction of the length")
+    p.add_argument(
+        "--marker_from",
+        type=float,
+        default=Task.marker_from,
+        help="the markers' first position, as a fraction of the length",
+    )
     p.add_argument("--global_first_token", action="store_true", help="make the first token global (default: none)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--window_size", type=int, default=16)
@@ -197,10 +268,21 @@ def main(argv=None):
     task = Task(args.length, args.vocab_size, args.labels, args.marker_from, args.global_first_token)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = train(args.attention, task, args.steps, window_size=args.window_size,
-                   projection_rank=args.projection_rank, lr=args.lr, batch_size=args.batch_size,
-                   eval_every=args.eval_every, eval_size=args.eval_size, seed=args.seed, target=args.target,
-                   checkpoint=args.checkpoint, progress=True)
+    result = train(
+        args.attention,
+        task,
+        args.steps,
+        window_size=args.window_size,
+        projection_rank=args.projection_rank,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        eval_every=args.eval_every,
+        eval_size=args.eval_size,
+        seed=args.seed,
+        target=args.target,
+        checkpoint=args.checkpoint,
+        progress=True,
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
     if args.json:
         with open(args.json, "w") as f:

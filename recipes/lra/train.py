@@ -32,28 +32,78 @@ from .model import ATTENTIONS, LRAClassifier, LRAConfig
 # Table 8 (lr 1e-4, batch 32, T_w, T) and the official scripts' lengths, classes, dropout and weight decay. The paper
 # gives no schedule for Image; its row is a starting point, not the paper's.
 TASKS = {
-    "listops": {"steps": 5000, "warmup": 1000, "max_length": 2000, "num_classes": 10, "dropout": 0.0,
-                "weight_decay": 0.0, "vocab_size": len(LISTOPS_VOCAB)},
-    "text": {"steps": 20000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.0,
-             "weight_decay": 0.0, "vocab_size": 257},
-    "retrieval": {"steps": 30000, "warmup": 8000, "max_length": 4096, "num_classes": 2, "dropout": 0.1,
-                  "weight_decay": 0.01, "vocab_size": 257},
-    "image": {"steps": 20000, "warmup": 1000, "max_length": 1024, "num_classes": 10, "dropout": 0.0,
-              "weight_decay": 0.0, "vocab_size": 257},
+    "listops": {
+        "steps": 5000,
+        "warmup": 1000,
+        "max_length": 2000,
+        "num_classes": 10,
+        "dropout": 0.0,
+        "weight_decay": 0.0,
+        "vocab_size": len(LISTOPS_VOCAB),
+    },
+    "text": {
+        "steps": 20000,
+        "warmup": 8000,
+        "max_length": 4096,
+        "num_classes": 2,
+        "dropout": 0.0,
+        "weight_decay": 0.0,
+        "vocab_size": 257,
+    },
+    "retrieval": {
+        "steps": 30000,
+        "warmup": 8000,
+        "max_length": 4096,
+        "num_classes": 2,
+        "dropout": 0.1,
+        "weight_decay": 0.01,
+        "vocab_size": 257,
+    },
+    "image": {
+        "steps": 20000,
+        "warmup": 1000,
+        "max_length": 1024,
+        "num_classes": 10,
+        "dropout": 0.0,
+        "weight_decay": 0.0,
+        "vocab_size": 257,
+    },
 }
 # Arguments that must match to resume a run (the others, e.g. --threads, may change between invocations).
-RUN_KEYS = ("task", "attention", "window_size", "projection_rank", "steps", "warmup", "lr", "weight_decay",
-            "batch_size", "seed", "data_seed", "max_length", "dropout", "attention_dropout", "eval_every",
-            "listops_brackets", "listops_train", "listops_dev", "listops_test")
+RUN_KEYS = (
+    "task",
+    "attention",
+    "window_size",
+    "projection_rank",
+    "steps",
+    "warmup",
+    "lr",
+    "weight_decay",
+    "batch_size",
+    "seed",
+    "data_seed",
+    "max_length",
+    "dropout",
+    "attention_dropout",
+    "eval_every",
+    "listops_brackets",
+    "listops_train",
+    "listops_dev",
+    "listops_test",
+)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.lra", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.lra", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--task", choices=sorted(TASKS), required=True)
     p.add_argument("--output_dir", required=True, help="checkpoints, log and results.json; rerun to resume")
-    p.add_argument("--data_dir", help="ListOps: cache of the generated splits (default OUTPUT_DIR/../data); other "
-                                      "tasks: the folder with the user's train/dev/test data")
+    p.add_argument(
+        "--data_dir",
+        help="ListOps: cache of the generated splits (default OUTPUT_DIR/../data); other "
+        "tasks: the folder with the user's train/dev/test data",
+    )
     p.add_argument("--attention", choices=ATTENTIONS, default="long_short")
     p.add_argument("--window_size", type=int, default=8, help="w (segment length of the sliding window)")
     p.add_argument("--projection_rank", type=int, default=32, help="r (rows of the dynamic projection)")
@@ -69,15 +119,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention_dropout", type=float, help="attention dropout (default: = --dropout)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     p.add_argument("--data_seed", type=int, default=0, help="ListOps generation")
-    p.add_argument("--listops_brackets", action="store_true",
-                   help="keep '[OP' and ']' tokens (LRA's released pipeline, behind the paper's numbers, drops them)")
+    p.add_argument(
+        "--listops_brackets",
+        action="store_true",
+        help="keep '[OP' and ']' tokens (LRA's released pipeline, behind the paper's numbers, drops them)",
+    )
     for split, size in zip(SPLITS, (96_000, 2_000, 2_000)):
         p.add_argument(f"--listops_{split}", type=int, default=size, help=f"generated {split} examples")
     p.add_argument("--device", help="where to train, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--recompute_window_tiles", action="store_true",
-                   help="memory-lean training on CPU: window tiles built again in the backward pass (no attention "
-                        "dropout)")
+    p.add_argument(
+        "--recompute_window_tiles",
+        action="store_true",
+        help="memory-lean training on CPU: window tiles built again in the backward pass (no attention dropout)",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
 
@@ -121,16 +176,24 @@ def resolve_device(name: str | None, parser: argparse.ArgumentParser) -> torch.d
 
 
 def model_config(args) -> LRAConfig:
-    return LRAConfig(vocab_size=TASKS[args.task]["vocab_size"], max_length=args.max_length,
-                     num_classes=TASKS[args.task]["num_classes"], attention=args.attention,
-                     window_size=args.window_size, projection_rank=args.projection_rank, dropout=args.dropout,
-                     attention_dropout=args.attention_dropout, dual=args.task == "retrieval",
-                     recompute_window_tiles=args.recompute_window_tiles)
+    return LRAConfig(
+        vocab_size=TASKS[args.task]["vocab_size"],
+        max_length=args.max_length,
+        num_classes=TASKS[args.task]["num_classes"],
+        attention=args.attention,
+        window_size=args.window_size,
+        projection_rank=args.projection_rank,
+        dropout=args.dropout,
+        attention_dropout=args.attention_dropout,
+        dual=args.task == "retrieval",
+        recompute_window_tiles=args.recompute_window_tiles,
+    )
 
 
 def listops_rules(args) -> ListOpsRules:
-    return ListOpsRules(train=args.listops_train, dev=args.listops_dev, test=args.listops_test,
-                        brackets=args.listops_brackets)
+    return ListOpsRules(
+        train=args.listops_train, dev=args.listops_dev, test=args.listops_test, brackets=args.listops_brackets
+    )
 
 
 def load_splits(args):
@@ -156,8 +219,12 @@ class BatchOrder:
     def __call__(self, step: int) -> np.ndarray:
         pos = step * self.batch_size + np.arange(self.batch_size)
         epoch, within = pos // self.size, pos % self.size
-        self.perms = {int(e): self.perms.get(int(e)) if int(e) in self.perms else
-                      np.random.default_rng([self.seed, int(e)]).permutation(self.size) for e in np.unique(epoch)}
+        self.perms = {
+            int(e): self.perms.get(int(e))
+            if int(e) in self.perms
+            else np.random.default_rng([self.seed, int(e)]).permutation(self.size)
+            for e in np.unique(epoch)
+        }
         return np.array([self.perms[e][i] for e, i in zip(epoch, within)])
 
 
@@ -210,9 +277,11 @@ def load(path: Path, device: torch.device | str) -> dict:
     try:
         return torch.load(path, weights_only=True, map_location=device)
     except pickle.UnpicklingError as err:
-        raise SystemExit(f"error: {path} holds objects other than tensors and plain data ({str(err).splitlines()[0]})"
-                         f"; this recipe writes no such checkpoint and does not load it. Remove it, or use another "
-                         f"folder.") from err
+        raise SystemExit(
+            f"error: {path} holds objects other than tensors and plain data ({str(err).splitlines()[0]})"
+            f"; this recipe writes no such checkpoint and does not load it. Remove it, or use another "
+            f"folder."
+        ) from err
 
 
 def saved_settings(results: dict | None, last: dict | None) -> dict | None:
@@ -231,8 +300,11 @@ def check_training_memory(model: LRAClassifier, args) -> None:
     parameters = sum(p.numel() for p in model.parameters())
 
     def step(batch_size: int, checkpointing: bool, lean: bool) -> TrainingStep:
-        return TrainingStep(parameters, config.attention_layers(args.max_length, lean=lean),
-                            examples=(2 if config.dual else 1) * batch_size)  # Retrieval: two documents each
+        return TrainingStep(
+            parameters,
+            config.attention_layers(args.max_length, lean=lean),
+            examples=(2 if config.dual else 1) * batch_size,
+        )  # Retrieval: two documents each
 
     lean = config.recompute_window_tiles and not config.attention_dropout
     fixes = {"batch_size": "--batch_size"}
@@ -260,8 +332,10 @@ def main(argv=None):
     saved = saved_settings(results, last)
     if saved is not None and saved != run:
         changed = {k: (saved.get(k), v) for k, v in run.items() if saved.get(k) != v}
-        raise SystemExit(f"error: {out} holds a run with other settings {changed} (saved, given); use another "
-                         f"--output_dir or the saved settings.")
+        raise SystemExit(
+            f"error: {out} holds a run with other settings {changed} (saved, given); use another "
+            f"--output_dir or the saved settings."
+        )
     if results is not None and "test_accuracy" in results:
         print(f"{results_path} holds a finished run with these settings: test accuracy {results['test_accuracy']:.4f}")
         return results
@@ -279,10 +353,12 @@ def main(argv=None):
         raise SystemExit(f"error: {err}") from err
     out.mkdir(parents=True, exist_ok=True)
     model = model.to(args.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6,
-                                  weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
-                                                    pct_start=args.warmup / args.steps, anneal_strategy="linear")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=args.warmup / args.steps, anneal_strategy="linear"
+    )
     state = {"step": 0, "history": [], "best": {"step": None, "dev_accuracy": -1.0}, "train_seconds": 0.0}
     if last is not None:
         model.load_state_dict(last["model"])
@@ -294,12 +370,22 @@ def main(argv=None):
         state = last["state"]
     multiple = max(config.window, 1)
     order = BatchOrder(len(splits["train"]), args.batch_size, args.seed)
-    info = {"run": run, "model": config.to_dict(), "machine": machine(args.device),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "split_sizes": {split: len(ex) for split, ex in splits.items()}}
+    info = {
+        "run": run,
+        "model": config.to_dict(),
+        "machine": machine(args.device),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "split_sizes": {split: len(ex) for split, ex in splits.items()},
+    }
 
-    bar = tqdm(total=args.steps, initial=state["step"], disable=args.no_progress, desc=f"{args.task} {args.attention}",
-               dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(
+        total=args.steps,
+        initial=state["step"],
+        disable=args.no_progress,
+        desc=f"{args.task} {args.attention}",
+        dynamic_ncols=True,
+        file=sys.stdout,
+    )
     losses, tick = [], time.perf_counter()
     model.train()
     while state["step"] < args.steps:
@@ -315,9 +401,14 @@ def main(argv=None):
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             state["train_seconds"] += time.perf_counter() - tick
             dev, dev_loss = evaluate(model, splits["dev"], args.eval_batch_size, multiple)
-            record = {"step": state["step"], "train_loss": float(np.mean(losses)), "dev_accuracy": dev,
-                      "dev_loss": dev_loss, "lr": scheduler.get_last_lr()[0],
-                      "train_seconds": round(state["train_seconds"], 1)}
+            record = {
+                "step": state["step"],
+                "train_loss": float(np.mean(losses)),
+                "dev_accuracy": dev,
+                "dev_loss": dev_loss,
+                "lr": scheduler.get_last_lr()[0],
+                "train_seconds": round(state["train_seconds"], 1),
+            }
             state["history"].append(record)
             losses = []
             if better(record, state["best"]):
@@ -326,21 +417,39 @@ def main(argv=None):
             rngs = {"rng": torch.get_rng_state()}
             if args.device.type == "cuda":
                 rngs["cuda_rng"] = torch.cuda.get_rng_state(args.device)
-            save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                  "scheduler": scheduler.state_dict(), **rngs, "state": state, "run": run}, last_path)
+            save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    **rngs,
+                    "state": state,
+                    "run": run,
+                },
+                last_path,
+            )
             results_path.write_text(json.dumps({**info, **state}, indent=1))
-            bar.set_postfix(loss=f"{record['train_loss']:.3f}", dev=f"{dev:.4f}",
-                            best=f"{state['best']['dev_accuracy']:.4f}")
-            bar.write(f"step {state['step']}/{args.steps}: train loss {record['train_loss']:.4f}, dev accuracy "
-                      f"{dev:.4f}, dev loss {dev_loss:.4f}; best dev accuracy {state['best']['dev_accuracy']:.4f} at "
-                      f"step {state['best']['step']}", file=sys.stdout)
+            bar.set_postfix(
+                loss=f"{record['train_loss']:.3f}", dev=f"{dev:.4f}", best=f"{state['best']['dev_accuracy']:.4f}"
+            )
+            bar.write(
+                f"step {state['step']}/{args.steps}: train loss {record['train_loss']:.4f}, dev accuracy "
+                f"{dev:.4f}, dev loss {dev_loss:.4f}; best dev accuracy {state['best']['dev_accuracy']:.4f} at "
+                f"step {state['best']['step']}",
+                file=sys.stdout,
+            )
             tick = time.perf_counter()
     bar.close()
 
     model.load_state_dict(load(best_path, args.device)["model"])
     test, _ = evaluate(model, splits["test"], args.eval_batch_size, multiple)
-    results = {**info, **state, "test_accuracy": test, "tested_checkpoint_step": state["best"]["step"],
-               "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    results = {
+        **info,
+        **state,
+        "test_accuracy": test,
+        "tested_checkpoint_step": state["best"]["step"],
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
     results_path.write_text(json.dumps(results, indent=1))
     print(f"best dev {state['best']['dev_accuracy']:.4f} at step {state['best']['step']}; test {test:.4f}")
     return results
