@@ -8,7 +8,7 @@ with the same weights under ``attn_implementation="sdpa"`` (eager, as shipped) a
 
 With ``--vision``: whole timm models (``cvt_ls_13``, ``vil_ls_medium``; random weights, ``--img-size`` 224, batch
 ``--batch``) built with each ``attn_implementation``, the SDPA path both eager and compiled (the same module), the
-flex model compiled; all three take their passes in turn.
+flex model on the package's compiled FlexAttention kernel; all three take their passes in turn.
 
     python -m bench.bench_flex                       # n = 4096, 8192, 16384, bidirectional
     python -m bench.bench_flex --causal --n 4096 --repeats 2
@@ -29,6 +29,7 @@ import torch
 
 import ls_timm  # noqa: F401  registers the vision models
 from bench.common import interleaved_times, results_path, run_meta, sync, write_json
+from ls_hf import long_short_blocks
 from ls_hf.long_short_attention import LongShortSelfAttention
 
 HIDDEN, HEADS, WINDOW, RANK, SEGMENT = 768, 12, 256, 64, 16
@@ -47,16 +48,15 @@ def build(causal: bool, device: str) -> dict:
 
 def build_vision(name: str, img_size: int, device: str) -> dict:
     """The model ``name`` with the same random weights: {"sdpa": eager, "sdpa_compiled": that module compiled,
-    "flex": the flex_attention model compiled}."""
+    "flex": the flex_attention model on the package's compiled kernel (``COMPILED_DEVICES`` takes ``device``; on the
+    CPU, torch 2.14 cannot compile the whole model around the 2-D path's tile order)}."""
     torch.manual_seed(0)
     sdpa = timm.create_model(name, img_size=img_size).to(device).eval()
     flex = timm.create_model(name, img_size=img_size, attn_implementation="flex_attention")
     flex.load_state_dict(sdpa.state_dict())
-    return {
-        "sdpa": sdpa,
-        "sdpa_compiled": torch.compile(sdpa, dynamic=False),
-        "flex": torch.compile(flex.to(device).eval(), dynamic=False),
-    }
+    if device not in long_short_blocks.COMPILED_DEVICES:
+        long_short_blocks.COMPILED_DEVICES.append(device)
+    return {"sdpa": sdpa, "sdpa_compiled": torch.compile(sdpa, dynamic=False), "flex": flex.to(device).eval()}
 
 
 def compare(peers: dict, x: torch.Tensor, device: str, repeats: int) -> dict:

@@ -315,9 +315,9 @@ class LongShortSelfAttention(nn.Module):
         ``"maps"`` when attention maps are asked for. ``"flex"`` for ``attn_implementation="flex_attention"``, and for
         ``"sdpa"`` (Transformers' default) where ``fused_by_default`` says (CUDA, not float64, no active attention
         dropout); not for a causal call of fewer than ``w`` tokens (a decoding step: its queries see one cached
-        window, a single small tile, where building a block mask costs more than it saves). ``"lean"`` with ``recompute_window_tiles`` when it
-        saves memory (training on CPU: gradients taken, one head dim for queries and values, no active attention
-        dropout). Else ``"sdpa"``; ``"eager"`` always takes it, the portable reference."""
+        window, a single small tile, where building a block mask costs more than it saves). ``"lean"`` with
+        ``recompute_window_tiles`` when it saves memory (training on CPU: gradients taken, one head dim for queries and
+        values, no active attention dropout). Else ``"sdpa"``; ``"eager"`` always takes it, the portable reference."""
         if output_attentions:
             return "maps"
         decoding_step = self.causal and hidden_states.shape[1] < self.window_size

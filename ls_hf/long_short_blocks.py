@@ -32,6 +32,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .long_short_rules import finished_segments, is_int, segment_rule, window_bounds, window_rule
 
 __all__ = [
+    "COMPILED_DEVICES",
     "FLEX_MIN_HEAD_DIM",
     "FUSED_DTYPES",
     "KeyLayout",
@@ -45,6 +46,10 @@ __all__ = [
 FLEX_MIN_HEAD_DIM = 16
 # The dtypes compiled FlexAttention takes on CUDA (Triton's kernel fails to build for float64, torch 2.11).
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Where ``flex_attend`` runs ``compiled_flex_attention`` by default. Add "cpu" to compile the kernel there too
+# (forward only; torch 2.14 builds the CPU kernel for the 2-D attention's maps of any size, the 1-D attention's only
+# for one sequence length).
+COMPILED_DEVICES = ["cuda"]
 DEFAULT_BLOCK_SIZE = 128
 
 
@@ -373,12 +378,13 @@ def flex_attend(
     """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
     optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0.
 
-    ``compiled``: use ``compiled_flex_attention`` (default: on CUDA in ``FUSED_DTYPES``; inside a function being
-    compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default ``1 / sqrt(E)``.
-    On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the output is cut back to
-    Ev.
+    ``compiled``: use ``compiled_flex_attention`` (default: on ``COMPILED_DEVICES`` in ``FUSED_DTYPES``; inside a
+    function being compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default
+    ``1 / sqrt(E)``. On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the
+    output is cut back to Ev.
     """
-    compiled = query.device.type == "cuda" and query.dtype in FUSED_DTYPES if compiled is None else compiled
+    if compiled is None:
+        compiled = query.device.type in COMPILED_DEVICES and query.dtype in FUSED_DTYPES
     kernel = compiled_flex_attention() if compiled and not torch.compiler.is_compiling() else flex_attention
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]

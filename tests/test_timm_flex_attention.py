@@ -51,11 +51,12 @@ def test_flex_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, strips, use_dual_l
     ids=["vil_bias_cls", "cvt_one_head"],
 )
 def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
-    """The package's compiled FlexAttention kernel (``compiled_flex_attention``, as CUDA runs it: the fused kernel, which
-    skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32, tolerance scaled to the
-    outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS (w = 7, 8-wide heads);
-    one head (CvT stage 1). Two map sizes each, so that the second compiles with symbolic sizes."""
-    monkeypatch.setattr(long_short_blocks, "flex_attention", long_short_blocks.compiled_flex_attention())
+    """The package's compiled FlexAttention kernel (``compiled_flex_attention`` on ``COMPILED_DEVICES``, as CUDA runs
+    it: the fused kernel, which skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32,
+    tolerance scaled to the outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS
+    (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, so that the second compiles with symbolic
+    sizes."""
+    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", [device.type])
     for shrink in (0, 3):
         H, W = case[0] - shrink, case[1] - shrink
         sdpa, flex, x = pair(H, W, *case[2:], device, torch.float32)
