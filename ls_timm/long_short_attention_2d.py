@@ -233,11 +233,12 @@ class LongShortAttention2d(nn.Module):
             the keys/values of the window or of the projected rows.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
         attn_implementation: chosen at each call from where the input is, as ``ls_hf``'s ``LongShortSelfAttention``:
-            ``"sdpa"`` (the default): the fused path (``_attend_flex``) on ``FUSED_DEVICES`` (CUDA) while no attention
-            dropout is active, the strip/blocked SDPA layouts otherwise; ``"eager"``: the SDPA layouts everywhere (the
-            portable reference); ``"flex_attention"``: the fused path everywhere, forward only on CPU, no attention
-            dropout. The global tokens' own rows stay on SDPA (dense, no window to mask). Compile a model using
-            FlexAttention on CPU with ``dynamic=False``: torch 2.14's CPU kernel fails to build with symbolic map sizes.
+            ``"sdpa"`` (the default): the fused path (``_attend_flex``) where ``fused_by_default`` says (CUDA, not
+            float64, no active attention dropout), the strip/blocked SDPA layouts otherwise; ``"eager"``: the SDPA
+            layouts everywhere (the portable reference); ``"flex_attention"``: the fused path everywhere, forward only
+            on CPU, no attention dropout. The global tokens' own rows stay on SDPA (dense, no window to mask). The
+            kernel is compiled where ``ls_hf``'s ``COMPILED_DEVICES`` say (CUDA); on the CPU, torch 2.14 cannot compile
+            a whole model around the tile order.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
