@@ -371,7 +371,7 @@ def verdict(ratio: float | None, relation: str, target: float | None) -> str:
 
 def bar_rows(measurements: dict[str, dict], notes: dict[str, str]) -> list[dict]:
     """Every bar's row from the ``measurements`` (key -> result with ``status``) and the sections' ``notes`` (why a
-    bar whose measurements are missing was not run)."""
+    bar whose measurements are absent was not run)."""
     rows = []
     for bar in BARS:
         found = [measurements.get(key, {}) for key in (bar.numerator, bar.denominator)]
