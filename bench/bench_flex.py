@@ -54,8 +54,7 @@ def build_vision(name: str, img_size: int, device: str) -> dict:
     sdpa = timm.create_model(name, img_size=img_size).to(device).eval()
     flex = timm.create_model(name, img_size=img_size, attn_implementation="flex_attention")
     flex.load_state_dict(sdpa.state_dict())
-    if device not in long_short_blocks.COMPILED_DEVICES:
-        long_short_blocks.COMPILED_DEVICES.append(device)
+    long_short_blocks.COMPILED_DEVICES = (*long_short_blocks.COMPILED_DEVICES, device)
     return {"sdpa": sdpa, "sdpa_compiled": torch.compile(sdpa, dynamic=False), "flex": flex.to(device).eval()}
 
 

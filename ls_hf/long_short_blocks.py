@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .long_short_rules import finished_segments, is_int, segment_rule, window_bounds, window_rule
+from .long_short_rules import (
+    cached_outside_compile,
+    finished_segments,
+    is_int,
+    segment_rule,
+    window_bounds,
+    window_rule,
+)
 
 __all__ = [
     "COMPILED_DEVICES",
@@ -49,7 +56,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where ``flex_attend`` runs ``compiled_flex_attention`` by default. Add "cpu" to compile the kernel there too
 # (forward only; torch 2.14 builds the CPU kernel for the 2-D attention's maps of any size, the 1-D attention's only
 # for one sequence length).
-COMPILED_DEVICES = ["cuda"]
+COMPILED_DEVICES = ("cuda",)
 DEFAULT_BLOCK_SIZE = 128
 
 
@@ -233,7 +240,7 @@ def _block_geometry(
 
 
 # The geometry of a layout without offsets, per shape: a second call with the same shape reuses it.
-_cached_block_geometry = functools.lru_cache(maxsize=32)(_block_geometry)
+_cached_block_geometry = cached_outside_compile(maxsize=32)(_block_geometry)
 
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -277,7 +284,7 @@ def long_short_block_mask(
     for tensor in (key_valid, offsets):
         device = tensor.device if device is None and tensor is not None else device
     device = torch.device("cpu" if device is None else device)
-    if key_valid is None and offsets is None and not torch.compiler.is_compiling():  # traced: no cache to look up
+    if key_valid is None and offsets is None:
         return _unpadded_block_mask(layout, num_queries, q_block, kv_block, device)
     return _block_mask(layout, num_queries, q_block, kv_block, device, key_valid=key_valid, offsets=offsets)
 
@@ -295,8 +302,7 @@ def _block_mask(
     """``long_short_block_mask`` after its checks."""
     batch = _batch_size(layout, key_valid, offsets)
     if offsets is None:
-        geometry = _block_geometry if torch.compiler.is_compiling() else _cached_block_geometry
-        grids = geometry(layout, num_queries, q_block, kv_block, device)
+        grids = _cached_block_geometry(layout, num_queries, q_block, kv_block, device)
     else:  # each row's geometry at its offset, computed on the device without reading the offsets back
         grids = _block_geometry(layout, num_queries, q_block, kv_block, device, shift=offsets.to(device)[:, None, None])
     if key_valid is None:
@@ -328,7 +334,7 @@ def _block_mask(
 
 
 # The mask of a layout without padding or offsets (training on packed or equal-length sequences), per shape.
-_unpadded_block_mask = functools.lru_cache(maxsize=32)(_block_mask)
+_unpadded_block_mask = cached_outside_compile(maxsize=32)(_block_mask)
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention

@@ -10,6 +10,9 @@ nothing from Transformers or timm.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,6 +28,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "cached_outside_compile",
     "check_attn_implementation",
     "check_flex_call",
     "create_block_mask",
@@ -79,6 +83,24 @@ def check_flex_call(
             f'FlexAttention backward there): train with attn_implementation="sdpa", or run inference under '
             f"torch.no_grad() / torch.inference_mode()."
         )
+
+
+def cached_outside_compile(maxsize: int) -> Callable[[Callable], Callable]:
+    """``functools.lru_cache(maxsize)`` for what depends on shapes alone (window layouts, block masks), looked up only
+    outside ``torch.compile``: traced, the function runs afresh, so the compiled graph computes it and no cache is read.
+    The decorated function keeps ``cache_clear`` and ``cache_info``."""
+
+    def decorate(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def lookup(*args, **kwargs):
+            return fn(*args, **kwargs) if torch.compiler.is_compiling() else cached(*args, **kwargs)
+
+        lookup.cache_clear, lookup.cache_info = cached.cache_clear, cached.cache_info
+        return lookup
+
+    return decorate
 
 
 def is_int(value) -> bool:

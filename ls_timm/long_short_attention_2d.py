@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from ls_hf import long_short_attention
 from ls_hf.long_short_blocks import flex_attend
 from ls_hf.long_short_rules import (
+    cached_outside_compile,
     check_attn_implementation,
     check_flex_call,
     project_rows,
@@ -143,7 +144,7 @@ class WindowLayout(NamedTuple):
     bias_index: Tensor | None  # with the ViL-LS bias: (G or 1, Q, K - extra) rows of its table for the patch keys
 
 
-@functools.lru_cache(maxsize=64)
+@cached_outside_compile(maxsize=64)
 def window_layout(
     feat_size: tuple[int, int], window: int, extra: int, blocked: bool, bias: bool, device: torch.device
 ) -> WindowLayout:
@@ -371,8 +372,7 @@ class LongShortAttention2d(nn.Module):
 
     def _layout(self, feat_size: tuple[int, int], extra: int, blocked: bool, device) -> WindowLayout:
         """The cached ``window_layout`` of this module's window (traced afresh under torch.compile)."""
-        layout = window_layout.__wrapped__ if torch.compiler.is_compiling() else window_layout
-        return layout(
+        return window_layout(
             feat_size, self.window_size, extra, blocked, self.relative_position_bias_table is not None, device
         )
 
@@ -451,9 +451,7 @@ class LongShortAttention2d(nn.Module):
         window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry and the
         ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
         w = self.window_size
-        block_mask = (cached_tile_block_mask.__wrapped__ if torch.compiler.is_compiling() else cached_tile_block_mask)(
-            tuple(feat_size), w, keys[1].shape[1], q.device
-        )
+        block_mask = cached_tile_block_mask(tuple(feat_size), w, keys[1].shape[1], q.device)
         q, k, v = (to_tile_order(t, feat_size, w, heads=self.num_heads) for t in (q, keys[0], values[0]))
         k, v = (torch.cat([tiles, self._heads(rows.to(q.dtype))], 2) for tiles, rows in ((k, keys[1]), (v, values[1])))
         out = flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
@@ -465,10 +463,7 @@ class LongShortAttention2d(nn.Module):
         table = self.relative_position_bias_table
         if table is None:
             return None
-        geometry = (tile_geometry.__wrapped__ if torch.compiler.is_compiling() else tile_geometry)(
-            tuple(feat_size), self.window_size, device
-        )
-        w = self.window_size
+        w, geometry = self.window_size, tile_geometry(tuple(feat_size), self.window_size, device)
 
         def window_bias(score, b, h, q_idx, kv_idx):
             W, patches = geometry[1], geometry[2]

@@ -19,7 +19,6 @@ is full if all of them see all its keys (never for a block cut short by the end 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ls_hf.long_short_rules import window_bounds, window_rule
+from ls_hf.long_short_rules import cached_outside_compile, window_bounds, window_rule
 
 __all__ = [
     "cached_tile_block_mask",
@@ -64,7 +63,7 @@ def tile_position(slot, width: int, window: int):
     return tile // tiles_per_row * w + inner // w, tile % tiles_per_row * w + inner % w
 
 
-@functools.lru_cache(maxsize=64)
+@cached_outside_compile(maxsize=64)
 def tile_geometry(feat_size: tuple[int, int], window: int, device: torch.device | str | None = None) -> Tensor:
     """``[H, W, patch slots]`` of an (H, W) map in tile order, as an int64 tensor on ``device`` for the mask_mod and
     score_mod to read: as a tensor, not as Python ints, a compiled kernel serves every map size (with symbolic sizes,
@@ -177,7 +176,7 @@ def tile_block_mask(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@cached_outside_compile(maxsize=64)
 def cached_tile_block_mask(feat_size: tuple[int, int], window: int, extra: int, device: torch.device) -> BlockMask:
     """``tile_block_mask`` (128-token blocks), cached per (map size, window, extra keys, device): every layer of a stage
     shares it. Built outside inference mode, so that one first made there serves training too."""

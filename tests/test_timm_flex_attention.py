@@ -56,7 +56,7 @@ def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
     tolerance scaled to the outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS
     (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, so that the second compiles with symbolic
     sizes."""
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", [device.type])
+    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", (device.type,))
     for shrink in (0, 3):
         H, W = case[0] - shrink, case[1] - shrink
         sdpa, flex, x = pair(H, W, *case[2:], device, torch.float32)
