@@ -362,18 +362,19 @@ class LongShortSelfAttention(nn.Module):
         return x.unflatten(-1, (self.num_heads, -1))
 
     def _project(
-        self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor, segment: int, lean: bool = False
+        self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, segment: int, lean: bool = False
     ) -> ExtraKeys:
         """Eq. 3 / Eq. 5 (``project_rows`` on the scores ``X W^P``) on each segment of ``segment`` tokens, then
-        ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment) -> S*r rows,
-        segment-major. ``lean``: through ``DynamicProjection``, which never holds the scores or P of all heads."""
+        ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment), or None when
+        every token is valid -> S*r rows, segment-major. ``lean``: through ``DynamicProjection``, which never holds
+        the scores or P of all heads."""
         B, n, H = keys.shape[:3]
         r, S = self.projection_rank, n // segment
 
         def heads_first(x):  # (B, n, H, c) -> (B, S, H, segment, c)
             return x.view(B, S, segment, H, -1).transpose(2, 3)
 
-        seg_valid = valid.view(B, S, segment)
+        seg_valid = None if valid is None else valid.view(B, S, segment)
         if lean:
             rows = DynamicProjection.apply(
                 hidden.unflatten(1, (S, segment)),
@@ -390,7 +391,11 @@ class LongShortSelfAttention(nn.Module):
         return ExtraKeys(
             keys=self._split(self._dual_ln(rows_k.flatten(2), local=False, is_key=True)),
             values=self._split(self._dual_ln(rows_v.flatten(2), local=False, is_key=False)),
-            valid=seg_valid.any(-1).repeat_interleave(r, dim=1),
+            valid=(
+                torch.ones(B, S * r, dtype=torch.bool, device=keys.device)
+                if seg_valid is None
+                else seg_valid.any(-1).repeat_interleave(r, dim=1)
+            ),
         )
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
@@ -562,7 +567,9 @@ class LongShortSelfAttention(nn.Module):
             extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
         projected = None
         if self.projection_rank:
-            projected = self._project(projection_inputs, k, v, local, segment=n, lean=backend == "lean")
+            projected = self._project(
+                projection_inputs, k, v, local if masked or K else None, segment=n, lean=backend == "lean"
+            )
             extra.append(projected)
         if extra:  # one set: global keys, then projected rows
             extra = ExtraKeys(
@@ -814,10 +821,8 @@ class LongShortSelfAttention(nn.Module):
         sees. A query with no visible key gets 0."""
         q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
-        keys, values, key_valid = (
-            torch.cat([x, getattr(extra, name)], 1) if R else x
-            for name, x in (("keys", inputs.k), ("values", inputs.v), ("valid", inputs.k_valid))
-        )
+        parts = (("keys", inputs.k), ("values", inputs.v)) + (() if inputs.all_valid else (("valid", inputs.k_valid),))
+        keys, values, *key_valid = (torch.cat([x, getattr(extra, name)], 1) if R else x for name, x in parts)
         causal_rows = R and extra.segment is not None  # r rows per segment of l tokens, seen by Eq. 5
         key_layout = KeyLayout(
             window_size=self.window_size,
@@ -834,10 +839,11 @@ class LongShortSelfAttention(nn.Module):
             num_queries=q.shape[1],
             offsets=inputs.offsets,
             device=q.device,
-            key_valid=None if inputs.all_valid else key_valid,
+            key_valid=key_valid[0] if key_valid else None,
         )
-        # Heads-first copies: compiled on CPU (torch 2.14), FlexAttention refuses a query that is a view of a matmul.
-        q, keys, values = (x.to(q.dtype).transpose(1, 2).contiguous() for x in (q, keys, values))
+        q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
+        if q.device.type == "cpu":  # compiled on CPU (torch 2.14), FlexAttention refuses a view of a matmul
+            q, keys, values = (x.contiguous() for x in (q, keys, values))
         return flex_attend(q, keys, values, mask).transpose(1, 2), None
 
     def _cls_output(self, cls_hidden, context, valid):
@@ -858,6 +864,7 @@ class LongShortSelfAttention(nn.Module):
         w, r, l = self.window_size, self.projection_rank, self.segment_length
         p0, end = state.seen, state.seen + n
         q_valid, offsets = valid, self._first_real(valid, state)
+        all_valid = q_valid is None and p0 == 0  # every key is a real token
         if valid is None:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden.device)
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
@@ -879,7 +886,7 @@ class LongShortSelfAttention(nn.Module):
                         all_hidden[:, : done - seg_start],
                         k_all[:, span],
                         v_all[:, span],
-                        valid_all[:, span],
+                        None if all_valid else valid_all[:, span],
                         l,
                         lean=backend == "lean",
                     )
@@ -914,7 +921,7 @@ class LongShortSelfAttention(nn.Module):
             k_start=k_start,
             extra=extra,
             offsets=offsets,
-            all_valid=q_valid is None and p0 == 0,
+            all_valid=all_valid,
         )
         context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 

@@ -224,10 +224,10 @@ def segment_keep(q_pos: Tensor, row_segment: Tensor, segment_length: int) -> Ten
 
 
 def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (in float32, or float64 for float64
-    scores; tokens where ``valid`` is False excluded) and the projected rows ``P K``, ``P V``, multiplied in the dtype
-    of the keys and values (in half precision as the official code under autocast: the softmax in float32, its
-    products on the half-precision GEMM, which accumulates in float32).
+    """Eq. 3, the dynamic projection: ``P = softmax(X W^P)`` over the L tokens (``projection_weights``; tokens where
+    ``valid`` is False excluded) and the projected rows ``P K``, ``P V``, multiplied in the dtype of the keys and
+    values (in half precision as the official code under autocast: P rounded once, its products on the
+    half-precision GEMM, which accumulates in float32).
 
     scores (..., H, r, L), keys (..., H, L, d_k), values (..., H, L, d_v), valid (..., L) or None
     -> (..., H, r, d_k) and (..., H, r, d_v), in the dtypes of keys and values. A set without a valid token gets
@@ -238,15 +238,16 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
 
 
 def projection_weights(scores: Tensor, valid: Tensor | None, *, in_place: bool = False) -> Tensor:
-    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, in float32 at least.
-    ``in_place``: built in a single new contiguous tensor (a copy of the scores, masked and turned into the softmax
-    in place), which autograd cannot differentiate."""
-    dtype = torch.promote_types(scores.dtype, torch.float32)
+    """``P`` of Eq. 3: the softmax of ``scores`` (..., H, r, L) over the valid tokens, accumulated in float32 at
+    least. Half-precision scores give P in their dtype: torch's softmax kernels accumulate such inputs in float32 and
+    round the result once, as a float32 P cast for its half-precision products is, without a float32 copy of the
+    scores or of P. ``in_place``: P in float32 at least, built in a single new contiguous tensor (a copy of the
+    scores, masked and turned into the softmax in place), which autograd cannot differentiate."""
     if not in_place:
-        scores = scores.to(dtype)
         if valid is not None:
-            scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(dtype).min)
+            scores = scores.masked_fill(~valid[..., None, None, :], torch.finfo(scores.dtype).min)
         return scores.softmax(-1)
+    dtype = torch.promote_types(scores.dtype, torch.float32)
     prob = scores.to(dtype, memory_format=torch.contiguous_format, copy=True)
     if valid is not None:
         prob.masked_fill_(~valid[..., None, None, :], torch.finfo(dtype).min)

@@ -607,6 +607,29 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_projection_weights_round_once(dtype):
+    """Eq. 3's P from half-precision scores comes in their dtype (no float32 copy of the scores or of P) and equals
+    the float64 softmax rounded once to that dtype, within one rounding, excluded tokens and a set with no valid token
+    included; its gradient is the float64 one's within half-precision rounding."""
+    generator = torch.Generator().manual_seed(0)
+    scores64 = 6 * torch.randn(2, 3, 4, 300, dtype=torch.float64, generator=generator)
+    valid = torch.rand(2, 300, generator=generator) > 0.3
+    valid[1] = False
+    scores = scores64.to(dtype).requires_grad_()
+    prob = long_short_rules.projection_weights(scores, valid)
+    assert prob.dtype == dtype
+    scores_exact = scores.detach().double().requires_grad_()  # the same rounded scores, in float64
+    reference = long_short_rules.projection_weights(scores_exact, valid)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(prob.double(), reference, rtol=eps, atol=torch.finfo(dtype).tiny)
+    upstream = torch.randn(prob.shape, dtype=torch.float64, generator=generator)
+    prob.backward(upstream.to(dtype))
+    reference.backward(upstream)
+    expected = scores_exact.grad
+    torch.testing.assert_close(scores.grad.double(), expected, rtol=0, atol=8 * eps * float(expected.abs().max()))
+
+
 def _saved_storages(fn) -> dict[int, int]:
     """The distinct storages (data pointer -> elements) that autograd saves for the backward pass while ``fn`` runs."""
     saved = {}
