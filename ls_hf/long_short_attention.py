@@ -37,6 +37,7 @@ This file imports nothing from Transformers or timm.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .long_short_blocks import FUSED_DTYPES, KeyLayout, flex_attend, long_short_block_mask
+from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, flex_attend, long_short_block_mask
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
@@ -68,18 +69,23 @@ from .long_short_rules import (
 
 __all__ = [
     "BACKENDS",
+    "COMPILED_LAYER_DEVICES",
     "FUSED_DEVICES",
     "BatchFirstState",
     "CausalState",
     "ExtraKeys",
     "JointInputs",
     "LongShortSelfAttention",
+    "compiled_attention_layer",
     "fused_by_default",
 ]
 
 # Where attn_implementation="sdpa" (the default) runs the fused FlexAttention path: one block-sparse kernel per layer
 # and direction, compiled once per process. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
 FUSED_DEVICES = ("cuda",)
+# Where the fused path runs the whole layer as one compiled region (``compiled_attention_layer``: the projections,
+# DualLN, Eq. 3 and the attention kernel), unless the module is built with ``compile_attention=False``.
+COMPILED_LAYER_DEVICES = ("cuda",)
 
 
 def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
@@ -237,6 +243,11 @@ class LongShortSelfAttention(nn.Module):
             steps use the SDPA/explicit path, and so do the global tokens' own rows and the cls token's output (dense
             over the n tokens, no window to mask). ``forward`` takes it too, for a model whose choice changes after it
             is built.
+        compile_attention: where the fused path runs on ``COMPILED_LAYER_DEVICES`` (CUDA), run the whole layer as one
+            compiled region (``compiled_attention_layer``), shared by every layer of the same settings in the process:
+            fewer kernel launches, and what the backward pass needs recomputed rather than kept where that is cheaper.
+            Not for calls with global tokens or a decoding cache, nor inside a ``torch.compile`` of the caller's.
+            False: the attention kernel alone is compiled.
     """
 
     def __init__(
@@ -256,11 +267,13 @@ class LongShortSelfAttention(nn.Module):
         global_projections: bool = False,
         attn_implementation: str = "sdpa",
         recompute_window_tiles: bool = False,
+        compile_attention: bool = True,
     ):
         super().__init__()
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
         self.recompute_window_tiles = recompute_window_tiles
+        self.compile_attention = compile_attention
         validate_long_short_args(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -465,6 +478,29 @@ class LongShortSelfAttention(nn.Module):
             flex=attn_implementation == "flex_attention" and not output_attentions,
         )
         backend = self._backend(hidden_states, output_attentions, attn_implementation)
+        compiled = (
+            backend == "flex"
+            and self.compile_attention
+            and hidden_states.device.type in COMPILED_LAYER_DEVICES
+            and hidden_states.dtype in FUSED_DTYPES
+            and state is None
+            and is_global is None
+            and not torch.compiler.is_compiling()
+        )
+        attend = compiled_attention_layer() if compiled else LongShortSelfAttention._attend
+        return attend(
+            self,
+            hidden_states,
+            valid=valid,
+            is_global=is_global,
+            cls_hidden=cls_hidden,
+            state=state,
+            backend=backend,
+        )
+
+    def _attend(self, hidden_states, *, valid, is_global, cls_hidden, state, backend) -> tuple[Tensor, Tensor | None]:
+        """The layer after ``forward``'s checks and choice of backend: the projections, the attention and the output
+        projection (as ``compiled_attention_layer`` runs it)."""
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, lean=backend == "lean")
         if self.causal:
@@ -872,7 +908,7 @@ class LongShortSelfAttention(nn.Module):
             torch.cat([old, new], 1) if old is not None else new
             for old, new in ((state.keys, k), (state.values, v), (state.valid, valid))
         )
-        k_start = end - k_all.shape[1]
+        k_start = end - k_all.shape[1] if state.keys is not None else p0  # an int, not a symbolic 0, when compiled
 
         # Projected rows, r per segment in segment order: the finished segments' plus those the new tokens complete.
         rows_k, rows_v, rows_valid, pending = state.rows_k, state.rows_v, state.rows_valid, None
@@ -990,6 +1026,15 @@ class LongShortSelfAttention(nn.Module):
             index = slot.view(B, -1, *(1,) * (part.dim() - 2)).expand_as(part)
             merged.append(grown.scatter(1, index, part)[:, :width])
         return merged
+
+
+@functools.cache
+def compiled_attention_layer() -> Callable:
+    """``LongShortSelfAttention._attend`` compiled once per process (``compile_in_package``): the fused path's whole
+    layer, its block mask built inside the compiled region. Every module of the same settings shares its compilations
+    (the parameters are inputs of the compiled code, not constants); the shapes become symbolic after the first
+    length that differs."""
+    return compile_in_package(LongShortSelfAttention._attend)
 
 
 # How the joint softmax runs, by the name ``LongShortSelfAttention._backend`` picks; each takes the module, the

@@ -43,6 +43,7 @@ __all__ = [
     "FLEX_MIN_HEAD_DIM",
     "FUSED_DTYPES",
     "KeyLayout",
+    "compile_in_package",
     "compiled_flex_attention",
     "flex_attend",
     "long_short_block_mask",
@@ -147,35 +148,64 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
 
 
 # -------------------------------------------------------------------------------------------------- mask_mod
+@cached_outside_compile(maxsize=64)
+def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor | tuple[int, int, int]:
+    """``[num_window_keys, q_start, k_start]`` of ``layout``, the parts of it that change with the length, for the
+    mask_mod to read. Built outside a compiled region, as an int64 tensor on ``device``: the compiled kernel, which
+    takes the mask as an input, then serves every length (it fails to lower the ints that a mask captures once it
+    recompiles with symbolic lengths, torch 2.14). Cached per layout and device, built outside inference mode (a
+    cached mask serves later calls in training too). Inside a compiled region, which builds the mask itself, the
+    (symbolic) ints (its CPU kernel takes no tensor made inside the region, torch 2.14)."""
+    values = (layout.num_window_keys, layout.q_start, layout.k_start)
+    if torch.compiler.is_compiling():
+        return values
+    with torch.inference_mode(False):
+        return torch.tensor([layout.num_window_keys, layout.q_start, layout.k_start], device=device)
+
+
 def long_short_mask_mod(
-    layout: KeyLayout, *, key_valid: Tensor | None = None, offsets: Tensor | None = None
+    layout: KeyLayout,
+    *,
+    key_valid: Tensor | None = None,
+    offsets: Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout``.
 
     Query ``q_idx`` is at position ``t = q_start + q_idx - offsets[b]``. It sees the window key ``kv_idx < L`` (at
     ``k_start + kv_idx - offsets[b]``) by ``window_rule``, and the extra key ``kv_idx >= L``: always, or, with a
     ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``.
-    Keys where ``key_valid`` (B, L + R) is False are never seen.
+    Keys where ``key_valid`` (B, L + R) is False are never seen. ``device``: where the attention runs (by default
+    ``key_valid``'s or ``offsets``', else the CPU).
     """
     _batch_size(layout, key_valid, offsets)
-    window, causal, window_keys = layout.window_size, layout.causal, layout.num_window_keys
-    q_start, k_start = layout.q_start, layout.k_start
+    device = _mask_device(device, key_valid, offsets)
+    window, causal, has_window = layout.window_size, layout.causal, layout.num_window_keys > 0
     segment_length, rank = layout.segment_length, layout.projection_rank
+    geometry = mask_geometry(layout, device)
 
     def long_short_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        window_keys, q_start, k_start = geometry[0], geometry[1], geometry[2]
         shift = 0 if offsets is None else offsets[b]
         t = q_idx + (q_start - shift)
         is_window = kv_idx < window_keys
         seen = ~is_window
         if segment_length is not None:
             seen = seen & segment_rule(t, (kv_idx - window_keys) // rank, segment_length)
-        if window_keys:
+        if has_window:
             seen = seen | (is_window & window_rule(t, kv_idx + (k_start - shift), window, causal))
         if key_valid is not None:
             seen = seen & key_valid[b, kv_idx]
         return seen
 
     return long_short_mask
+
+
+def _mask_device(device: torch.device | str | None, *tensors: Tensor | None) -> torch.device:
+    """``device``, else that of the first of ``tensors`` given, else the CPU."""
+    for tensor in tensors:
+        device = tensor.device if device is None and tensor is not None else device
+    return torch.device("cpu" if device is None else device)
 
 
 # ------------------------------------------------------------------------------------------------- BlockMask
@@ -281,9 +311,7 @@ def long_short_block_mask(
     if not (is_int(q_block) and is_int(kv_block) and q_block >= 1 and kv_block >= 1):
         raise ValueError(f"block_size must be an integer >= 1 or a pair of them, got {block_size!r}.")
     _batch_size(layout, key_valid, offsets)
-    for tensor in (key_valid, offsets):
-        device = tensor.device if device is None and tensor is not None else device
-    device = torch.device("cpu" if device is None else device)
+    device = _mask_device(device, key_valid, offsets)
     if key_valid is None and offsets is None:
         return _unpadded_block_mask(layout, num_queries, q_block, kv_block, device)
     return _block_mask(layout, num_queries, q_block, kv_block, device, key_valid=key_valid, offsets=offsets)
@@ -328,7 +356,7 @@ def _block_mask(
         full_kv_num_blocks=full_kv_num_blocks,
         full_kv_indices=full_kv_indices,
         BLOCK_SIZE=(q_block, kv_block),
-        mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets),
+        mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets, device=device),
         seq_lengths=(num_queries, layout.num_keys),
     )
 
@@ -338,31 +366,37 @@ _unpadded_block_mask = cached_outside_compile(maxsize=32)(_block_mask)
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
-# Compilations the package's FlexAttention kernel may make before dynamo falls back to the unfused kernel, which
-# materialises every score: one per grad mode, batch size, stride pattern and mask closure a process meets (8, dynamo's
-# default, was reached by one process training and evaluating several models).
-FLEX_RECOMPILE_LIMIT = 64
+# Compilations that each function the package compiles (``compile_in_package``) may make before dynamo falls back to
+# running it uncompiled (for FlexAttention: the unfused kernel, which materialises every score): one per grad mode,
+# batch size, stride pattern, mask closure and layer configuration a process meets (8, dynamo's default, was reached by
+# one process training and evaluating several models).
+RECOMPILE_LIMIT = 64
+
+
+def compile_in_package(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while it runs. Its
+    compilations count against a limit of its own, not against those of any other compiled function in the
+    process."""
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 @functools.cache
 def compiled_flex_attention() -> Callable:
     """``flex_attention`` compiled once per process (as Transformers' flex integration does): the fused kernel, which
-    skips the blocks that no query sees. It is compiled as a function of its own, so its compilations count against
-    their own limit (``FLEX_RECOMPILE_LIMIT``, raised while it runs), not against those of every other
-    ``torch.compile(flex_attention)`` in the process."""
+    skips the blocks that no query sees. It is compiled as a function of its own (``compile_in_package``)."""
     flex = flex_attention  # bound now: a later patch of this module's name does not reach it
 
     def long_short_flex_attention(query, key, value, *, score_mod=None, block_mask=None, scale=None):
         return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
-    compiled = torch.compile(long_short_flex_attention)
-
-    @functools.wraps(long_short_flex_attention)
-    def run(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-            return compiled(*args, **kwargs)
-
-    return run
+    return compile_in_package(long_short_flex_attention)
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:
