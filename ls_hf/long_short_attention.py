@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, flex_attend, long_short_block_mask
+from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, long_short_flex_attend
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
@@ -243,11 +243,12 @@ class LongShortSelfAttention(nn.Module):
             steps use the SDPA/explicit path, and so do the global tokens' own rows and the cls token's output (dense
             over the n tokens, no window to mask). ``forward`` takes it too, for a model whose choice changes after it
             is built.
-        compile_attention: where the fused path runs on ``COMPILED_LAYER_DEVICES`` (CUDA), run the whole layer as one
-            compiled region (``compiled_attention_layer``), shared by every layer of the same settings in the process:
-            fewer kernel launches, and what the backward pass needs recomputed rather than kept where that is cheaper.
-            Not for calls with global tokens or a decoding cache, nor inside a ``torch.compile`` of the caller's.
-            False: the attention kernel alone is compiled.
+        compile_attention: where the fused path runs on ``COMPILED_LAYER_DEVICES`` (CUDA), compile the rest of the
+            layer around its attention kernel (``compiled_attention_layer``: the projections, DualLN, Eq. 3, the output
+            projection), shared by every layer of the same settings in the process: fewer kernel launches, and what
+            the backward pass needs recomputed rather than kept where that is cheaper. Not for calls with global
+            tokens or a decoding cache, nor inside a ``torch.compile`` of the caller's. False: only the attention
+            kernel is compiled.
     """
 
     def __init__(
@@ -870,17 +871,13 @@ class LongShortSelfAttention(nn.Module):
             segment_length=self.segment_length if causal_rows else None,
             projection_rank=self.projection_rank if causal_rows else None,
         )
-        mask = long_short_block_mask(
-            key_layout,
-            num_queries=q.shape[1],
-            offsets=inputs.offsets,
-            device=q.device,
-            key_valid=key_valid[0] if key_valid else None,
-        )
         q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
         if q.device.type == "cpu":  # compiled on CPU (torch 2.14), FlexAttention refuses a view of a matmul
             q, keys, values = (x.contiguous() for x in (q, keys, values))
-        return flex_attend(q, keys, values, mask).transpose(1, 2), None
+        out = long_short_flex_attend(
+            q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid[0] if key_valid else None
+        )
+        return out.transpose(1, 2), None
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""
@@ -1030,10 +1027,11 @@ class LongShortSelfAttention(nn.Module):
 
 @functools.cache
 def compiled_attention_layer() -> Callable:
-    """``LongShortSelfAttention._attend`` compiled once per process (``compile_in_package``): the fused path's whole
-    layer, its block mask built inside the compiled region. Every module of the same settings shares its compilations
-    (the parameters are inputs of the compiled code, not constants); the shapes become symbolic after the first
-    length that differs."""
+    """``LongShortSelfAttention._attend`` compiled once per process (``compile_in_package``): the fused path's layer,
+    in compiled regions before and after its attention kernel, which is a compile boundary (``long_short_flex_attend``:
+    the block mask from its caches, the package's compiled kernel). Every module of the same settings shares the
+    compilations (the parameters are inputs of the compiled code, not constants); the lengths become symbolic after
+    the first one that differs."""
     return compile_in_package(LongShortSelfAttention._attend)
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "compiled_flex_attention",
     "flex_attend",
     "long_short_block_mask",
+    "long_short_flex_attend",
     "long_short_mask_mod",
 ]
 
@@ -149,16 +150,12 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
 
 # -------------------------------------------------------------------------------------------------- mask_mod
 @cached_outside_compile(maxsize=64)
-def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor | tuple[int, int, int]:
-    """``[num_window_keys, q_start, k_start]`` of ``layout``, the parts of it that change with the length, for the
-    mask_mod to read. Built outside a compiled region, as an int64 tensor on ``device``: the compiled kernel, which
-    takes the mask as an input, then serves every length (it fails to lower the ints that a mask captures once it
-    recompiles with symbolic lengths, torch 2.14). Cached per layout and device, built outside inference mode (a
-    cached mask serves later calls in training too). Inside a compiled region, which builds the mask itself, the
-    (symbolic) ints (its CPU kernel takes no tensor made inside the region, torch 2.14)."""
-    values = (layout.num_window_keys, layout.q_start, layout.k_start)
-    if torch.compiler.is_compiling():
-        return values
+def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor:
+    """``[num_window_keys, q_start, k_start]`` of ``layout``, the parts of it that change with the length, as an int64
+    tensor on ``device`` for the mask_mod to read: as a tensor, not as Python ints, the compiled kernel, which takes
+    the mask as an input, serves every length (it fails to lower the ints that a mask captures once it recompiles with
+    symbolic lengths, torch 2.14). Cached per layout and device, built outside inference mode (a cached mask serves
+    later calls in training too)."""
     with torch.inference_mode(False):
         return torch.tensor([layout.num_window_keys, layout.q_start, layout.k_start], device=device)
 
@@ -397,6 +394,29 @@ def compiled_flex_attention() -> Callable:
         return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
     return compile_in_package(long_short_flex_attention)
+
+
+@torch.compiler.disable
+def long_short_flex_attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: KeyLayout,
+    *,
+    key_valid: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> Tensor:
+    """``flex_attend`` of query (B, H, m, E) over key and value (B, H, L + R, .) laid out as ``layout`` says, with
+    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, H, m, Ev).
+
+    A compile boundary: inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's)
+    the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
+    one. Lowered inside a larger graph, FlexAttention miscompiles some of these masks (inductor's CPU kernel, torch
+    2.14: with a cls key, or without window keys but with padding)."""
+    mask = long_short_block_mask(
+        layout, num_queries=query.shape[2], offsets=offsets, key_valid=key_valid, device=query.device
+    )
+    return flex_attend(query, key, value, mask)
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:

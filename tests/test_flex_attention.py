@@ -12,7 +12,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import ls_hf.long_short_rules as rules
 from ls_hf import LongShortForCausalLM, LongShortModel
-from ls_hf.long_short_attention import LongShortSelfAttention
+from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
 from tests.devices import assert_close
 from tests.test_attention import (
     PROPERTY,
@@ -147,21 +147,112 @@ def test_model_flex_matches_sdpa(causal):
 @pytest.mark.compiled
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_compiled_flex_matches_sdpa(causal):
-    """torch.compile'd FlexAttention (the fused kernel), float32, with padding (right; causal: left); tolerance scaled
-    to the outputs' magnitude."""
+    """A caller's torch.compile of the FlexAttention path, float32, with padding (right; causal: left) and the cls
+    token (bidirectional); tolerance scaled to the outputs' magnitude. The attention kernel is a compile boundary:
+    lowered inside the caller's graph, FlexAttention miscompiled the cls case (inductor's CPU kernel, torch 2.14)."""
     torch.manual_seed(0)
     kwargs = {"causal": causal, "segment_length": 8 if causal else None}
     sdpa = LongShortSelfAttention(32, 2, window_size=16, projection_rank=4, **kwargs).eval()
     flex = LongShortSelfAttention(32, 2, 16, 4, **kwargs, attn_implementation="flex_attention")
     flex.load_state_dict(sdpa.state_dict())
-    x = torch.randn(2, 150, 32)
+    x, cls = torch.randn(2, 150, 32), torch.randn(2, 1, 32)
     mask = torch.ones(2, 150)
     mask[1, slice(0, 30) if causal else slice(101, None)] = 0
+    extra = {} if causal else {"cls_hidden": cls}
     with torch.no_grad():
-        expected, _ = sdpa(x, mask)
-        out, _ = torch.compile(flex.eval(), fullgraph=True)(x, mask)
+        expected, _ = sdpa(x, mask, **extra)
+        out, _ = torch.compile(flex.eval())(x, mask, **extra)
     scale = expected.abs().max().item()
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+
+
+def _compile_on_cpu(monkeypatch):
+    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer (forward only), from
+    no earlier compilation: the CPU kernel fails on padded batches once an earlier call made its lengths symbolic
+    (torch 2.14), so the callers order their padded calls first."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    torch._dynamo.reset()
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
+    """The fused path's whole layer compiled as one region (``compiled_attention_layer``, the CPU standing in for
+    CUDA, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the cls
+    token (bidirectional), and without padding at a second length (symbolic; the CPU kernel fails on padded batches
+    of symbolic length, torch 2.14), the output of the grouped SDPA path. Two layers of the same settings share every
+    compilation of the region."""
+    from torch._dynamo.utils import counters
+
+    _compile_on_cpu(monkeypatch)
+    config = {
+        "hidden": 32,
+        "heads": 2,
+        "window": 16,
+        "rank": 4,
+        "causal": causal,
+        "segment_length": 8 if causal else None,
+    }
+    layers = [make(**config, seed=seed, dtype=torch.float32) for seed in (0, 1)]
+    new_graphs = []  # per call: the graphs that dynamo compiled for it
+    for n, mask_kind in ((150, "left" if causal else "right"), (150, "none"), (170, "none")):
+        x, cls = inputs(layers[0], 2, n)
+        mask = make_mask(mask_kind, 2, n, 40)
+        extra = {} if causal else {"cls_hidden": cls}
+        for layer in layers:
+            with torch.no_grad():
+                expected, _ = layer(x, mask, attn_implementation="eager", **extra)
+                before = counters["stats"]["unique_graphs"]
+                out, _ = layer(x, mask, **extra)
+                new_graphs.append(counters["stats"]["unique_graphs"] - before)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+    assert new_graphs[0] > 0  # the first call compiled the region
+    assert new_graphs[1::2] == [0, 0, 0]  # the second layer reuses the first one's compilations
+
+
+def test_compiled_layer_runs_where_it_can(monkeypatch):
+    """``forward`` sends the fused path to ``compiled_attention_layer`` on ``COMPILED_LAYER_DEVICES`` in
+    ``FUSED_DTYPES``, and not with ``compile_attention=False``, global tokens, a decoding cache, another path or
+    inside the caller's ``torch.compile``; the output is the layer's either way. (The compiled region itself is
+    checked above; here it runs uncompiled, to count its calls.)"""
+    from ls_hf import long_short_attention
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return LongShortSelfAttention._attend(*args, **kwargs)
+
+    monkeypatch.setattr(long_short_attention, "compiled_attention_layer", lambda: counted)
+    bidirectional, causal = make(window=3, rank=2), make(window=3, rank=2, causal=True, segment_length=3)
+    x, _ = inputs(bidirectional, 2, 13)
+
+    def compiled_calls(module, *args, **kwargs):
+        calls.clear()
+        with torch.no_grad():
+            out, _ = module(*args, **kwargs)
+        return len(calls), out
+
+    assert compiled_calls(bidirectional, x)[0] == 0  # the CPU does not compile the layer by default
+    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    count, out = compiled_calls(bidirectional, x)
+    assert count == 1
+    assert_close(out, compiled_calls(bidirectional, x, attn_implementation="eager")[1], atol=EXACT)
+    assert compiled_calls(causal, x)[0] == 1
+    assert compiled_calls(bidirectional, x, global_attention_mask=global_mask(2, 13, 0.2, 0))[0] == 0
+    assert compiled_calls(causal, x, state=CausalState())[0] == 0
+    assert compiled_calls(bidirectional, x, attn_implementation="eager")[0] == 0
+    assert compiled_calls(bidirectional, x, output_attentions=True)[0] == 0
+    bidirectional.compile_attention = False
+    assert compiled_calls(bidirectional, x)[0] == 0
 
 
 def test_backward_matches_sdpa_where_supported(device):
@@ -217,8 +308,10 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
     from ls_hf import long_short_attention
 
     built = []
-    real = long_short_attention.long_short_block_mask
-    monkeypatch.setattr(long_short_attention, "long_short_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    real = long_short_attention.long_short_flex_attend
+    monkeypatch.setattr(
+        long_short_attention, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
     config = {"window": 3, "rank": 2, "causal": causal, "segment_length": 2 if causal else None}
     default, eager = make(**config), make(**config, attn_implementation="eager")
     x, _ = inputs(default, 2, 13)
