@@ -6,6 +6,8 @@ One attention module each (query/key/value/output projections included; hidden 7
   one block-sparse FlexAttention call (compiled once per process by the package), elsewhere every window tile
   gathered at once and kept by autograd;
 * ``long-short-eager``: the same with ``attn_implementation="eager"``: the grouped SDPA path on every device;
+* ``long-short-kernel``: the same with ``compile_attention=False``: on CUDA only the attention kernel compiled, the rest
+  of the layer run op by op (the default compiles it around the kernel);
 * ``long-short-recompute``: the same with ``recompute_window_tiles=True``: tiles built chunk by chunk, again in the
   backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``);
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
@@ -75,7 +77,16 @@ class Shape:
 
 
 SHAPE = Shape()
-PEERS = ("long-short", "sdpa", "eager", "longformer", "flex-window", "long-short-recompute", "long-short-eager")
+PEERS = (
+    "long-short",
+    "sdpa",
+    "eager",
+    "longformer",
+    "flex-window",
+    "long-short-recompute",
+    "long-short-eager",
+    "long-short-kernel",
+)
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
 # memory: peer memory / baseline memory <= target.
@@ -139,6 +150,7 @@ class LongShortAttention(nn.Module):
         rank: int,
         recompute_window_tiles: bool = False,
         attn_implementation: str = "sdpa",
+        compile_attention: bool = True,
     ):
         super().__init__()
         self.attn = LongShortSelfAttention(
@@ -148,6 +160,7 @@ class LongShortAttention(nn.Module):
             rank,
             recompute_window_tiles=recompute_window_tiles,
             attn_implementation=attn_implementation,
+            compile_attention=compile_attention,
         )
 
     def forward(self, x):
@@ -193,7 +206,7 @@ class FlexWindowAttention(DenseAttention):
 
 def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
     hidden, heads = shape.hidden, shape.heads
-    if peer in ("long-short", "long-short-recompute", "long-short-eager"):
+    if peer.startswith("long-short"):
         return LongShortAttention(
             hidden,
             heads,
@@ -201,6 +214,7 @@ def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
             shape.rank,
             recompute_window_tiles=peer == "long-short-recompute",
             attn_implementation="eager" if peer == "long-short-eager" else "sdpa",
+            compile_attention=peer != "long-short-kernel",
         )
     if peer in ("sdpa", "eager"):
         return DenseAttention(hidden, heads, eager=peer == "eager")

@@ -6,8 +6,9 @@ compilation happens, each peer's peak memory over one step, then timed rounds ta
 
 * attention: ``bench.bench_attention``'s layer (hidden 768, 12 heads, w = 256, r = 64), forward + backward at 4,096,
   16,384 and 65,536 tokens (batch 1) and at 4,096 tokens (batch 8): Long-Short's default (on CUDA its fused
-  FlexAttention path), its grouped SDPA path (``attn_implementation="eager"``, for reference), dense SDPA (the flash
-  kernel) and FlexAttention's own sliding window (+-w, compiled);
+  FlexAttention path, the rest of the layer compiled around the kernel), the same with the kernel alone compiled
+  (``compile_attention=False``) and its grouped SDPA path (``attn_implementation="eager"``), for reference, dense SDPA
+  (the flash kernel) and FlexAttention's own sliding window (+-w, compiled);
 * masked LM: a training step of ``bench.bench_models``' base-width models (12 x 768) in tokens/s, at 4,096 tokens
   (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa (SDPA), and at 8,192 ModernBERT-base too
   (its config's 22 layers and widths, random weights, ``modernbert_attention``: flash attention 2 when installed,
@@ -54,7 +55,7 @@ from bench import bench_attention, bench_models, bench_vision
 from bench.common import DTYPES, MEASUREMENT_ERRORS, failure, results_path, run_meta, side_by_side, write_json
 from recipes.lra import train as lra_train
 
-ATTENTION_PEERS = ("long-short", "long-short-eager", "sdpa", "flex-window")
+ATTENTION_PEERS = ("long-short", "long-short-kernel", "long-short-eager", "sdpa", "flex-window")
 # (length label, batch, peers); lengths from Plan.attention_lengths
 ATTENTION_RUNS = (
     ("4k", 1, ATTENTION_PEERS),
@@ -229,12 +230,17 @@ BARS = (
     ),
     *(
         Bar(
-            f"attention fwd+bwd {n}, batch 1: Long-Short eager (grouped SDPA) / default, time",
+            f"attention fwd+bwd {n}, batch 1: Long-Short {name} / default, {label}",
             "attention",
-            "time_s",
-            _attention("long-short-eager", n),
+            quantity,
+            _attention(peer, n),
             _attention("long-short", n),
         )
+        for peer, name, quantities in (
+            ("long-short-eager", "eager (grouped SDPA)", (("time_s", "time"),)),
+            ("long-short-kernel", "kernel alone compiled", (("time_s", "time"), ("peak_mem_bytes", "peak memory"))),
+        )
+        for quantity, label in quantities
         for n in ("4k", "16k", "64k")
     ),
     Bar(

@@ -41,6 +41,9 @@ class LongShortConfig(PreTrainedConfig):
             ``LN_L`` keeps its output only, and the projection's scores and P are built a head at a time and again in
             the backward pass (attention peak 1.03-1.07x fused SDPA's in tensors instead of 2.1x; slower with several
             threads on a busy CPU; see ``bench/RESULTS.md``).
+        compile_attention (`bool`, defaults to True): on CUDA, where attention runs one FlexAttention kernel per layer,
+            compile the rest of each attention layer around it (projections, DualLN, the dynamic projection), once per
+            process for all layers; False compiles the kernel alone.
         sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
             before the first one (the question) global, as Longformer does.
 
@@ -76,6 +79,7 @@ class LongShortConfig(PreTrainedConfig):
     qk_head_dim: int | None = None
     global_projections: bool = False
     recompute_window_tiles: bool = False
+    compile_attention: bool = True
     sep_token_id: int | None = 2
 
     def __post_init__(self, **kwargs):
@@ -111,6 +115,7 @@ class LongShortConfig(PreTrainedConfig):
             "layer_norm_eps": self.layer_norm_eps,
             "global_projections": self.global_projections,
             "recompute_window_tiles": self.recompute_window_tiles,
+            "compile_attention": self.compile_attention,
             "attn_implementation": self._attn_implementation or "sdpa",
         }
 

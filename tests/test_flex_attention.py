@@ -374,3 +374,12 @@ def test_default_matches_the_portable_path_on_the_test_device(causal, device, dt
     assert_close(out, expected, atol=EXACT)
     if grads:
         assert_close(grad, expected_grad, atol=EXACT)
+
+
+def test_config_compile_attention_reaches_every_layer():
+    """``LongShortConfig.compile_attention`` (default True) is each attention module's ``compile_attention``."""
+    for setting in (True, False):
+        model = LongShortModel(tiny_config(compile_attention=setting))
+        layers = [m for m in model.modules() if isinstance(m, LongShortSelfAttention)]
+        assert layers and all(layer.compile_attention is setting for layer in layers)
+    assert LongShortModel(tiny_config()).config.compile_attention is True

@@ -477,8 +477,10 @@ def test_set_attn_implementation_after_loading_switches_the_attention(tmp_path, 
     from ls_hf import long_short_attention
 
     built = []
-    real = long_short_attention.long_short_block_mask
-    monkeypatch.setattr(long_short_attention, "long_short_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    real = long_short_attention.long_short_flex_attend
+    monkeypatch.setattr(
+        long_short_attention, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
     LongShortForMaskedLM(tiny_config()).save_pretrained(tmp_path)
     model = AutoModelForMaskedLM.from_pretrained(tmp_path).double().eval()
     ids, mask = tokens(), torch.ones(2, 19, dtype=torch.long)
