@@ -341,10 +341,11 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_default_matches_the_portable_path_on_the_test_device(causal, device, dtype, monkeypatch):
-    """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask; here
-    on any test device, the CPU standing in) against "eager" (grouped SDPA everywhere) on the test device, with
-    padding (right; causal: left) and 128-token blocks: outputs, and where FlexAttention has a backward (not on the
-    CPU) the input's gradient."""
+    """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
+    rest of the layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager"
+    (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token (bidirectional)
+    and 128-token blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input,
+    of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
     from ls_hf import long_short_attention
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
@@ -359,21 +360,22 @@ def test_default_matches_the_portable_path_on_the_test_device(causal, device, dt
     }
     default = make(**config, device=device, dtype=dtype)
     eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")
-    x, _ = inputs(default, 2, 300)
+    x, cls = inputs(default, 2, 300)
     mask = make_mask("left" if causal else "right", 2, 300, 70, device=device)
+    extra = {} if causal else {"cls_hidden": cls}
     grads = device.type != "cpu"
     outs = []
     for module in (default, eager):
         with torch.set_grad_enabled(grads):
             x_in = x.clone().requires_grad_(grads)
-            out, _ = module(x_in, mask)
+            out, _ = module(x_in, mask, **extra)
             if grads:
                 out.float().square().sum().backward()
-        outs.append((out.detach(), x_in.grad))
-    (out, grad), (expected, expected_grad) = outs
-    assert_close(out, expected, atol=EXACT)
-    if grads:
-        assert_close(grad, expected_grad, atol=EXACT)
+        params = (module.dynamic_projection.weight, module.dual_ln_local.weight)
+        outs.append((out.detach(), x_in.grad, *(p.grad for p in params)))
+    for got, expected in zip(*outs):
+        if got is not None or grads:
+            assert_close(got, expected, atol=EXACT)
 
 
 def test_config_compile_attention_reaches_every_layer():
