@@ -26,7 +26,8 @@ method that takes the queries and their two key sets (``JointInputs``):
   ``long_short_kernels``, which keep for the backward pass about what fused dense attention keeps.
 * ``"flex"`` (the default on CUDA, and ``attn_implementation="flex_attention"``): one FlexAttention call over the
   keys [tokens; extra keys], with the visibility as a block-sparse mask built from the window geometry
-  (``long_short_blocks``), gathering nothing; compiled once per process on CUDA.
+  (``long_short_blocks``), gathering nothing; compiled once per process on CUDA, where the rest of the layer is
+  compiled around it (``compiled_attention_layer``).
 * ``"maps"`` (``output_attentions=True``): the explicit softmax, whose probabilities are returned and used.
 
 Causally a query at position t also sees ``r * (t // l)`` projected rows, so the cost is O(n (2w + r n / l)),
@@ -854,8 +855,8 @@ class LongShortSelfAttention(nn.Module):
     def _attend_flex(self, inputs: JointInputs, layout: MapsLayout | None) -> tuple[Tensor, None]:
         """``"flex"``: FlexAttention over the keys [window keys; extra keys] with the visibility as a block-sparse
         mask built from the window geometry (``long_short_block_mask``, never an n x n evaluation), so nothing is
-        gathered. On CUDA the kernel is compiled once per process (``flex_attend``) and skips the blocks that no query
-        sees. A query with no visible key gets 0."""
+        gathered (``long_short_flex_attend``). On CUDA the kernel is compiled once per process and skips the blocks
+        that no query sees. A query with no visible key gets 0."""
         q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
         parts = (("keys", inputs.k), ("values", inputs.v)) + (() if inputs.all_valid else (("valid", inputs.k_valid),))

@@ -13,7 +13,8 @@ The rules are those of ``long_short_rules``: ``window_bounds`` (the window keys 
 ``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each query block, which bound
 every query's keys in between (the window's ends do not decrease with the position), and builds the ``BlockMask``
 with ``BlockMask.from_kv_blocks``. ``flex_attend`` runs FlexAttention, compiled once per
-process on CUDA. This file imports nothing from Transformers or timm.
+process on CUDA; ``long_short_flex_attend`` builds the mask and runs it, a compile boundary. This file imports nothing
+from Transformers or timm.
 """
 
 from __future__ import annotations

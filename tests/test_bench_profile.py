@@ -30,3 +30,25 @@ def test_profile_lists_each_peers_operators(tmp_path, capsys):
     assert "== long-short, n = 64" in report and "== sdpa, n = 64" in report
     assert "aten::" in report  # the operators' rows
     assert "== sdpa" in capsys.readouterr().out
+
+
+def test_cpu_as_cuda_counts_what_compiling_the_layer_removes(tmp_path, monkeypatch):
+    """``--cpu-as-cuda``: the CPU takes CUDA's choices (forward only); the layer compiled around the kernel issues
+    fewer operator calls than the kernel alone compiled."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    for module, name in (
+        (long_short_attention, "FUSED_DEVICES"),
+        (long_short_attention, "COMPILED_LAYER_DEVICES"),
+        (long_short_blocks, "COMPILED_DEVICES"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    out = tmp_path / "profile.txt"
+    arguments = ["--device", "cpu", "--dtype", "fp32", "--n", "256", "--steps", "1", "--warmups", "1", "--rows", "2"]
+    profile_attention.main(
+        [*arguments, "--cpu-as-cuda", "--peers", "long-short", "long-short-kernel", "--out", str(out)]
+    )
+    report = out.read_text()
+    assert "forward steps" in report and "forward + backward" not in report
+    calls = [float(line.split("per step: ")[1].split()[0]) for line in report.splitlines() if "per step: " in line]
+    assert len(calls) == 2 and calls[0] < calls[1]
