@@ -8,7 +8,9 @@ Tests that compare against a reference take ``device`` and ``dtype`` and check w
 
 On a GPU (``LS_TEST_DEVICE=cuda``) only the tests that take the ``device`` fixture run: the others would run on the
 CPU exactly as they do without it, so they are deselected. Property tests draw fewer examples there
-(``tests.devices.property_examples``).
+(``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the rest of the attention
+layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the others run the kernel
+alone compiled, which the marked tests check the compiled layer against.
 """
 
 import pytest
@@ -32,6 +34,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     if test_device().type != "cpu":
         return f"LS_TEST_DEVICE={test_device()}: only the tests that take the device fixture run"
+
+
+@pytest.fixture(autouse=True)
+def _compiled_layer_where_marked(request, monkeypatch):
+    if test_device().type != "cpu" and request.node.get_closest_marker("compiled_layer") is None:
+        from ls_hf import long_short_attention
+
+        monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ())
 
 
 @pytest.fixture(scope="session")  # session scope: hypothesis's @given tests may take it

@@ -339,6 +339,7 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
     assert fused_calls(default, x, mask)[1] == 0
 
 
+@pytest.mark.compiled_layer
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_default_matches_the_portable_path_on_the_test_device(causal, device, dtype, monkeypatch):
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
