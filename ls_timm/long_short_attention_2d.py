@@ -451,11 +451,20 @@ class LongShortAttention2d(nn.Module):
         window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry and the
         ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
         w = self.window_size
-        block_mask = cached_tile_block_mask(tuple(feat_size), w, keys[1].shape[1], q.device)
         q, k, v = (to_tile_order(t, feat_size, w, heads=self.num_heads) for t in (q, keys[0], values[0]))
         k, v = (torch.cat([tiles, self._heads(rows.to(q.dtype))], 2) for tiles, rows in ((k, keys[1]), (v, values[1])))
-        out = flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
-        return from_tile_order(out, feat_size, w)
+        return from_tile_order(self._flex_in_tile_order(q, k, v, tuple(feat_size), keys[1].shape[1]), feat_size, w)
+
+    @torch.compiler.disable
+    def _flex_in_tile_order(
+        self, q: Tensor, k: Tensor, v: Tensor, feat_size: tuple[int, int], num_extra_keys: int
+    ) -> Tensor:
+        """FlexAttention of the queries in tile order over [patch keys in tile order; ``num_extra_keys`` extra keys],
+        with the tile block mask (from its cache) and the window bias. A compile boundary, as ``ls_hf``'s
+        ``long_short_flex_attend``: inside a caller's compiled graph the call runs as outside one (lowered inside a
+        larger graph, inductor's CPU kernel refused the heads-first queries, torch 2.14)."""
+        block_mask = cached_tile_block_mask(feat_size, self.window_size, num_extra_keys, q.device)
+        return flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
 
     def _window_bias_mod(self, feat_size: tuple[int, int], device: torch.device):
         """The ViL-LS window bias as FlexAttention's score_mod in tile order: its table read at the query-minus-key

@@ -66,6 +66,19 @@ def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
         torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.compiled
+def test_callers_compile_matches_sdpa():
+    """A caller's torch.compile of a module on the FlexAttention path (ViL-LS bias, a cls token, partial tiles),
+    float32, equals the SDPA path: the attention call is a compile boundary (inside the caller's graph, inductor's CPU
+    kernel refused the heads-first queries, torch 2.14)."""
+    case = CASES[2]
+    sdpa, flex, x = pair(*case, "cpu", torch.float32)
+    with torch.no_grad():
+        expected = sdpa(x, case[:2])
+        out = torch.compile(flex)(x, case[:2])
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize(
     "name,kwargs",
     [
