@@ -53,7 +53,7 @@ class CvtLs(HierarchicalTransformer):
             3 must keep the value head width for its cls token).
         use_dual_ln: DualLN (Eq. 7) in every Long-Short layer; False is the paper's ablation (81.3 against 81.9 top-1).
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
-            block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
+            block mask: inference on CPU; compiled by the package on CUDA); see ``LongShortAttention2d``.
     """
 
     def __init__(

@@ -32,7 +32,7 @@ The fused path (``_attend_flex``: ``attn_implementation="sdpa"`` on ``FUSED_DEVI
 ``"flex_attention"``) makes one FlexAttention call instead, over the patches in window-tile order (each w x w query
 block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks to visit than raster order) and the
 extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled once per process
-on CUDA.
+on CUDA, and a compile boundary.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -238,8 +238,9 @@ class LongShortAttention2d(nn.Module):
             float64, no active attention dropout), the strip/blocked SDPA layouts otherwise; ``"eager"``: the SDPA
             layouts everywhere (the portable reference); ``"flex_attention"``: the fused path everywhere, forward only
             on CPU, no attention dropout. The global tokens' own rows stay on SDPA (dense, no window to mask). The
-            kernel is compiled where ``ls_hf``'s ``COMPILED_DEVICES`` say (CUDA); on the CPU, torch 2.14 cannot compile
-            a whole model around the tile order.
+            kernel is compiled where ``ls_hf``'s ``COMPILED_DEVICES`` say (CUDA); its call is a compile boundary
+            (``_flex_in_tile_order``), so a caller's ``torch.compile`` of the model breaks there and runs it as
+            outside.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13

@@ -121,7 +121,7 @@ class VilLs(HierarchicalTransformer):
             Long-Short stages without global tokens only).
         use_dual_ln: DualLN (Eq. 7) in the Long-Short stages; False is the paper's ablation.
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
-            block mask: inference on CPU, compile the model for its fused kernel); see ``LongShortAttention2d``.
+            block mask: inference on CPU; compiled by the package on CUDA); see ``LongShortAttention2d``.
     """
 
     def __init__(
