@@ -84,8 +84,8 @@ __all__ = [
 # Where attn_implementation="sdpa" (the default) runs the fused FlexAttention path: one block-sparse kernel per layer
 # and direction, compiled once per process. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
 FUSED_DEVICES = ("cuda",)
-# Where the fused path runs the whole layer as one compiled region (``compiled_attention_layer``: the projections,
-# DualLN, Eq. 3 and the attention kernel), unless the module is built with ``compile_attention=False``.
+# Where the fused path compiles the rest of the layer around its attention kernel (``compiled_attention_layer``: the
+# projections, DualLN, Eq. 3, the output projection), unless the module is built with ``compile_attention=False``.
 COMPILED_LAYER_DEVICES = ("cuda",)
 
 

@@ -57,8 +57,8 @@ FLEX_MIN_HEAD_DIM = 16
 # The dtypes compiled FlexAttention takes on CUDA (Triton's kernel fails to build for float64, torch 2.11).
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where ``flex_attend`` runs ``compiled_flex_attention`` by default. Add "cpu" to compile the kernel there too
-# (forward only; torch 2.14 builds the CPU kernel for the 2-D attention's maps of any size, the 1-D attention's only
-# for one sequence length).
+# (forward only; torch 2.11-2.14 build the CPU kernel for maps and sequences of any size, except padded 1-D batches once
+# an earlier call made the lengths symbolic).
 COMPILED_DEVICES = ("cuda",)
 DEFAULT_BLOCK_SIZE = 128
 
