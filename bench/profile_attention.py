@@ -5,17 +5,27 @@ there), with the operators that take the most device time listed per peer.
     python -m bench.profile_attention --n 16384                      # CUDA, bf16: long-short and flex-window
     python -m bench.profile_attention --device cpu --dtype fp32 --n 1024 --steps 2
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --peers long-short long-short-kernel
+    python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
 
 Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls
 and device kernels per step, and writes them to ``bench/results/profile_attention_<device>.txt`` (``--out``: another
 file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and the layer compiled
 around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the layer removes.
+
+``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
+parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
+peak memory that stays from the forward pass to the backward pass. With ``--cpu-as-cuda``, FlexAttention's call runs
+without autograd and keeps what FlexAttention's backward takes on CUDA (query, keys, values, output, log-sum-exp);
+the CPU hands it contiguous copies of the query, keys and values where CUDA hands it views, and those copies are
+counted too.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from torch.autograd import DeviceType
@@ -24,6 +34,60 @@ from torch.profiler import ProfilerActivity, profile
 from bench import bench_attention
 from bench.common import DTYPES, RESULTS, run_meta, sync
 from ls_hf import long_short_attention, long_short_blocks
+
+
+class FlexAttentionKeepingItsInputs(torch.autograd.Function):
+    """``long_short_blocks.flex_attend`` for ``--saved`` on the CPU, which has no FlexAttention backward: the call
+    without autograd, keeping what FlexAttention's backward pass takes on CUDA (query, key, value, output and the
+    float32 log-sum-exp). Its backward pass returns zero gradients: it is for counting only."""
+
+    attend = staticmethod(long_short_blocks.flex_attend)
+
+    @staticmethod
+    def forward(ctx, query, key, value, block_mask):
+        out = FlexAttentionKeepingItsInputs.attend(query.detach(), key.detach(), value.detach(), block_mask)
+        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, *_ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+
+
+def saved_for_backward(peer: str, n: int, device: str, dtype: torch.dtype, cpu_as_cuda: bool = False) -> str:
+    """What one forward pass of ``peer`` at ``n`` tokens keeps for the backward pass (after a forward + backward
+    warm-up step): the distinct storages autograd saves, the parameters and the input left out, in total and by
+    shape, in units of one (n, hidden) tensor of ``dtype``. ``cpu_as_cuda``: FlexAttention's calls go through
+    ``FlexAttentionKeepingItsInputs``."""
+    if cpu_as_cuda:
+        with patch.object(long_short_blocks, "flex_attend", FlexAttentionKeepingItsInputs.apply):
+            return saved_for_backward(peer, n, device, dtype)
+    module = bench_attention.build_peer(peer).to(device=device, dtype=dtype)
+    x, grad = bench_attention.inputs(n, device, dtype)
+    bench_attention.step(module, x, grad)
+    left_out = {t.untyped_storage().data_ptr() for t in (x, *module.parameters())}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in left_out:
+            saved[storage.data_ptr()] = (
+                storage.nbytes(),
+                tuple(tensor.shape),
+                str(tensor.dtype).removeprefix("torch."),
+            )
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    unit = x[0].numel() * x.element_size()
+    total = sum(size for size, *_ in saved.values())
+    lines = [f"kept for the backward pass: {total / 2**20:.1f} MiB = {total / unit:.2f} x (n, hidden)"]
+    by_shape = Counter(saved.values())
+    for (size, shape, kind), count in sorted(by_shape.items(), key=lambda item: -item[0][0] * item[1]):
+        lines.append(f"  {count} x {size / unit:.3f}  {shape} {kind}")
+    return "\n".join(lines)
 
 
 def profile_peer(
@@ -67,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=25, help="operators listed per peer")
     parser.add_argument("--out", default=None, help="default: bench/results/profile_attention_<device>.txt")
     parser.add_argument("--cpu-as-cuda", action="store_true", help="the CPU takes CUDA's choices; forward only")
+    parser.add_argument("--saved", action="store_true", help="what the forward pass keeps for the backward pass")
     args = parser.parse_args(argv)
     if args.cpu_as_cuda and args.device != "cpu":
         parser.error(f"--cpu-as-cuda needs --device cpu, got --device {args.device}")
@@ -77,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_meta("profile_attention", argv, device=args.device, dtype=args.dtype, n=args.n, steps=args.steps)
     report = [f"{meta}\n"]
     for peer in args.peers:
+        if args.saved:
+            saved = saved_for_backward(peer, args.n, args.device, DTYPES[args.dtype], cpu_as_cuda=args.cpu_as_cuda)
+            report.append(f"== {peer}, n = {args.n}\n{saved}")
+            print(report[-1], flush=True)
+            continue
         backward = not args.cpu_as_cuda
         table = profile_peer(
             peer, args.n, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows, backward

@@ -52,15 +52,18 @@ from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, long
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
+    JoinedProjectedKeys,
     TiledAttention,
     gather_tiles,
     layer_norm_in_place,
+    segments_heads_first,
 )
 from .long_short_rules import (
     check_attn_implementation,
     check_flex_call,
     masked_sdpa,
     project_rows,
+    projection_weights,
     segment_keep,
     takes_grad,
     validate_long_short_args,
@@ -143,6 +146,9 @@ class ExtraKeys(NamedTuple):
     segment: Tensor | None = (
         None  # (R,) causal: each row's projection segment (Eq. 5); None: every query sees every row
     )
+    # the fused path's [window keys; keys] and [window values; values], one tensor each (``JoinedProjectedKeys``),
+    # of which keys and values are views; None: the backend joins them
+    joined: tuple[Tensor, Tensor] | None = None
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
@@ -155,6 +161,15 @@ def _pad_seq(x: Tensor, left: int, right: int) -> Tensor:
     if left == 0 and right == 0:
         return x
     return F.pad(x, [0, 0] * (x.dim() - 2) + [left, right])
+
+
+def _concatenated(parts: list[ExtraKeys]) -> ExtraKeys | None:
+    """The extra keys of ``parts`` as one set, in order; None without parts."""
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    return ExtraKeys(
+        **{name: torch.cat([getattr(part, name) for part in parts], 1) for name in ("keys", "values", "valid")}
+    )
 
 
 def _window_index(first_group: int, groups: int, window: int, before: int, after: int, k_start: int, length: int):
@@ -351,16 +366,22 @@ class LongShortSelfAttention(nn.Module):
         return "lean" if lean else "sdpa"
 
     # ------------------------------------------------------------------ helpers
+    def _dual_ln_norm(self, *, local: bool, is_key: bool) -> nn.LayerNorm | None:
+        """LN_L (``local``) or LN_G of the keys (``is_key``, their own under LMSA) or values; None without DualLN."""
+        if not self.use_dual_ln:
+            return None
+        norm, key_norm = (
+            (self.dual_ln_local, self.dual_ln_local_key) if local else (self.dual_ln_global, self.dual_ln_global_key)
+        )
+        return key_norm if is_key and key_norm is not None else norm
+
     def _dual_ln(self, x: Tensor, *, local: bool, is_key: bool, lean: bool = False) -> Tensor:
         """LN_L (``local``) or LN_G over the full width of x (..., H * d), the keys' own pair under LMSA; ``lean``:
         written over x, which nothing else needs, saving its output rather than its input for the backward pass
         (``layer_norm_in_place``)."""
-        if not self.use_dual_ln:
+        norm = self._dual_ln_norm(local=local, is_key=is_key)
+        if norm is None:
             return x
-        norm, key_norm = (
-            (self.dual_ln_local, self.dual_ln_local_key) if local else (self.dual_ln_global, self.dual_ln_global_key)
-        )
-        norm = key_norm if is_key and key_norm is not None else norm
         return layer_norm_in_place(x, norm) if lean else norm(x)
 
     def _local_keys_values(self, hidden_states: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
@@ -383,35 +404,65 @@ class LongShortSelfAttention(nn.Module):
         ``LN_G``: hidden X (B, S*segment, D), keys/values (B, S*segment, H, d), valid (B, S*segment), or None when
         every token is valid -> S*r rows, segment-major. ``lean``: through ``DynamicProjection``, which never holds
         the scores or P of all heads."""
-        B, n, H = keys.shape[:3]
-        r, S = self.projection_rank, n // segment
-
-        def heads_first(x):  # (B, n, H, c) -> (B, S, H, segment, c)
-            return x.view(B, S, segment, H, -1).transpose(2, 3)
-
+        B, n = keys.shape[:2]
+        S = n // segment
         seg_valid = None if valid is None else valid.view(B, S, segment)
+        keys_first, values_first = segments_heads_first(keys, S), segments_heads_first(values, S)
         if lean:
             rows = DynamicProjection.apply(
                 hidden.unflatten(1, (S, segment)),
                 self.dynamic_projection.weight,
                 self.dynamic_projection.bias,
-                heads_first(keys),
-                heads_first(values),
+                keys_first,
+                values_first,
                 seg_valid,
             )
         else:
-            scores = heads_first(self._split(self.dynamic_projection(hidden))).transpose(-1, -2)
-            rows = project_rows(scores, heads_first(keys), heads_first(values), seg_valid)
+            rows = project_rows(self._projection_scores(hidden, S), keys_first, values_first, seg_valid)
         rows_k, rows_v = (x.permute(0, 1, 3, 2, 4).flatten(1, 2) for x in rows)  # (B, S*r, H, d)
         return ExtraKeys(
             keys=self._split(self._dual_ln(rows_k.flatten(2), local=False, is_key=True)),
             values=self._split(self._dual_ln(rows_v.flatten(2), local=False, is_key=False)),
-            valid=(
-                torch.ones(B, S * r, dtype=torch.bool, device=keys.device)
-                if seg_valid is None
-                else seg_valid.any(-1).repeat_interleave(r, dim=1)
-            ),
+            valid=self._rows_valid(seg_valid, B, S, keys.device),
         )
+
+    def _projection_scores(self, hidden: Tensor, segments: int) -> Tensor:
+        """The scores ``X W^P`` of Eq. 3 of hidden X (B, S*l, D) in S segments: (B, S, H, r, l)."""
+        return segments_heads_first(self._split(self.dynamic_projection(hidden)), segments).transpose(-1, -2)
+
+    def _rows_valid(self, seg_valid: Tensor | None, batch: int, segments: int, device: torch.device) -> Tensor:
+        """(B, S*r): a projected row exists where its segment (valid (B, S, l), or None: all valid) has a valid
+        token."""
+        if seg_valid is None:
+            return torch.ones(batch, segments * self.projection_rank, dtype=torch.bool, device=device)
+        return seg_valid.any(-1).repeat_interleave(self.projection_rank, dim=1)
+
+    def _joined_extra(
+        self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, prefix: ExtraKeys | None
+    ) -> tuple[ExtraKeys, ExtraKeys]:
+        """The fused path's extra keys [prefix; projected rows] (Eq. 3 over all n tokens, then ``LN_G``) built with
+        the window keys (B, n, H, d) in one tensor each (``JoinedProjectedKeys``), and the projected rows alone, as
+        views of those tensors. valid (B, n) or None: as ``_project``'s."""
+        B, n = keys.shape[:2]
+        seg_valid = None if valid is None else valid[:, None]
+        weights = projection_weights(self._projection_scores(hidden, 1), seg_valid)
+        joined = []
+        for name, window, is_key in (("keys", keys, True), ("values", values, False)):
+            norm = self._dual_ln_norm(local=False, is_key=is_key)
+            norm_args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+            before = None if prefix is None else getattr(prefix, name)
+            joined.append(JoinedProjectedKeys.apply(window, before, weights, *norm_args))
+        rows_valid = self._rows_valid(seg_valid, B, 1, keys.device)
+        start = n + (0 if prefix is None else prefix.keys.shape[1])
+        joined_k, joined_v = joined
+        projected = ExtraKeys(keys=joined_k[:, start:], values=joined_v[:, start:], valid=rows_valid)
+        extra = ExtraKeys(
+            keys=joined_k[:, n:],
+            values=joined_v[:, n:],
+            valid=rows_valid if prefix is None else torch.cat([prefix.valid, rows_valid], 1),
+            joined=(joined_k, joined_v),
+        )
+        return extra, projected
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
         """One fused softmax per query over the kept keys, with attention dropout in training. q (B', H, Q, d),
@@ -603,18 +654,15 @@ class LongShortSelfAttention(nn.Module):
             extra.append(self._global_keys(cls_hidden, valid.new_ones(B, 1)))
         if K:
             extra.append(self._global_keys(_take(hidden_states, order[:, n - K :]), is_global[:, n - K :]))
-        projected = None
+        width = n if self.window_size else 0  # projection only: no window keys
+        projected, extra = None, _concatenated(extra)  # one set: global keys, then projected rows
         if self.projection_rank:
-            projected = self._project(
-                projection_inputs, k, v, local if masked or K else None, segment=n, lean=backend == "lean"
-            )
-            extra.append(projected)
-        if extra:  # one set: global keys, then projected rows
-            extra = ExtraKeys(
-                **{name: torch.cat([getattr(part, name) for part in extra], 1) for name in ("keys", "values", "valid")}
-            )
-        else:
-            extra = None
+            projection_valid = local if masked or K else None
+            if backend == "flex" and width:  # the rows built into one tensor with the window keys
+                extra, projected = self._joined_extra(projection_inputs, k, v, projection_valid, prefix=extra)
+            else:
+                projected = self._project(projection_inputs, k, v, projection_valid, segment=n, lean=backend == "lean")
+                extra = _concatenated([part for part in (extra, projected) if part is not None])
         layout = None
         if K:
             g_q, g_k, g_v, g_keep = self._global_inputs(
@@ -622,7 +670,6 @@ class LongShortSelfAttention(nn.Module):
             )
             if backend == "maps":
                 *layout, global_from_maps = self._global_layout(self._probabilities(g_q, g_k, g_keep), is_global, order)
-        width = n if self.window_size else 0  # projection only: no window keys
         inputs = JointInputs(
             q=q,
             q_start=0,
@@ -859,8 +906,13 @@ class LongShortSelfAttention(nn.Module):
         that no query sees. A query with no visible key gets 0."""
         q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
-        parts = (("keys", inputs.k), ("values", inputs.v)) + (() if inputs.all_valid else (("valid", inputs.k_valid),))
-        keys, values, *key_valid = (torch.cat([x, getattr(extra, name)], 1) if R else x for name, x in parts)
+        if not R:
+            keys, values = inputs.k, inputs.v
+        elif extra.joined is not None:  # built as one tensor each with the window keys (``_joined_extra``)
+            keys, values = extra.joined
+        else:
+            keys, values = torch.cat([inputs.k, extra.keys], 1), torch.cat([inputs.v, extra.values], 1)
+        key_valid = None if inputs.all_valid else torch.cat([inputs.k_valid, extra.valid], 1) if R else inputs.k_valid
         causal_rows = R and extra.segment is not None  # r rows per segment of l tokens, seen by Eq. 5
         key_layout = KeyLayout(
             window_size=self.window_size,
@@ -873,11 +925,7 @@ class LongShortSelfAttention(nn.Module):
             projection_rank=self.projection_rank if causal_rows else None,
         )
         q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
-        if q.device.type == "cpu":  # compiled on CPU (torch 2.14), FlexAttention refuses a view of a matmul
-            q, keys, values = (x.contiguous() for x in (q, keys, values))
-        out = long_short_flex_attend(
-            q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid[0] if key_valid else None
-        )
+        out = long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid)
         return out.transpose(1, 2), None
 
     def _cls_output(self, cls_hidden, context, valid):
@@ -916,14 +964,14 @@ class LongShortSelfAttention(nn.Module):
                 seg_start, done = (p0 // l) * l, (end // l) * l
                 if done > seg_start:
                     span = slice(seg_start - k_start, done - k_start)
-                    new_k, new_v, new_valid, _ = self._project(
+                    new_k, new_v, new_valid = self._project(
                         all_hidden[:, : done - seg_start],
                         k_all[:, span],
                         v_all[:, span],
                         None if all_valid else valid_all[:, span],
                         l,
                         lean=backend == "lean",
-                    )
+                    )[:3]
                     if rows_k is not None:
                         new_k, new_v, new_valid = (
                             torch.cat(pair, 1) for pair in ((rows_k, new_k), (rows_v, new_v), (rows_valid, new_valid))

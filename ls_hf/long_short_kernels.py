@@ -10,6 +10,9 @@ saves (``bench/RESULTS.md``):
   keeping its output only;
 * ``DynamicProjection``: Eq. 3's scores and P built a few heads at a time, and again in the backward pass.
 
+On the fused path, ``JoinedProjectedKeys`` builds the keys and values of the one attention kernel call, [window keys;
+global keys; projected rows], and keeps the window keys only there.
+
 Each matches its plain-autograd counterpart (``tests/test_attention.py``). This file imports nothing from
 Transformers or timm.
 """
@@ -27,10 +30,13 @@ __all__ = [
     "LN_MIN_GAMMA",
     "TILE_CHUNK_BYTES",
     "DynamicProjection",
+    "JoinedProjectedKeys",
     "LayerNormInPlace",
     "TiledAttention",
     "gather_tiles",
     "layer_norm_in_place",
+    "layer_norm_input_grad",
+    "segments_heads_first",
 ]
 
 # The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
@@ -136,6 +142,15 @@ class TiledAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, *grad_rows, None, None
 
 
+def layer_norm_input_grad(grad_y: Tensor, x_hat: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """LayerNorm's gradient with respect to its input, over the last dim: ``rstd (g - mean(g) - x_hat mean(g x_hat))``
+    with ``g = grad_y * weight``, all in one dtype. ``x_hat`` (the normalized input) is overwritten."""
+    g = grad_y * weight
+    mean_g = g.mean(-1, keepdim=True)
+    mean_gx = (g * x_hat).mean(-1, keepdim=True)
+    return g.sub_(mean_g).sub_(x_hat.mul_(mean_gx)).mul_(rstd)
+
+
 class LayerNormInPlace(torch.autograd.Function):
     """LayerNorm over the last dim, written over its input (which nothing else may need: a Linear's fresh output), row
     chunk by row chunk (``TILE_CHUNK_BYTES``): no tensor of the input's size is made or freed. It saves its output
@@ -175,10 +190,7 @@ class LayerNormInPlace(torch.autograd.Function):
             g = grad_y[part].to(dtype)
             grad_weight += (g * x_hat).sum(0)
             grad_bias += g.sum(0)
-            g = g * gamma
-            mean_g = g.mean(-1, keepdim=True)
-            mean_gx = (g * x_hat).mean(-1, keepdim=True)
-            grad_x[part] = g.sub_(mean_g).sub_(x_hat.mul_(mean_gx)).mul_(rstd[part].to(dtype))
+            grad_x[part] = layer_norm_input_grad(g, x_hat, rstd[part].to(dtype), gamma)
         return grad_x.view(shape), grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None
 
 
@@ -284,3 +296,61 @@ class DynamicProjection(torch.autograd.Function):
             grad_values,
             None,
         )
+
+
+def segments_heads_first(x: Tensor, segments: int) -> Tensor:
+    """x (B, S*l, H, c) as S segments of l tokens, heads first: a (B, S, H, l, c) view."""
+    return x.unflatten(1, (segments, -1)).transpose(2, 3)
+
+
+class JoinedProjectedKeys(torch.autograd.Function):
+    """The keys (or values) of the fused path's one softmax (Eq. 6) in one tensor, [window; prefix; rows]: the window
+    keys after ``LN_L``, the global tokens' keys, and the projected rows ``P K`` of Eq. 3 / Eq. 5 after ``LN_G``
+    (Eq. 7). The attention kernel keeps this tensor for its backward pass, and so does this function, which reads the
+    window from it there: built from ``project_rows`` and a cat, the window would be kept twice more, as the product's
+    input and inside the cat. Besides, it keeps P (which P's softmax keeps too) and the r rows before ``LN_G``. The
+    forward pass runs the operations of ``project_rows``, ``nn.LayerNorm`` and ``torch.cat``, autocast included; the
+    backward pass computes the product's gradients in the product's dtype and ``LN_G``'s in float32 at least.
+
+    window (B, S*l, H, d), prefix (B, G, H, d) or None, weights P (B, S, H, r, l), norm_weight and norm_bias (H*d) or
+    None (DualLN off), eps -> (B, S*l + G + S*r, H, d), the rows segment-major.
+    """
+
+    @staticmethod
+    def forward(ctx, window, prefix, weights, norm_weight, norm_bias, eps):
+        B, _, H, d = window.shape
+        S, r = weights.shape[1], weights.shape[3]
+        rows = weights.to(window.dtype) @ segments_heads_first(window, S)  # (B, S, H, r, d), as ``project_rows``
+        rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
+        normed = rows if norm_weight is None else F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
+        joined = torch.cat([window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)], 1)
+        ctx.eps, ctx.window_dtype, ctx.weights_dtype = eps, window.dtype, weights.dtype
+        ctx.prefix_dtype = None if prefix is None else prefix.dtype
+        ctx.save_for_backward(joined, weights, rows, norm_weight, norm_bias)
+        return joined
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_joined):
+        joined, weights, rows, norm_weight, norm_bias = ctx.saved_tensors
+        B, _, H, d = joined.shape
+        S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
+        L, G = S * l, joined.shape[1] - S * l - S * r
+        grad_rows = grad_joined[:, L + G :].flatten(2)
+        grad_norm_weight = grad_norm_bias = None
+        if norm_weight is not None:
+            dtype = torch.promote_types(rows.dtype, torch.float32)
+            var, mean = torch.var_mean(rows.to(dtype), -1, correction=0, keepdim=True)
+            rstd = (var + ctx.eps).rsqrt()
+            x_hat = (rows.to(dtype) - mean) * rstd
+            g = grad_rows.to(dtype)
+            grad_norm_weight = (g * x_hat).sum((0, 1)).to(norm_weight.dtype)
+            grad_norm_bias = None if norm_bias is None else g.sum((0, 1)).to(norm_bias.dtype)
+            grad_rows = layer_norm_input_grad(g, x_hat, rstd, norm_weight.to(dtype))
+        grad_rows = grad_rows.to(rows.dtype).view(B, S, r, H, d).transpose(2, 3)  # (B, S, H, r, d)
+        window = segments_heads_first(joined[:, :L], S).to(rows.dtype)
+        grad_weights = (grad_rows @ window.transpose(-1, -2)).to(ctx.weights_dtype)
+        grad_window = (weights.to(rows.dtype).transpose(-1, -2) @ grad_rows).transpose(2, 3).reshape(B, L, H, d)
+        grad_window = (grad_window + grad_joined[:, :L]).to(ctx.window_dtype)
+        grad_prefix = None if ctx.prefix_dtype is None else grad_joined[:, L : L + G].to(ctx.prefix_dtype)
+        return grad_window, grad_prefix, grad_weights, grad_norm_weight, grad_norm_bias, None

@@ -3,6 +3,7 @@
 Everything here is checked, never timed. Shapes are small so the whole file runs in about a minute with ``-n 2``.
 """
 
+import functools
 import json
 from pathlib import Path
 from unittest.mock import patch
@@ -607,6 +608,106 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
+def _joined_by_composition(window, prefix, weights, norm_weight, norm_bias, eps):
+    """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it."""
+    B, _, H, d = window.shape
+    S, r = weights.shape[1], weights.shape[3]
+    rows = weights.to(window.dtype) @ long_short_kernels.segments_heads_first(window, S)
+    rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
+    if norm_weight is not None:
+        rows = F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
+    return torch.cat([window, *(() if prefix is None else (prefix,)), rows.view(B, S * r, H, d)], 1)
+
+
+def _joined_inputs(prefix: bool, norm: bool, segments: int, dtype=torch.float64):
+    """window (2, S*5, 3, 4), prefix (2, 2, 3, 4), P (2, S, 3, 2, 5) from scores with one excluded token, LN_G's
+    gain and bias, all leaves that take gradients."""
+    generator = torch.Generator().manual_seed(0)
+    B, H, d, r, l = 2, 3, 4, 2, 5
+
+    def draw(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).to(dtype).requires_grad_()
+
+    valid = torch.ones(B, segments, l, dtype=torch.bool)
+    valid[1, 0, 2] = False
+    scores = draw(B, segments, H, r, l)
+    weights = long_short_rules.projection_weights(scores, valid)
+    norm_args = (draw(H * d), draw(H * d), 1e-5) if norm else (None, None, 0.0)
+    return [draw(B, segments * l, H, d), draw(B, 2, H, d) if prefix else None, weights, *norm_args], scores
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("prefix", [False, True], ids=["rows", "prefix"])
+@pytest.mark.parametrize("norm", [True, False], ids=["dual_ln", "no_dual_ln"])
+def test_joined_projected_keys_match_autograd(segments, prefix, norm):
+    """``JoinedProjectedKeys`` ([window; prefix; LN_G(P window)], Eq. 3 / Eq. 5 and Eq. 7, keeping the window only
+    in its output): the output and the gradients of the window, the prefix, the scores behind P and LN_G's gain and
+    bias are those of plain autograd through ``project_rows``'s product, ``F.layer_norm`` and a cat (float64)."""
+    results = []
+    for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
+        tensors, scores = _joined_inputs(prefix, norm, segments)
+        out = joined_fn(*tensors)
+        upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+        out.backward(upstream)
+        leaves = [t for t in (tensors[0], tensors[1], scores, *tensors[3:5]) if t is not None]
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    assert len(results[0]) == 4 + prefix + 2 * norm - 1
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+def test_joined_projected_keys_under_autocast():
+    """Under bfloat16 autocast (float32 leaves) ``JoinedProjectedKeys`` runs the same forward operations as the
+    composition, so its output is the same; its gradients are the composition's within bfloat16 rounding."""
+    results = []
+    for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
+        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2, dtype=torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = joined_fn(*tensors)
+        out.float().square().sum().backward()
+        results.append([out.detach(), *(t.grad for t in (tensors[0], tensors[1], scores, *tensors[3:5]))])
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    eps = torch.finfo(torch.bfloat16).eps
+    for got, expected in zip(results[0][1:], results[1][1:]):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=0, atol=4 * eps * float(expected.abs().max()))
+
+
+def test_joined_projected_keys_compile():
+    """``JoinedProjectedKeys`` traces whole under ``torch.compile`` (``fullgraph=True``: forward and backward), as the
+    compiled attention layer takes it on CUDA, and gives what it gives uncompiled."""
+    torch._dynamo.reset()
+    results = []
+    for joined_fn in (_joined_twice, torch.compile(_joined_twice, fullgraph=True)):
+        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2)
+        out = joined_fn(*tensors)
+        out.square().sum().backward()
+        results.append([out.detach(), *(t.grad for t in (tensors[0], tensors[1], scores, *tensors[3:5]))])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+def _joined_twice(*tensors):
+    """``JoinedProjectedKeys`` inside a larger function."""
+    return long_short_kernels.JoinedProjectedKeys.apply(*tensors) * 2
+
+
+def test_joined_projected_keys_keep_the_window_once():
+    """``JoinedProjectedKeys`` keeps its output (which the attention kernel keeps anyway), P and the rows before
+    LN_G, and no other tensor of the window's size; the composition keeps a copy of the window for its product."""
+    kept = {}
+    for name, joined_fn in (
+        ("joined", long_short_kernels.JoinedProjectedKeys.apply),
+        ("composition", _joined_by_composition),
+    ):
+        tensors, _ = _joined_inputs(prefix=True, norm=True, segments=1)
+        window = tensors[0] * 1  # a tensor of its own, as LN_L's output is
+        saved, out = _saved_storages(functools.partial(joined_fn, window, *tensors[1:]))
+        output = out.untyped_storage().data_ptr()
+        kept[name] = sorted(size for ptr, size in saved.items() if ptr != output and size >= window.numel())
+    assert kept == {"joined": [], "composition": [window.numel()]}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_projection_weights_round_once(dtype):
     """Eq. 3's P from half-precision scores comes in their dtype (no float32 copy of the scores or of P) and equals
@@ -630,8 +731,9 @@ def test_half_precision_projection_weights_round_once(dtype):
     torch.testing.assert_close(scores.grad.double(), expected, rtol=0, atol=8 * eps * float(expected.abs().max()))
 
 
-def _saved_storages(fn) -> dict[int, int]:
-    """The distinct storages (data pointer -> elements) that autograd saves for the backward pass while ``fn`` runs."""
+def _saved_storages(fn) -> tuple[dict[int, int], object]:
+    """The distinct storages (data pointer -> elements) that autograd saves for the backward pass while ``fn()`` runs,
+    and what it returns."""
     saved = {}
 
     def pack(tensor):
@@ -640,8 +742,8 @@ def _saved_storages(fn) -> dict[int, int]:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn()
-    return saved
+        result = fn()
+    return saved, result
 
 
 def test_recompute_window_tiles_saves_each_token_tensor_once():
@@ -656,7 +758,7 @@ def test_recompute_window_tiles_saves_each_token_tensor_once():
     token_tensors = {}
     for recompute in (True, False):
         module.recompute_window_tiles = recompute
-        saved = _saved_storages(lambda: module(x.clone().requires_grad_()))
+        saved, _ = _saved_storages(lambda: module(x.clone().requires_grad_()))
         sizes = sorted(size for ptr, size in saved.items() if ptr not in params and size >= n * heads * rank)
         token_tensors[recompute] = sizes
     assert token_tensors[True] == [batch * n * hidden] * 5

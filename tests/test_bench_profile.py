@@ -52,3 +52,25 @@ def test_cpu_as_cuda_counts_what_compiling_the_layer_removes(tmp_path, monkeypat
     assert "forward steps" in report and "forward + backward" not in report
     calls = [float(line.split("per step: ")[1].split()[0]) for line in report.splitlines() if "per step: " in line]
     assert len(calls) == 2 and calls[0] < calls[1]
+
+
+def test_saved_counts_what_the_forward_pass_keeps(tmp_path, monkeypatch):
+    """``--saved --cpu-as-cuda``: dense SDPA keeps the query, keys, values and output (4 tensors of (n, hidden) and
+    the log-sum-exp); the fused Long-Short layer keeps its window keys and values once, inside the kernel's keys and
+    values: 8.3 such tensors at n = 1024 (at most 8.5 here), where keeping them again for the projection's product
+    made 10.3."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    for module, name in (
+        (long_short_attention, "FUSED_DEVICES"),
+        (long_short_attention, "COMPILED_LAYER_DEVICES"),
+        (long_short_blocks, "COMPILED_DEVICES"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    out = tmp_path / "saved.txt"
+    arguments = ["--device", "cpu", "--dtype", "fp32", "--n", "1024", "--cpu-as-cuda", "--saved"]
+    profile_attention.main([*arguments, "--peers", "sdpa", "long-short-kernel", "--out", str(out)])
+    totals = [float(line.split("= ")[1].split(" x")[0]) for line in out.read_text().splitlines() if "kept for" in line]
+    assert len(totals) == 2
+    assert 4.0 <= totals[0] < 4.1
+    assert totals[1] <= 8.5

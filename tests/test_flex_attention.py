@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask
 from transformers import AutoModel, AutoModelForCausalLM
 
 import ls_hf.long_short_rules as rules
@@ -269,6 +270,54 @@ def test_backward_matches_sdpa_where_supported(device):
         x.grad = None
     for got, expected in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
+
+
+def _dense_flex_attend(query, key, value, block_mask, **_):
+    """FlexAttention's result computed densely, which autograd differentiates on any device: the softmax over the keys
+    that ``block_mask``'s mask_mod keeps (evaluated on every pair), 0 for a query that sees none."""
+    keep = create_mask(block_mask.mask_mod, query.shape[0], 1, query.shape[2], key.shape[2], device=query.device)
+    scores = query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ value
+
+
+@pytest.mark.parametrize("extra", ["none", "cls", "global"])
+@pytest.mark.parametrize(
+    "dims",
+    [
+        {"hidden": 12, "heads": 3},
+        {"hidden": 12, "heads": 3, "use_dual_ln": False},
+        {"hidden": 12, "heads": 3, "qk_head_dim": 2},
+    ],
+    ids=["dual_ln", "no_dual_ln", "lmsa"],
+)
+def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
+    """The fused path's gradients on the CPU, with FlexAttention computed densely (it has no backward there): its
+    keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected rows]) give the
+    gradients of the SDPA path, for the input and every parameter (float64, padding included)."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    if extra == "cls" and "qk_head_dim" in dims:  # the cls query attends to the token outputs
+        extra = "none"
+    default, eager = (make(window=3, rank=2, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
+    x, cls = inputs(default, 2, 21)
+    kwargs = {"cls_hidden": cls} if extra == "cls" else {}
+    if extra == "global":
+        kwargs["global_attention_mask"] = global_mask(2, 21, 0.2, seed=0)
+    grads = []
+    for module in (default, eager):
+        x_in = x.clone().requires_grad_()
+        out, _ = module(x_in, make_mask("right", 2, 21, 5), **kwargs)
+        out.square().sum().backward()
+        grads.append(
+            {"input": x_in.grad, **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
+        )
+    assert grads[0].keys() == grads[1].keys()
+    assert "dynamic_projection.weight" in grads[0]
+    for name, expected in grads[1].items():
+        torch.testing.assert_close(grads[0][name], expected, atol=1e-9, rtol=0, msg=name)
 
 
 def test_cpu_training_is_refused_clearly():
