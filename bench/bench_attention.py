@@ -8,8 +8,9 @@ One attention module each (query/key/value/output projections included; hidden 7
 * ``long-short-eager``: the same with ``attn_implementation="eager"``: the grouped SDPA path on every device;
 * ``long-short-kernel``: the same with ``compile_attention=False``: on CUDA only the attention kernel compiled, the rest
   of the layer run op by op (the default compiles it around the kernel);
-* ``long-short-recompute``: the same with ``recompute_window_tiles=True``: tiles built chunk by chunk, again in the
-  backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``);
+* ``long-short-recompute``: the same with ``recompute_window_tiles=True``: on the CPU tiles built chunk by chunk, again
+  in the backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``); on
+  CUDA the layer compiled with torch's activation memory budget (the Linears' outputs and P computed again);
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output

@@ -59,7 +59,7 @@ ATTENTION_PEERS = ("long-short", "long-short-kernel", "long-short-eager", "sdpa"
 # (length label, batch, peers); lengths from Plan.attention_lengths
 ATTENTION_RUNS = (
     ("4k", 1, ATTENTION_PEERS),
-    ("16k", 1, ATTENTION_PEERS),
+    ("16k", 1, (*ATTENTION_PEERS, "long-short-recompute")),
     ("64k", 1, ATTENTION_PEERS),
     ("4k", 8, ("long-short", "sdpa")),
 )
@@ -242,6 +242,19 @@ BARS = (
         )
         for quantity, label in quantities
         for n in ("4k", "16k", "64k")
+    ),
+    *(
+        Bar(
+            f"attention fwd+bwd 16k, batch 1: Long-Short recompute_window_tiles / {name}, {label}",
+            "attention",
+            quantity,
+            _attention("long-short-recompute", "16k"),
+            _attention(peer, "16k"),
+        )
+        for peer, name, quantity, label in (
+            ("long-short", "default", "time_s", "time"),
+            ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),
+        )
     ),
     Bar(
         "MLM step 12 x 768, 4k x 8: Long-Short / RoBERTa-SDPA, tokens/s",

@@ -90,6 +90,10 @@ FUSED_DEVICES = ("cuda",)
 # Where the fused path compiles the rest of the layer around its attention kernel (``compiled_attention_layer``: the
 # projections, DualLN, Eq. 3, the output projection), unless the module is built with ``compile_attention=False``.
 COMPILED_LAYER_DEVICES = ("cuda",)
+# The share of the compiled layer's activation memory (against what it keeps by default) that it keeps with
+# ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes the Linears' outputs and P in the
+# backward pass (0.3 and 0.2 keep the same, 0.5 keeps P; bench/RESULTS.md).
+RECOMPUTE_MEMORY_BUDGET = 0.3
 
 
 def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
@@ -245,12 +249,13 @@ class LongShortSelfAttention(nn.Module):
         layer_norm_eps: epsilon of the DualLN layers.
         global_projections: separate query/key/value projections for the global tokens' own attention (Longformer's
             ``query_global``/``key_global``/``value_global``); off, they use ``query``/``key``/``value``.
-        recompute_window_tiles: in training on CPU, save for the backward pass about what fused dense attention
-            saves (the ``"lean"`` backend, ``long_short_kernels``): the window tiles are built one chunk of groups at
+        recompute_window_tiles: in training, save for the backward pass about what fused dense attention saves. On
+            CPU (the ``"lean"`` backend, ``long_short_kernels``): the window tiles are built one chunk of groups at
             a time and again in the backward pass, ``LN_L`` is written over its input and keeps its output only, and
             the projection's scores and weights P are built a few heads at a time, and again in the backward pass:
-            less memory (``bench/RESULTS.md``), as fast on one thread, slower with several threads on a busy CPU. Off
-            by default.
+            less memory (``bench/RESULTS.md``), as fast on one thread, slower with several threads on a busy CPU. Where
+            the fused path compiles the layer (CUDA), its backward pass computes the keys' and values' Linear outputs
+            and P again instead (``compiled_attention_layer(recompute=True)``). Off by default.
         attn_implementation: ``"sdpa"`` (Transformers' default): the fastest exact path where the tensors are,
             FlexAttention with a block-sparse mask on CUDA (``FUSED_DEVICES``; the grouped SDPA path while attention
             dropout is active), grouped ``scaled_dot_product_attention`` elsewhere; ``"eager"``: grouped
@@ -540,7 +545,11 @@ class LongShortSelfAttention(nn.Module):
             and is_global is None
             and not torch.compiler.is_compiling()
         )
-        attend = compiled_attention_layer() if compiled else LongShortSelfAttention._attend
+        attend = (
+            compiled_attention_layer(recompute=self.recompute_window_tiles)
+            if compiled
+            else LongShortSelfAttention._attend
+        )
         return attend(
             self,
             hidden_states,
@@ -1075,13 +1084,18 @@ class LongShortSelfAttention(nn.Module):
 
 
 @functools.cache
-def compiled_attention_layer() -> Callable:
+def compiled_attention_layer(recompute: bool = False) -> Callable:
     """``LongShortSelfAttention._attend`` compiled once per process (``compile_in_package``): the fused path's layer,
     in compiled regions before and after its attention kernel, which is a compile boundary (``long_short_flex_attend``:
     the block mask from its caches, the package's compiled kernel). Every module of the same settings shares the
     compilations (the parameters are inputs of the compiled code, not constants); the lengths become symbolic after
-    the first one that differs."""
-    return compile_in_package(LongShortSelfAttention._attend)
+    the first one that differs.
+
+    ``recompute`` (``recompute_window_tiles=True``): compiled with torch's ``activation_memory_budget`` at
+    ``RECOMPUTE_MEMORY_BUDGET``, so that its backward pass computes the keys' and values' Linear outputs and P (Eq. 3)
+    again rather than keeping them: about what fused dense attention keeps (``bench.profile_attention --saved``)."""
+    budget = RECOMPUTE_MEMORY_BUDGET if recompute else None
+    return compile_in_package(LongShortSelfAttention._attend, activation_memory_budget=budget)
 
 
 # How the joint softmax runs, by the name ``LongShortSelfAttention._backend`` picks; each takes the module, the

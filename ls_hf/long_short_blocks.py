@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -371,11 +372,17 @@ _unpadded_block_mask = cached_outside_compile(maxsize=32)(_block_mask)
 RECOMPILE_LIMIT = 64
 
 
-def compile_in_package(fn: Callable) -> Callable:
+def compile_in_package(fn: Callable, *, activation_memory_budget: float | None = None) -> Callable:
     """``torch.compile(fn)``, called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while it runs. Its
     compilations count against a limit of its own, not against those of any other compiled function in the
-    process."""
-    compiled = torch.compile(fn)
+    process. ``activation_memory_budget``: compiled by inductor with torch's setting of that name
+    (``inductor_with_memory_budget``), whose code dynamo keeps apart from the default backend's."""
+    backend = (
+        "inductor"
+        if activation_memory_budget is None
+        else functools.partial(inductor_with_memory_budget, budget=activation_memory_budget)
+    )
+    compiled = torch.compile(fn, backend=backend)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -383,6 +390,17 @@ def compile_in_package(fn: Callable) -> Callable:
             return compiled(*args, **kwargs)
 
     return run
+
+
+def inductor_with_memory_budget(graph: torch.fx.GraphModule, example_inputs: list, *, budget: float) -> Callable:
+    """A ``torch.compile`` backend: inductor, partitioning forward and backward with torch's
+    ``activation_memory_budget`` at ``budget`` (below 1: the backward pass recomputes what it would otherwise keep,
+    the cheapest first, until what is kept fits). Equal ``torch.compile`` backends share compiled code, so code
+    compiled with a budget needs a backend of its own."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        return compile_fx(graph, example_inputs)
 
 
 @functools.cache

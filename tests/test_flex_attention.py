@@ -4,6 +4,8 @@ oracle in test_attention.py), eager in float64 over a grid, one small compiled c
 Checked, never timed. Eager FlexAttention warns that it materialises the scores; that is expected at these sizes.
 """
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -217,6 +219,40 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     assert new_graphs[1::2] == [0, 0, 0]  # the second layer reuses the first one's compilations
 
 
+@pytest.mark.compiled
+def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
+    """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
+    padding and the cls token): its gradients of the input and of every parameter are the grouped SDPA path's, by
+    default and with ``recompute_window_tiles`` (compiled with torch's activation memory budget), which keeps less
+    for the backward pass: neither the keys' and values' Linear outputs nor P."""
+    from ls_hf import long_short_attention, long_short_blocks
+    from tests.test_attention import _saved_storages
+
+    _compile_on_cpu(monkeypatch)
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    n, hidden = 150, 32
+    kept, grads = {}, {}
+    for name in ("eager", "default", "recompute"):
+        module = make(
+            hidden=hidden, heads=2, window=16, rank=4, attn_implementation="eager" if name == "eager" else "sdpa"
+        )
+        module.recompute_window_tiles = name == "recompute"
+        x, cls = inputs(module, 2, n)
+        x.requires_grad_()
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        call = functools.partial(module, x, make_mask("right", 2, n, 40), cls_hidden=cls)
+        saved, (out, _) = _saved_storages(call)
+        kept[name] = sum(size for ptr, size in saved.items() if ptr not in params and size >= n * hidden)
+        out.square().sum().backward()
+        grads[name] = {"input": x.grad, **{key: p.grad for key, p in module.named_parameters()}}
+    for name in ("default", "recompute"):
+        assert grads[name].keys() == grads["eager"].keys()
+        for key, expected in grads["eager"].items():
+            torch.testing.assert_close(grads[name][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}: {key}")
+    assert kept["recompute"] <= kept["default"] - 3 * 2 * n * hidden
+
+
 def test_compiled_layer_runs_where_it_can(monkeypatch):
     """``forward`` sends the fused path to ``compiled_attention_layer`` on ``COMPILED_LAYER_DEVICES`` in
     ``FUSED_DTYPES``, and not with ``compile_attention=False``, global tokens, a decoding cache, another path or
@@ -232,7 +268,7 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
         calls.append(1)
         return LongShortSelfAttention._attend(*args, **kwargs)
 
-    monkeypatch.setattr(long_short_attention, "compiled_attention_layer", lambda: counted)
+    monkeypatch.setattr(long_short_attention, "compiled_attention_layer", lambda recompute=False: counted)
     bidirectional, causal = make(window=3, rank=2), make(window=3, rank=2, causal=True, segment_length=3)
     x, _ = inputs(bidirectional, 2, 13)
 
