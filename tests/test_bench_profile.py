@@ -1,6 +1,21 @@
-"""bench.profile_attention on the CPU with a tiny shape: each peer's operator table, printed and written."""
+"""bench.profile_attention on the CPU with a tiny shape: each peer's operator table, printed and written, and what its
+forward pass keeps for the backward pass."""
+
+import pytest
 
 from bench import profile_attention
+from ls_hf import long_short_attention, long_short_blocks
+
+
+@pytest.fixture
+def device_choices_restored(monkeypatch):
+    """``--cpu-as-cuda`` changes the package's device choices for the process: restored after the test."""
+    for module, name in (
+        (long_short_attention, "FUSED_DEVICES"),
+        (long_short_attention, "COMPILED_LAYER_DEVICES"),
+        (long_short_blocks, "COMPILED_DEVICES"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))
 
 
 def test_profile_lists_each_peers_operators(tmp_path, capsys):
@@ -32,17 +47,9 @@ def test_profile_lists_each_peers_operators(tmp_path, capsys):
     assert "== sdpa" in capsys.readouterr().out
 
 
-def test_cpu_as_cuda_counts_what_compiling_the_layer_removes(tmp_path, monkeypatch):
+def test_cpu_as_cuda_counts_what_compiling_the_layer_removes(tmp_path, device_choices_restored):
     """``--cpu-as-cuda``: the CPU takes CUDA's choices (forward only); the layer compiled around the kernel issues
     fewer operator calls than the kernel alone compiled."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    for module, name in (
-        (long_short_attention, "FUSED_DEVICES"),
-        (long_short_attention, "COMPILED_LAYER_DEVICES"),
-        (long_short_blocks, "COMPILED_DEVICES"),
-    ):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     out = tmp_path / "profile.txt"
     arguments = ["--device", "cpu", "--dtype", "fp32", "--n", "256", "--steps", "1", "--warmups", "1", "--rows", "2"]
     profile_attention.main(
@@ -54,19 +61,11 @@ def test_cpu_as_cuda_counts_what_compiling_the_layer_removes(tmp_path, monkeypat
     assert len(calls) == 2 and calls[0] < calls[1]
 
 
-def test_saved_counts_what_the_forward_pass_keeps(tmp_path, monkeypatch):
+def test_saved_counts_what_the_forward_pass_keeps(tmp_path, device_choices_restored):
     """``--saved --cpu-as-cuda``: dense SDPA keeps the query, keys, values and output (4 tensors of (n, hidden) and
     the log-sum-exp); the fused Long-Short layer keeps its window keys and values once, inside the kernel's keys and
     values: 8.3 such tensors at n = 1024 (at most 8.5 here), where keeping them again for the projection's product
     made 10.3."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    for module, name in (
-        (long_short_attention, "FUSED_DEVICES"),
-        (long_short_attention, "COMPILED_LAYER_DEVICES"),
-        (long_short_blocks, "COMPILED_DEVICES"),
-    ):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     out = tmp_path / "saved.txt"
     arguments = ["--device", "cpu", "--dtype", "fp32", "--n", "1024", "--cpu-as-cuda", "--saved"]
     profile_attention.main([*arguments, "--peers", "sdpa", "long-short-kernel", "--out", str(out)])
