@@ -443,21 +443,29 @@ class LongShortSelfAttention(nn.Module):
         return seg_valid.any(-1).repeat_interleave(self.projection_rank, dim=1)
 
     def _joined_extra(
-        self, hidden: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, prefix: ExtraKeys | None
+        self,
+        hidden: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid: Tensor | None,
+        prefix: ExtraKeys | None,
+        segment: int | None = None,
     ) -> tuple[ExtraKeys, ExtraKeys]:
-        """The fused path's extra keys [prefix; projected rows] (Eq. 3 over all n tokens, then ``LN_G``) built with
-        the window keys (B, n, H, d) in one tensor each (``JoinedProjectedKeys``), and the projected rows alone, as
-        views of those tensors. valid (B, n) or None: as ``_project``'s."""
+        """The fused path's extra keys [prefix; projected rows] built with the window keys (B, n, H, d) in one tensor
+        each (``JoinedProjectedKeys``), and the projected rows alone, as views of those tensors. The rows: Eq. 3 over
+        hidden X (B, m, D), the first m of the n tokens, valid (B, m) or None as ``_project``'s, then ``LN_G``;
+        ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the rows marked with their segment)."""
         B, n = keys.shape[:2]
-        seg_valid = None if valid is None else valid[:, None]
-        weights = projection_weights(self._projection_scores(hidden, 1), seg_valid)
+        S = 1 if segment is None else hidden.shape[1] // segment
+        seg_valid = None if valid is None else valid.view(B, S, -1)
+        weights = projection_weights(self._projection_scores(hidden, S), seg_valid)
         joined = []
         for name, window, is_key in (("keys", keys, True), ("values", values, False)):
             norm = self._dual_ln_norm(local=False, is_key=is_key)
             norm_args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             before = None if prefix is None else getattr(prefix, name)
             joined.append(JoinedProjectedKeys.apply(window, before, weights, *norm_args))
-        rows_valid = self._rows_valid(seg_valid, B, 1, keys.device)
+        rows_valid = self._rows_valid(seg_valid, B, S, keys.device)
         start = n + (0 if prefix is None else prefix.keys.shape[1])
         joined_k, joined_v = joined
         projected = ExtraKeys(keys=joined_k[:, start:], values=joined_v[:, start:], valid=rows_valid)
@@ -465,6 +473,9 @@ class LongShortSelfAttention(nn.Module):
             keys=joined_k[:, n:],
             values=joined_v[:, n:],
             valid=rows_valid if prefix is None else torch.cat([prefix.valid, rows_valid], 1),
+            segment=None
+            if segment is None
+            else torch.arange(S * self.projection_rank, device=keys.device) // self.projection_rank,
             joined=(joined_k, joined_v),
         )
         return extra, projected
@@ -572,7 +583,7 @@ class LongShortSelfAttention(nn.Module):
                 v=v,
                 hidden=hidden_states,
                 valid=valid,
-                state=state if state is not None else CausalState(),
+                state=state,
                 backend=backend,
             )
         else:
@@ -946,13 +957,15 @@ class LongShortSelfAttention(nn.Module):
         out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
-    def _causal(self, *, q, k, v, hidden, valid, state: CausalState, backend):
-        """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it.
+    def _causal(self, *, q, k, v, hidden, valid, state: CausalState | None, backend):
+        """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it (None:
+        a forward pass without a cache, from position 0).
 
         Each row counts its window and projection segments from its first real token (``_first_real``), so a row's
         output does not depend on left padding beside it: the same rule in a full forward and in every cached call."""
         B, n = q.shape[:2]
         w, r, l = self.window_size, self.projection_rank, self.segment_length
+        cached, state = state is not None, state if state is not None else CausalState()
         p0, end = state.seen, state.seen + n
         q_valid, offsets = valid, self._first_real(valid, state)
         all_valid = q_valid is None and p0 == 0  # every key is a real token
@@ -967,11 +980,17 @@ class LongShortSelfAttention(nn.Module):
 
         # Projected rows, r per segment in segment order: the finished segments' plus those the new tokens complete.
         rows_k, rows_v, rows_valid, pending = state.rows_k, state.rows_v, state.rows_valid, None
+        joined = None
         if r:
             all_hidden = torch.cat([state.pending, hidden], 1) if state.pending is not None else hidden
             if offsets is None:
                 seg_start, done = (p0 // l) * l, (end // l) * l
-                if done > seg_start:
+                if done > seg_start and backend == "flex" and w and not cached:  # rows and window keys in one tensor
+                    joined, projected = self._joined_extra(
+                        all_hidden[:, :done], k_all, v_all, None if all_valid else valid_all[:, :done], None, l
+                    )
+                    rows_k, rows_v, rows_valid = projected.keys, projected.values, projected.valid
+                elif done > seg_start:
                     span = slice(seg_start - k_start, done - k_start)
                     new_k, new_v, new_valid = self._project(
                         all_hidden[:, : done - seg_start],
@@ -1000,8 +1019,8 @@ class LongShortSelfAttention(nn.Module):
                     lean=backend == "lean",
                 )
                 pending = all_hidden[:, max(0, all_hidden.shape[1] - l + 1) :]  # every row's unfinished segment
-        extra = None
-        if rows_k is not None:
+        extra = joined
+        if rows_k is not None and joined is None:
             extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
         inputs = JointInputs(
             q=q,

@@ -312,19 +312,21 @@ class JoinedProjectedKeys(torch.autograd.Function):
     forward pass runs the operations of ``project_rows``, ``nn.LayerNorm`` and ``torch.cat``, autocast included; the
     backward pass computes the product's gradients in the product's dtype and ``LN_G``'s in float32 at least.
 
-    window (B, S*l, H, d), prefix (B, G, H, d) or None, weights P (B, S, H, r, l), norm_weight and norm_bias (H*d) or
-    None (DualLN off), eps -> (B, S*l + G + S*r, H, d), the rows segment-major.
+    window (B, L, H, d), of which the first S*l tokens are projected (causal: the last, unfinished segment is not),
+    prefix (B, G, H, d) or None, weights P (B, S, H, r, l), norm_weight and norm_bias (H*d) or None (DualLN off),
+    eps -> (B, L + G + S*r, H, d), the rows segment-major.
     """
 
     @staticmethod
     def forward(ctx, window, prefix, weights, norm_weight, norm_bias, eps):
-        B, _, H, d = window.shape
-        S, r = weights.shape[1], weights.shape[3]
-        rows = weights.to(window.dtype) @ segments_heads_first(window, S)  # (B, S, H, r, d), as ``project_rows``
+        B, L, H, d = window.shape
+        S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
+        projected = segments_heads_first(window[:, : S * l], S)
+        rows = weights.to(window.dtype) @ projected  # (B, S, H, r, d), as ``project_rows``
         rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
         normed = rows if norm_weight is None else F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
         joined = torch.cat([window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)], 1)
-        ctx.eps, ctx.window_dtype, ctx.weights_dtype = eps, window.dtype, weights.dtype
+        ctx.eps, ctx.window_length, ctx.window_dtype, ctx.weights_dtype = eps, L, window.dtype, weights.dtype
         ctx.prefix_dtype = None if prefix is None else prefix.dtype
         ctx.save_for_backward(joined, weights, rows, norm_weight, norm_bias)
         return joined
@@ -335,7 +337,8 @@ class JoinedProjectedKeys(torch.autograd.Function):
         joined, weights, rows, norm_weight, norm_bias = ctx.saved_tensors
         B, _, H, d = joined.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
-        L, G = S * l, joined.shape[1] - S * l - S * r
+        L = ctx.window_length
+        G = joined.shape[1] - L - S * r
         grad_rows = grad_joined[:, L + G :].flatten(2)
         grad_norm_weight = grad_norm_bias = None
         if norm_weight is not None:
@@ -348,9 +351,11 @@ class JoinedProjectedKeys(torch.autograd.Function):
             grad_norm_bias = None if norm_bias is None else g.sum((0, 1)).to(norm_bias.dtype)
             grad_rows = layer_norm_input_grad(g, x_hat, rstd, norm_weight.to(dtype))
         grad_rows = grad_rows.to(rows.dtype).view(B, S, r, H, d).transpose(2, 3)  # (B, S, H, r, d)
-        window = segments_heads_first(joined[:, :L], S).to(rows.dtype)
-        grad_weights = (grad_rows @ window.transpose(-1, -2)).to(ctx.weights_dtype)
-        grad_window = (weights.to(rows.dtype).transpose(-1, -2) @ grad_rows).transpose(2, 3).reshape(B, L, H, d)
-        grad_window = (grad_window + grad_joined[:, :L]).to(ctx.window_dtype)
+        projected = segments_heads_first(joined[:, : S * l], S).to(rows.dtype)
+        grad_weights = (grad_rows @ projected.transpose(-1, -2)).to(ctx.weights_dtype)
+        grad_projected = (weights.to(rows.dtype).transpose(-1, -2) @ grad_rows).transpose(2, 3).reshape(B, S * l, H, d)
+        grad_window = grad_joined[:, :L].to(torch.promote_types(grad_joined.dtype, rows.dtype), copy=True)
+        grad_window[:, : S * l] += grad_projected
+        grad_window = grad_window.to(ctx.window_dtype)
         grad_prefix = None if ctx.prefix_dtype is None else grad_joined[:, L : L + G].to(ctx.prefix_dtype)
         return grad_window, grad_prefix, grad_weights, grad_norm_weight, grad_norm_bias, None

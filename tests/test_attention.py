@@ -611,17 +611,17 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
 def _joined_by_composition(window, prefix, weights, norm_weight, norm_bias, eps):
     """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it."""
     B, _, H, d = window.shape
-    S, r = weights.shape[1], weights.shape[3]
-    rows = weights.to(window.dtype) @ long_short_kernels.segments_heads_first(window, S)
+    S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
+    rows = weights.to(window.dtype) @ long_short_kernels.segments_heads_first(window[:, : S * l], S)
     rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
     if norm_weight is not None:
         rows = F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
     return torch.cat([window, *(() if prefix is None else (prefix,)), rows.view(B, S * r, H, d)], 1)
 
 
-def _joined_inputs(prefix: bool, norm: bool, segments: int, dtype=torch.float64):
-    """window (2, S*5, 3, 4), prefix (2, 2, 3, 4), P (2, S, 3, 2, 5) from scores with one excluded token, LN_G's
-    gain and bias, all leaves that take gradients."""
+def _joined_inputs(prefix: bool, norm: bool, segments: int, unfinished: int = 0, dtype=torch.float64):
+    """window (2, S*5 + unfinished, 3, 4) (causal: an unfinished segment is not projected), prefix (2, 2, 3, 4),
+    P (2, S, 3, 2, 5) from scores with one excluded token, LN_G's gain and bias, all leaves that take gradients."""
     generator = torch.Generator().manual_seed(0)
     B, H, d, r, l = 2, 3, 4, 2, 5
 
@@ -633,19 +633,20 @@ def _joined_inputs(prefix: bool, norm: bool, segments: int, dtype=torch.float64)
     scores = draw(B, segments, H, r, l)
     weights = long_short_rules.projection_weights(scores, valid)
     norm_args = (draw(H * d), draw(H * d), 1e-5) if norm else (None, None, 0.0)
-    return [draw(B, segments * l, H, d), draw(B, 2, H, d) if prefix else None, weights, *norm_args], scores
+    return [draw(B, segments * l + unfinished, H, d), draw(B, 2, H, d) if prefix else None, weights, *norm_args], scores
 
 
-@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("segments, unfinished", [(1, 0), (2, 0), (2, 3)], ids=["one", "segments", "unfinished"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["rows", "prefix"])
 @pytest.mark.parametrize("norm", [True, False], ids=["dual_ln", "no_dual_ln"])
-def test_joined_projected_keys_match_autograd(segments, prefix, norm):
+def test_joined_projected_keys_match_autograd(segments, unfinished, prefix, norm):
     """``JoinedProjectedKeys`` ([window; prefix; LN_G(P window)], Eq. 3 / Eq. 5 and Eq. 7, keeping the window only
     in its output): the output and the gradients of the window, the prefix, the scores behind P and LN_G's gain and
-    bias are those of plain autograd through ``project_rows``'s product, ``F.layer_norm`` and a cat (float64)."""
+    bias are those of plain autograd through ``project_rows``'s product, ``F.layer_norm`` and a cat (float64); one
+    segment, two, and two followed by an unfinished one (causal)."""
     results = []
     for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
-        tensors, scores = _joined_inputs(prefix, norm, segments)
+        tensors, scores = _joined_inputs(prefix, norm, segments, unfinished)
         out = joined_fn(*tensors)
         upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
         out.backward(upstream)
@@ -661,7 +662,7 @@ def test_joined_projected_keys_under_autocast():
     composition, so its output is the same; its gradients are the composition's within bfloat16 rounding."""
     results = []
     for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
-        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2, dtype=torch.float32)
+        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2, unfinished=3, dtype=torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = joined_fn(*tensors)
         out.float().square().sum().backward()

@@ -316,7 +316,7 @@ def _dense_flex_attend(query, key, value, block_mask, **_):
     return scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ value
 
 
-@pytest.mark.parametrize("extra", ["none", "cls", "global"])
+@pytest.mark.parametrize("extra", ["none", "cls", "global", "causal"])
 @pytest.mark.parametrize(
     "dims",
     [
@@ -328,8 +328,9 @@ def _dense_flex_attend(query, key, value, block_mask, **_):
 )
 def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
     """The fused path's gradients on the CPU, with FlexAttention computed densely (it has no backward there): its
-    keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected rows]) give the
-    gradients of the SDPA path, for the input and every parameter (float64, padding included)."""
+    keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected rows]; causal:
+    the rows of each finished segment, Eq. 5, the last segment unfinished) give the gradients of the SDPA path, for
+    the input and every parameter (float64, right padding)."""
     from ls_hf import long_short_attention, long_short_blocks
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
@@ -337,7 +338,8 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     if extra == "cls" and "qk_head_dim" in dims:  # the cls query attends to the token outputs
         extra = "none"
-    default, eager = (make(window=3, rank=2, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
+    causal = {"window": 4, "causal": True, "segment_length": 2} if extra == "causal" else {"window": 3}
+    default, eager = (make(rank=2, **causal, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
     x, cls = inputs(default, 2, 21)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra == "global":
