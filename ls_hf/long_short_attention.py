@@ -454,7 +454,8 @@ class LongShortSelfAttention(nn.Module):
         """The fused path's extra keys [prefix; projected rows] built with the window keys (B, n, H, d) in one tensor
         each (``JoinedProjectedKeys``), and the projected rows alone, as views of those tensors. The rows: Eq. 3 over
         hidden X (B, m, D), the first m of the n tokens, valid (B, m) or None as ``_project``'s, then ``LN_G``;
-        ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the rows marked with their segment)."""
+        ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the caller marks each row's
+        segment)."""
         B, n = keys.shape[:2]
         S = 1 if segment is None else hidden.shape[1] // segment
         seg_valid = None if valid is None else valid.view(B, S, -1)
@@ -473,9 +474,6 @@ class LongShortSelfAttention(nn.Module):
             keys=joined_k[:, n:],
             values=joined_v[:, n:],
             valid=rows_valid if prefix is None else torch.cat([prefix.valid, rows_valid], 1),
-            segment=None
-            if segment is None
-            else torch.arange(S * self.projection_rank, device=keys.device) // self.projection_rank,
             joined=(joined_k, joined_v),
         )
         return extra, projected
@@ -1019,9 +1017,12 @@ class LongShortSelfAttention(nn.Module):
                     lean=backend == "lean",
                 )
                 pending = all_hidden[:, max(0, all_hidden.shape[1] - l + 1) :]  # every row's unfinished segment
-        extra = joined
-        if rows_k is not None and joined is None:
-            extra = ExtraKeys(rows_k, rows_v, rows_valid, segment=torch.arange(rows_k.shape[1], device=q.device) // r)
+        extra = None
+        if rows_k is not None:
+            segment = torch.arange(rows_k.shape[1], device=q.device) // r
+            extra = (
+                ExtraKeys(rows_k, rows_v, rows_valid, segment) if joined is None else joined._replace(segment=segment)
+            )
         inputs = JointInputs(
             q=q,
             q_start=p0,

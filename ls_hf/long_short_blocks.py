@@ -468,9 +468,8 @@ def flex_attend(
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))
-    if (
-        kernel is not flex_attention and query.device.type == "cpu"
-    ):  # compiled for the CPU, it refuses views (torch 2.14)
+    # compiled for the CPU, FlexAttention refuses views of its inputs (torch 2.14)
+    if kernel is not flex_attention and query.device.type == "cpu":
         query, key, value = (x.contiguous() for x in (query, key, value))
     out = kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
     return out[..., :value_dim]

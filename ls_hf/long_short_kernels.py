@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .long_short_rules import projection_weights
+from .long_short_rules import projected, projection_weights
 
 __all__ = [
     "FUSED_CPU",
@@ -321,8 +321,7 @@ class JoinedProjectedKeys(torch.autograd.Function):
     def forward(ctx, window, prefix, weights, norm_weight, norm_bias, eps):
         B, L, H, d = window.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
-        projected = segments_heads_first(window[:, : S * l], S)
-        rows = weights.to(window.dtype) @ projected  # (B, S, H, r, d), as ``project_rows``
+        rows = projected(weights, segments_heads_first(window[:, : S * l], S))  # (B, S, H, r, d)
         rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
         normed = rows if norm_weight is None else F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
         joined = torch.cat([window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)], 1)
@@ -351,8 +350,8 @@ class JoinedProjectedKeys(torch.autograd.Function):
             grad_norm_bias = None if norm_bias is None else g.sum((0, 1)).to(norm_bias.dtype)
             grad_rows = layer_norm_input_grad(g, x_hat, rstd, norm_weight.to(dtype))
         grad_rows = grad_rows.to(rows.dtype).view(B, S, r, H, d).transpose(2, 3)  # (B, S, H, r, d)
-        projected = segments_heads_first(joined[:, : S * l], S).to(rows.dtype)
-        grad_weights = (grad_rows @ projected.transpose(-1, -2)).to(ctx.weights_dtype)
+        window = segments_heads_first(joined[:, : S * l], S).to(rows.dtype)  # its projected segments
+        grad_weights = (grad_rows @ window.transpose(-1, -2)).to(ctx.weights_dtype)
         grad_projected = (weights.to(rows.dtype).transpose(-1, -2) @ grad_rows).transpose(2, 3).reshape(B, S * l, H, d)
         grad_window = grad_joined[:, :L].to(torch.promote_types(grad_joined.dtype, rows.dtype), copy=True)
         grad_window[:, : S * l] += grad_projected

@@ -37,6 +37,7 @@ __all__ = [
     "is_int",
     "masked_sdpa",
     "project_rows",
+    "projected",
     "projection_weights",
     "segment_keep",
     "segment_rule",
@@ -234,7 +235,13 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
     finite rows (uniform weights), which the caller marks invalid.
     """
     prob = projection_weights(scores, valid)
-    return prob.to(keys.dtype) @ keys, prob.to(values.dtype) @ values
+    return projected(prob, keys), projected(prob, values)
+
+
+def projected(weights: Tensor, x: Tensor) -> Tensor:
+    """Eq. 3's product ``P X`` of weights P (..., r, L) and keys or values x (..., L, d), in x's dtype (P rounded
+    once to it): (..., r, d)."""
+    return weights.to(x.dtype) @ x
 
 
 def projection_weights(scores: Tensor, valid: Tensor | None, *, in_place: bool = False) -> Tensor:
