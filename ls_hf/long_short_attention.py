@@ -81,6 +81,7 @@ __all__ = [
     "JointInputs",
     "LongShortSelfAttention",
     "compiled_attention_layer",
+    "compiles_layer",
     "fused_by_default",
 ]
 
@@ -100,6 +101,18 @@ def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
     """Whether ``attn_implementation="sdpa"`` runs the fused path for the input ``x``: on ``FUSED_DEVICES``, in
     ``FUSED_DTYPES`` (float64 stays on SDPA), and with no attention dropout active (FlexAttention has none)."""
     return x.device.type in FUSED_DEVICES and x.dtype in FUSED_DTYPES and not dropout
+
+
+def compiles_layer(x: Tensor, *, compile_attention: bool) -> bool:
+    """Whether a fused-path call on the input ``x`` runs its layer compiled around the attention kernel: with the
+    module's ``compile_attention``, on ``COMPILED_LAYER_DEVICES`` in ``FUSED_DTYPES``, and not inside a compilation
+    of the caller's (which takes the layer into its own graph)."""
+    return (
+        compile_attention
+        and x.device.type in COMPILED_LAYER_DEVICES
+        and x.dtype in FUSED_DTYPES
+        and not torch.compiler.is_compiling()
+    )
 
 
 class BatchFirstState:
@@ -547,12 +560,9 @@ class LongShortSelfAttention(nn.Module):
         backend = self._backend(hidden_states, output_attentions, attn_implementation)
         compiled = (
             backend == "flex"
-            and self.compile_attention
-            and hidden_states.device.type in COMPILED_LAYER_DEVICES
-            and hidden_states.dtype in FUSED_DTYPES
             and state is None
             and is_global is None
-            and not torch.compiler.is_compiling()
+            and compiles_layer(hidden_states, compile_attention=self.compile_attention)
         )
         attend = (
             compiled_attention_layer(recompute=self.recompute_window_tiles)

@@ -54,6 +54,8 @@ class CvtLs(HierarchicalTransformer):
         use_dual_ln: DualLN (Eq. 7) in every Long-Short layer; False is the paper's ablation (81.3 against 81.9 top-1).
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
             block mask: inference on CPU; compiled by the package on CUDA); see ``LongShortAttention2d``.
+        compile_attention: on CUDA, compile each Long-Short layer around its attention kernel (default); False
+            compiles the kernel alone; see ``LongShortAttention2d``.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class CvtLs(HierarchicalTransformer):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         attn_implementation: str = "sdpa",
+        compile_attention: bool = True,
         norm_layer: Callable = nn.LayerNorm,
         act_layer: Callable = nn.GELU,
         device=None,
@@ -123,6 +126,7 @@ class CvtLs(HierarchicalTransformer):
                 attn_drop=attn_drop_rate,
                 proj_drop=proj_drop_rate,
                 attn_implementation=attn_implementation,
+                compile_attention=compile_attention,
                 **dd,
             )
             stages.append(

@@ -32,7 +32,8 @@ The fused path (``_attend_flex``: ``attn_implementation="sdpa"`` on ``FUSED_DEVI
 ``"flex_attention"``) makes one FlexAttention call instead, over the patches in window-tile order (each w x w query
 block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks to visit than raster order) and the
 extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled once per process
-on CUDA, and a compile boundary.
+on CUDA, and a compile boundary. There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output
+projection) is compiled around it too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -40,6 +41,7 @@ This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` o
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ls_hf import long_short_attention
-from ls_hf.long_short_blocks import flex_attend
+from ls_hf.long_short_blocks import compile_in_package, flex_attend
 from ls_hf.long_short_rules import (
     cached_outside_compile,
     check_attn_implementation,
@@ -66,7 +68,14 @@ from .long_short_blocks_2d import (
     to_tile_order,
 )
 
-__all__ = ["LongShortAttention2d", "WindowLayout", "validate_ls_2d_args", "window_keep_2d", "window_layout"]
+__all__ = [
+    "LongShortAttention2d",
+    "WindowLayout",
+    "compiled_attention_layer_2d",
+    "validate_ls_2d_args",
+    "window_keep_2d",
+    "window_layout",
+]
 
 
 def validate_ls_2d_args(
@@ -241,6 +250,10 @@ class LongShortAttention2d(nn.Module):
             kernel is compiled where ``ls_hf``'s ``COMPILED_DEVICES`` say (CUDA); its call is a compile boundary
             (``_flex_in_tile_order``), so a caller's ``torch.compile`` of the model breaks there and runs it as
             outside.
+        compile_attention: where the fused path runs on ``ls_hf``'s ``COMPILED_LAYER_DEVICES`` (CUDA), compile the
+            rest of the layer around its attention kernel (``compiled_attention_layer_2d``), shared by every layer of
+            the same settings in the process: fewer kernel launches. Not inside a ``torch.compile`` of the caller's.
+            False: only the attention kernel is compiled.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
@@ -272,6 +285,7 @@ class LongShortAttention2d(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         attn_implementation: str = "sdpa",
+        compile_attention: bool = True,
         device=None,
         dtype=None,
     ):
@@ -279,6 +293,7 @@ class LongShortAttention2d(nn.Module):
         dd = {"device": device, "dtype": dtype}
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
+        self.compile_attention = compile_attention
         validate_ls_2d_args(
             dim=dim,
             num_heads=num_heads,
@@ -553,6 +568,14 @@ class LongShortAttention2d(nn.Module):
                 dropout_name="attn_drop",
                 dropout_setting="attn_drop_rate",
             )
+        compiled = fused and long_short_attention.compiles_layer(x, compile_attention=self.compile_attention)
+        layer = compiled_attention_layer_2d() if compiled else LongShortAttention2d._layer
+        return layer(self, x, tuple(feat_size), fused=fused)
+
+    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, fused: bool) -> Tensor:
+        """The layer after ``forward``'s checks and choice of path: the projections, the attention (the fused path's
+        FlexAttention call, or the strip or blocked SDPA layout) and the output projection (as
+        ``compiled_attention_layer_2d`` runs it)."""
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
@@ -581,3 +604,12 @@ class LongShortAttention2d(nn.Module):
             )
             out = torch.cat([glob.transpose(1, 2).flatten(2), out], 1)
         return self.proj_drop(self.proj(out))
+
+
+@functools.cache
+def compiled_attention_layer_2d() -> Callable:
+    """``LongShortAttention2d._layer`` compiled once per process (``ls_hf``'s ``compile_in_package``): the fused path's
+    layer, in compiled regions before and after its FlexAttention call, a compile boundary
+    (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the compilations; the
+    map sizes become symbolic after the first one that differs."""
+    return compile_in_package(LongShortAttention2d._layer)

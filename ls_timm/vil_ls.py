@@ -122,6 +122,8 @@ class VilLs(HierarchicalTransformer):
         use_dual_ln: DualLN (Eq. 7) in the Long-Short stages; False is the paper's ablation.
         attn_implementation: the Long-Short layers' ``"sdpa"`` (default) or ``"flex_attention"`` (FlexAttention with a
             block mask: inference on CPU; compiled by the package on CUDA); see ``LongShortAttention2d``.
+        compile_attention: on CUDA, compile each Long-Short layer around its attention kernel (default); False
+            compiles the kernel alone; see ``LongShortAttention2d``.
     """
 
     def __init__(
@@ -147,6 +149,7 @@ class VilLs(HierarchicalTransformer):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         attn_implementation: str = "sdpa",
+        compile_attention: bool = True,
         norm_layer: Callable | None = None,  # default LayerNorm eps 1e-6
         act_layer: Callable = nn.GELU,
         device=None,
@@ -200,6 +203,7 @@ class VilLs(HierarchicalTransformer):
                     attn_drop=attn_drop_rate,
                     proj_drop=proj_drop_rate,
                     attn_implementation=attn_implementation,
+                    compile_attention=compile_attention,
                     **dd,
                 )
             else:

@@ -308,11 +308,15 @@ def test_backward_matches_sdpa_where_supported(device):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
 
 
-def _dense_flex_attend(query, key, value, block_mask, **_):
+def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=None):
     """FlexAttention's result computed densely, which autograd differentiates on any device: the softmax over the keys
-    that ``block_mask``'s mask_mod keeps (evaluated on every pair), 0 for a query that sees none."""
+    that ``block_mask``'s mask_mod keeps (evaluated on every pair) of the scores through ``score_mod`` (called once on
+    broadcast index tensors), 0 for a query that sees none."""
     keep = create_mask(block_mask.mask_mod, query.shape[0], 1, query.shape[2], key.shape[2], device=query.device)
-    scores = query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5
+    scores = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if score_mod is not None:
+        index = [torch.arange(size, device=query.device) for size in scores.shape]  # b, h, q_idx, kv_idx
+        scores = score_mod(scores, *(i.view([-1 if d == dim else 1 for d in range(4)]) for dim, i in enumerate(index)))
     return scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ value
 
 

@@ -12,9 +12,10 @@ import torch
 
 import ls_hf.long_short_rules as rules
 from ls_hf import long_short_attention, long_short_blocks
-from ls_timm import long_short_blocks_2d
+from ls_timm import long_short_attention_2d, long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.devices import assert_close
+from tests.test_flex_attention import _compile_on_cpu, _dense_flex_attend
 from tests.test_timm_attention import CASES, _randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -77,6 +78,126 @@ def test_callers_compile_matches_sdpa():
         expected = sdpa(x, case[:2])
         out = torch.compile(flex)(x, case[:2])
     torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+def built(case, *, seed=2, **kwargs):
+    """A randomised ``LongShortAttention2d`` of a ``CASES``-style case (float64, eval mode; the same weights for every
+    call) and a float64 input (B = 2)."""
+    H, W, dim, heads, w, r, g, case_kwargs = case
+    module = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **case_kwargs, **kwargs).double().eval()
+    _randomise(module)
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return module, x
+
+
+@pytest.mark.compiled
+def test_compiled_layer_matches_sdpa_and_is_shared(monkeypatch):
+    """The fused path's whole layer compiled (``compiled_attention_layer_2d``; the CPU standing in for CUDA,
+    FlexAttention computed densely there with its score_mod, float64; CvT projections with BatchNorm in training mode,
+    the ViL-LS window bias, a global token, partial tiles): the output, and the gradients of the input and of every
+    parameter, are the SDPA layouts'; a second module of the same settings reuses every compilation."""
+    from torch._dynamo.utils import counters
+
+    _compile_on_cpu(monkeypatch)
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_attention_2d, "flex_attend", _dense_flex_attend)
+    compiled_layers = []
+    real = long_short_attention_2d.compiled_attention_layer_2d
+    monkeypatch.setattr(
+        long_short_attention_2d, "compiled_attention_layer_2d", lambda: compiled_layers.append(1) or real()
+    )
+    case = (9, 11, 16, 2, 3, 2, 1, {"conv_proj": True, "conv_dynamic_proj": True, "window_bias": True})
+    results, new_graphs = {}, []
+    for name in ("eager", "first", "second"):
+        module, x = built(case, attn_implementation="eager" if name == "eager" else "sdpa")
+        x.requires_grad_()
+        before = counters["stats"]["unique_graphs"]
+        out = module.train()(x, case[:2])
+        out.square().sum().backward()
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+        results[name] = {"output": out, "input": x.grad, **{key: p.grad for key, p in module.named_parameters()}}
+    assert len(compiled_layers) == 2
+    assert new_graphs[1] > 0 and new_graphs[2] == 0  # the second module reuses the first one's compilations
+    for name in ("first", "second"):
+        assert results[name].keys() == results["eager"].keys()
+        for key, expected in results["eager"].items():
+            torch.testing.assert_close(results[name][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}: {key}")
+
+
+def test_compiled_layer_runs_where_it_can(monkeypatch):
+    """``forward`` sends the fused path to ``compiled_attention_layer_2d`` on ``ls_hf``'s ``COMPILED_LAYER_DEVICES`` in
+    ``FUSED_DTYPES``, and not with ``compile_attention=False`` (``timm.create_model``'s too) or on the SDPA layouts;
+    the output is the layer's either way. (The compiled region itself is checked above; here it runs uncompiled, to
+    count its calls.)"""
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return LongShortAttention2d._layer(*args, **kwargs)
+
+    monkeypatch.setattr(long_short_attention_2d, "compiled_attention_layer_2d", lambda: counted)
+    kwargs = {"depths": (1, 1, 1, 1), "img_size": 64}
+    default = timm.create_model("vil_ls_small", **kwargs)
+    _randomise(default)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def compiled_calls(model):
+        calls.clear()
+        with torch.no_grad():
+            out = model.double().eval()(x)
+        return len(calls), out
+
+    count, expected = compiled_calls(default)
+    assert count == 0  # the CPU does not compile the layer by default
+    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    count, out = compiled_calls(default)
+    assert count == 2  # the two Long-Short stages
+    assert_close(out, expected, atol=EXACT)
+    for other in ({"compile_attention": False}, {"attn_implementation": "eager"}):
+        model = timm.create_model("vil_ls_small", **kwargs, **other)
+        model.load_state_dict(default.state_dict())
+        count, out = compiled_calls(model)
+        assert count == 0, other
+        assert_close(out, expected, atol=EXACT)
+    for name in ("vil_ls_small", "cvt_ls_13"):  # the models' compile_attention reaches every Long-Short layer
+        for setting in (True, False):
+            model = timm.create_model(
+                name, depths=(1, 1, 1, 1)[: 3 if name == "cvt_ls_13" else 4], compile_attention=setting
+            )
+            layers = [m for m in model.modules() if isinstance(m, LongShortAttention2d)]
+            assert layers and all(layer.compile_attention is setting for layer in layers)
+
+
+@pytest.mark.compiled_layer
+@pytest.mark.parametrize(
+    "case",
+    [(19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), (20, 18, 16, 1, 4, 4, 1, CASES[3][-1])],
+    ids=["vil_bias_cls", "cvt_one_head"],
+)
+def test_default_matches_the_portable_path_on_the_test_device(case, device, dtype, monkeypatch):
+    """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path in tile order, the rest of the
+    layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager" (the SDPA
+    layouts) on the test device, with several 128-token blocks and partial tiles: outputs, and where FlexAttention
+    has a backward (not on the CPU) the gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+    grads = device.type != "cpu"
+    outs = []
+    for implementation in ("sdpa", "eager"):
+        module, x = built(case, attn_implementation=implementation)
+        module, x = module.to(device, dtype), x.to(device, dtype)
+        with torch.set_grad_enabled(grads):
+            x.requires_grad_(grads)
+            out = module(x, case[:2])
+            if grads:
+                out.float().square().sum().backward()
+        params = (module.dynamic_projection.weight, module.dual_ln_local.weight)
+        outs.append((out.detach(), x.grad, *(p.grad for p in params)))
+    for got, expected in zip(*outs):
+        if got is not None or grads:
+            assert_close(got, expected, atol=EXACT)
 
 
 @pytest.mark.parametrize(
