@@ -7,7 +7,8 @@ Tests that compare against a reference take ``device`` and ``dtype`` and check w
 (tolerances suited to the dtype); ``bash run.sh gpu-check`` runs them on CUDA in float32 and bfloat16.
 
 On a GPU (``LS_TEST_DEVICE=cuda``) only the tests that take the ``device`` fixture run: the others would run on the
-CPU exactly as they do without it, so they are deselected. Property tests draw fewer examples there
+CPU exactly as they do without it, so they are deselected; so are, in a precision below the device's full one
+(bfloat16; ``tests.devices.FULL_PRECISION``), the tests that do not take the ``dtype`` fixture. Property tests draw fewer examples there
 (``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the rest of the attention
 layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the others run the kernel
 alone compiled, which the marked tests check the compiled layer against.
@@ -15,7 +16,7 @@ alone compiled, which the marked tests check the compiled layer against.
 
 import pytest
 
-from tests.devices import device_selection, test_device, test_dtype
+from tests.devices import device_selection, needed_fixtures, test_device, test_dtype
 
 
 def pytest_configure(config):
@@ -26,14 +27,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    items[:], deselected = device_selection(items, test_device())
+    items[:], deselected = device_selection(items, test_device(), test_dtype())
     if deselected:
         config.hook.pytest_deselected(items=deselected)
 
 
 def pytest_report_header(config):
-    if test_device().type != "cpu":
-        return f"LS_TEST_DEVICE={test_device()}: only the tests that take the device fixture run"
+    needed = sorted(needed_fixtures(test_device(), test_dtype()))
+    if needed:
+        return f"{test_device()}, {test_dtype()}: only the tests that take the {' and '.join(needed)} fixtures run"
 
 
 @pytest.fixture(autouse=True)

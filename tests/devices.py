@@ -10,6 +10,9 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # assert_close's atol below float64, relative to the largest reference magnitude: float32 leaves room for TF32
 # convolutions (cuDNN's default on CUDA, 10-bit mantissa), bfloat16 for its 8-bit mantissa through a few layers.
 RELATIVE_ATOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+# The precision of a device's full test run (the CPU's default; on a GPU, gpu-check's first): a run in another one
+# leaves out the tests that do not take the dtype (``device_selection``).
+FULL_PRECISION = {"cpu": torch.float64, "cuda": torch.float32}
 # Examples per property test on a GPU: each example draws new shapes, and on CUDA a new shape can cost a kernel
 # compilation (FlexAttention's) where the CPU pays microseconds, so the GPU run draws a sample of them.
 GPU_EXAMPLES = 8
@@ -42,13 +45,22 @@ def property_examples(cpu: int) -> int:
     return cpu if test_device().type == "cpu" else min(cpu, GPU_EXAMPLES)
 
 
-def device_selection(items: list, device: torch.device) -> tuple[list, list]:
-    """The collected tests to run on ``device`` and those to deselect: on a GPU, only those that take the ``device``
-    fixture (the others would run on the CPU just as they do without it); on the CPU, all of them."""
-    if device.type == "cpu":
-        return list(items), []
-    kept = [item for item in items if "device" in getattr(item, "fixturenames", ())]
-    return kept, [item for item in items if "device" not in getattr(item, "fixturenames", ())]
+def needed_fixtures(device: torch.device, dtype: torch.dtype) -> set[str]:
+    """The fixtures a test must take to run on ``device`` in ``dtype``, so that each run keeps the tests whose result
+    can depend on its setting: on a GPU ``device`` (the others would run on the CPU just as they do without it); in a
+    precision below the device's full one (``FULL_PRECISION``, the precision of the run beside it) ``dtype`` too."""
+    needed = {"device"} if device.type != "cpu" else set()
+    if dtype != FULL_PRECISION[device.type]:
+        needed.add("dtype")
+    return needed
+
+
+def device_selection(items: list, device: torch.device, dtype: torch.dtype = torch.float64) -> tuple[list, list]:
+    """The collected tests to run on ``device`` in ``dtype`` (they take the ``needed_fixtures``) and those to
+    deselect."""
+    needed = needed_fixtures(device, dtype)
+    kept = [item for item in items if needed <= set(getattr(item, "fixturenames", ()))]
+    return kept, [item for item in items if not needed <= set(getattr(item, "fixturenames", ()))]
 
 
 def cpu64(*objects):

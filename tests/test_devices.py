@@ -8,13 +8,22 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from packaging.requirements import Requirement
 
 from bench import dependencies
-from tests.devices import GPU_EXAMPLES, assert_close, device_selection, property_examples, test_device, test_dtype
+from tests.devices import (
+    GPU_EXAMPLES,
+    assert_close,
+    device_selection,
+    needed_fixtures,
+    property_examples,
+    test_device,
+    test_dtype,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("ls_hf", "ls_timm", "tests", "bench", "recipes")
@@ -107,15 +116,25 @@ def test_device_tests_need_only_what_gpu_check_needs():
     assert {"torch", "transformers", "timm", "hypothesis"} <= used
 
 
-def test_gpu_runs_keep_only_the_tests_that_take_the_device(request, device):
-    """On a GPU the tests that do not take the device fixture are deselected (they would run on the CPU); on the CPU
-    every test runs. Checked on this session's own collected tests."""
-    items = request.session.items
-    assert device_selection(items, torch.device("cpu")) == (items, [])
-    kept, dropped = device_selection(items, torch.device("cuda"))
-    assert request.node in kept and sorted(kept + dropped, key=items.index) == items
-    assert all("device" in item.fixturenames for item in kept)
-    assert not any("device" in item.fixturenames for item in dropped)
+@pytest.mark.parametrize(
+    "where,precision,needed",
+    [
+        ("cpu", torch.float64, set()),
+        ("cpu", torch.bfloat16, {"dtype"}),
+        ("cuda", torch.float32, {"device"}),
+        ("cuda", torch.bfloat16, {"device", "dtype"}),
+    ],
+)
+def test_each_run_keeps_the_tests_that_depend_on_its_setting(where, precision, needed):
+    """On a GPU the tests that do not take the device fixture are deselected (they would run on the CPU); in bfloat16,
+    below the device's full precision, those that do not take the dtype fixture (they would run as in the full
+    precision's run); on the CPU in float64 every test runs."""
+    takes = [(), ("device",), ("dtype",), ("device", "dtype"), ("device", "dtype", "monkeypatch")]
+    items = [SimpleNamespace(fixturenames=names) for names in takes]
+    kept, dropped = device_selection(items, torch.device(where), precision)
+    assert needed_fixtures(torch.device(where), precision) == needed
+    assert kept == [item for item in items if needed <= set(item.fixturenames)]
+    assert dropped == [item for item in items if not needed <= set(item.fixturenames)]
 
 
 def test_property_examples_follow_the_device(monkeypatch):
