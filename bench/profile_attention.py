@@ -6,11 +6,14 @@ there), with the operators that take the most device time listed per peer.
     python -m bench.profile_attention --device cpu --dtype fp32 --n 1024 --steps 2
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --peers long-short long-short-kernel
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
+    python -m bench.profile_attention --vision cvt_ls_13 cvt_ls_13-kernel hf_cvt_13 --resolution 224 --batch 32
 
 Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls
 and device kernels per step, and writes them to ``bench/results/profile_attention_<device>.txt`` (``--out``: another
 file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and the layer compiled
 around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the layer removes.
+``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
+``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled).
 
 ``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
 parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
 
@@ -31,9 +35,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench import bench_attention
+from bench import bench_attention, bench_vision
 from bench.common import DTYPES, RESULTS, run_meta, sync
 from ls_hf import long_short_attention, long_short_blocks
+from ls_timm.long_short_attention_2d import LongShortAttention2d
 
 
 class FlexAttentionKeepingItsInputs(torch.autograd.Function):
@@ -97,13 +102,38 @@ def profile_peer(
     then the operator calls (``aten::`` events, nested ones included) and device kernels per step."""
     module = bench_attention.build_peer(peer).to(device=device, dtype=dtype)
     x, grad = bench_attention.inputs(n, device, dtype)
+    return profiled(lambda: bench_attention.step(module, x, grad, backward), device, warmups, steps, rows)
+
+
+def profile_vision(
+    peer: str, resolution: int, batch: int, device: str, dtype: torch.dtype, warmups: int, steps: int, rows: int
+) -> str:
+    """``profile_peer`` for inference of a ``bench.bench_vision`` model (random weights) on ``batch`` images of
+    ``resolution``; a peer name ending in ``-kernel`` builds its Long-Short layers with ``compile_attention=False``."""
+    name = peer.removesuffix("-kernel")
+    model = bench_vision.build(name, resolution).eval().to(device=device, dtype=dtype)
+    for layer in model.modules():
+        if isinstance(layer, LongShortAttention2d):
+            layer.compile_attention = peer == name
+    images = torch.randn(batch, 3, resolution, resolution, device=device, dtype=dtype)
+
+    def step():
+        with torch.no_grad():
+            bench_vision.logits(model, images)
+
+    return profiled(step, device, warmups, steps, rows)
+
+
+def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, rows: int) -> str:
+    """The profiler's operator table of ``steps`` calls of ``step`` after ``warmups``, then the operator calls
+    (``aten::`` events, nested ones included) and device kernels per step."""
     for _ in range(warmups):
-        bench_attention.step(module, x, grad, backward)
+        step()
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            bench_attention.step(module, x, grad, backward)
+            step()
         sync(device)
     events = prof.key_averages()
     sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -132,7 +162,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="default: bench/results/profile_attention_<device>.txt")
     parser.add_argument("--cpu-as-cuda", action="store_true", help="the CPU takes CUDA's choices; forward only")
     parser.add_argument("--saved", action="store_true", help="what the forward pass keeps for the backward pass")
+    parser.add_argument(
+        "--vision",
+        nargs="+",
+        default=None,
+        help="instead of the attention peers, inference of these bench.bench_vision models (a name ending in -kernel: "
+        "compile_attention=False), at --resolution and --batch",
+    )
+    parser.add_argument("--resolution", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.vision and args.saved:
+        parser.error("--saved counts the attention peers' training memory; it does not take --vision")
     if args.cpu_as_cuda and args.device != "cpu":
         parser.error(f"--cpu-as-cuda needs --device cpu, got --device {args.device}")
     if args.cpu_as_cuda:
@@ -141,7 +182,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--n and --steps must be >= 1 and --warmups >= 0, got {args.n}, {args.steps}, {args.warmups}")
     meta = run_meta("profile_attention", argv, device=args.device, dtype=args.dtype, n=args.n, steps=args.steps)
     report = [f"{meta}\n"]
-    for peer in args.peers:
+    for peer in args.vision or ():
+        table = profile_vision(
+            peer, args.resolution, args.batch, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows
+        )
+        report.append(
+            f"== {peer}, {args.resolution} x {args.resolution}, batch {args.batch}, {args.steps} forward steps\n{table}"
+        )
+        print(report[-1], flush=True)
+    for peer in () if args.vision else args.peers:
         if args.saved:
             saved = saved_for_backward(peer, args.n, args.device, DTYPES[args.dtype], cpu_as_cuda=args.cpu_as_cuda)
             report.append(f"== {peer}, n = {args.n}\n{saved}")

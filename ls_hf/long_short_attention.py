@@ -280,9 +280,8 @@ class LongShortSelfAttention(nn.Module):
         compile_attention: where the fused path runs on ``COMPILED_LAYER_DEVICES`` (CUDA), compile the rest of the
             layer around its attention kernel (``compiled_attention_layer``: the projections, DualLN, Eq. 3, the output
             projection), shared by every layer of the same settings in the process: fewer kernel launches, and what
-            the backward pass needs recomputed rather than kept where that is cheaper. Not for calls with global
-            tokens or a decoding cache, nor inside a ``torch.compile`` of the caller's. False: only the attention
-            kernel is compiled.
+            the backward pass needs recomputed rather than kept where that is cheaper. Not for calls with a decoding
+            cache, nor inside a ``torch.compile`` of the caller's. False: only the attention kernel is compiled.
     """
 
     def __init__(
@@ -561,7 +560,6 @@ class LongShortSelfAttention(nn.Module):
         compiled = (
             backend == "flex"
             and state is None
-            and is_global is None
             and compiles_layer(hidden_states, compile_attention=self.compile_attention)
         )
         attend = (
@@ -574,14 +572,18 @@ class LongShortSelfAttention(nn.Module):
             hidden_states,
             valid=valid,
             is_global=is_global,
+            global_count=0 if is_global is None else int(is_global.sum(1).max()),
             cls_hidden=cls_hidden,
             state=state,
             backend=backend,
         )
 
-    def _attend(self, hidden_states, *, valid, is_global, cls_hidden, state, backend) -> tuple[Tensor, Tensor | None]:
+    def _attend(
+        self, hidden_states, *, valid, is_global, global_count, cls_hidden, state, backend
+    ) -> tuple[Tensor, Tensor | None]:
         """The layer after ``forward``'s checks and choice of backend: the projections, the attention and the output
-        projection (as ``compiled_attention_layer`` runs it)."""
+        projection (as ``compiled_attention_layer`` runs it). ``global_count``: the most global tokens of a sample
+        (counted before, so that the compiled layer's shapes follow from its arguments)."""
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, lean=backend == "lean")
         if self.causal:
@@ -603,6 +605,7 @@ class LongShortSelfAttention(nn.Module):
                 valid=valid,
                 cls_hidden=cls_hidden,
                 is_global=is_global,
+                global_count=global_count,
                 backend=backend,
             )
         return self.output(context.flatten(2)), attn
@@ -665,9 +668,9 @@ class LongShortSelfAttention(nn.Module):
             valid=valid,
         )
 
-    def _bidirectional(self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, backend):
+    def _bidirectional(self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, global_count, backend):
         B, n = q.shape[:2]
-        K = int(is_global.sum(1).max()) if is_global is not None else 0
+        K = global_count
         masked = valid is not None
         if not masked:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden_states.device)

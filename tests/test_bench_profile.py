@@ -73,3 +73,27 @@ def test_saved_counts_what_the_forward_pass_keeps(tmp_path, device_choices_resto
     assert len(totals) == 2
     assert 4.0 <= totals[0] < 4.1
     assert totals[1] <= 8.5
+
+
+def test_vision_profiles_whole_models(tmp_path, monkeypatch):
+    """``--vision``: inference of whole ``bench.bench_vision`` models; a ``-kernel`` peer is the model with its
+    Long-Short layers' ``compile_attention=False``. ``--saved`` does not take it."""
+    from bench import bench_vision
+    from ls_timm.long_short_attention_2d import LongShortAttention2d
+
+    built = []
+    real = bench_vision.build
+    monkeypatch.setattr(bench_vision, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
+    out = tmp_path / "profile.txt"
+    arguments = ["--device", "cpu", "--dtype", "fp32", "--steps", "1", "--warmups", "0", "--rows", "2"]
+    vision = ["--vision", "cvt_ls_13", "cvt_ls_13-kernel", "--resolution", "64", "--batch", "1"]
+    profile_attention.main([*arguments, *vision, "--out", str(out)])
+    report = out.read_text()
+    assert "== cvt_ls_13, 64 x 64, batch 1" in report and "== cvt_ls_13-kernel, 64 x 64, batch 1" in report
+    assert report.count("per step: ") == 2 and "== long-short" not in report
+    settings = [
+        {m.compile_attention for m in model.modules() if isinstance(m, LongShortAttention2d)} for model in built
+    ]
+    assert settings == [{True}, {False}]
+    with pytest.raises(SystemExit):
+        profile_attention.main([*arguments, *vision, "--saved"])

@@ -188,7 +188,8 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     """The fused path's whole layer compiled as one region (``compiled_attention_layer``, the CPU standing in for
     CUDA, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the cls
     token (bidirectional), and without padding at a second length (symbolic; the CPU kernel fails on padded batches
-    of symbolic length, torch 2.14), the output of the grouped SDPA path. Two layers of the same settings share every
+    of symbolic length, torch 2.14), then with global tokens (bidirectional; compiled afresh, their keys' validity
+    being a padding mask), the output of the grouped SDPA path. Two layers of the same settings share every
     compilation of the region."""
     from torch._dynamo.utils import counters
 
@@ -203,10 +204,14 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     }
     layers = [make(**config, seed=seed, dtype=torch.float32) for seed in (0, 1)]
     new_graphs = []  # per call: the graphs that dynamo compiled for it
-    for n, mask_kind in ((150, "left" if causal else "right"), (150, "none"), (170, "none")):
+    calls = [(150, "left" if causal else "right", "cls"), (150, "none", "cls"), (170, "none", "cls")]
+    for n, mask_kind, extra_kind in calls + ([] if causal else [(170, "none", "global")]):
+        if extra_kind == "global":  # the global keys' validity is a padding mask: compiled afresh, at static lengths
+            torch._dynamo.reset()
         x, cls = inputs(layers[0], 2, n)
         mask = make_mask(mask_kind, 2, n, 40)
-        extra = {} if causal else {"cls_hidden": cls}
+        extra = {"cls": {"cls_hidden": cls}, "global": {"global_attention_mask": global_mask(2, n, 0.05, 0)}}
+        extra = {} if causal else extra[extra_kind]
         for layer in layers:
             with torch.no_grad():
                 expected, _ = layer(x, mask, attn_implementation="eager", **extra)
@@ -216,14 +221,14 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
             scale = expected.abs().max().item()
             torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
     assert new_graphs[0] > 0  # the first call compiled the region
-    assert new_graphs[1::2] == [0, 0, 0]  # the second layer reuses the first one's compilations
+    assert new_graphs[1::2] == [0] * (len(new_graphs) // 2)  # the second layer reuses the first one's compilations
 
 
 @pytest.mark.compiled
 def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
-    padding and the cls token): its gradients of the input and of every parameter are the grouped SDPA path's, by
-    default and with ``recompute_window_tiles`` (compiled with torch's activation memory budget), which keeps less
+    padding, and the cls token or global tokens): its gradients of the input and of every parameter are the grouped
+    SDPA path's, by default and (cls) with ``recompute_window_tiles`` (compiled with torch's activation memory budget), which keeps less
     for the backward pass: neither the keys' and values' Linear outputs nor P."""
     from ls_hf import long_short_attention, long_short_blocks
     from tests.test_attention import _saved_storages
@@ -233,7 +238,8 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     n, hidden = 150, 32
     kept, grads = {}, {}
-    for name in ("eager", "default", "recompute"):
+    runs = [("eager", "cls"), ("default", "cls"), ("recompute", "cls"), ("eager", "global"), ("default", "global")]
+    for name, special in runs:
         module = make(
             hidden=hidden, heads=2, window=16, rank=4, attn_implementation="eager" if name == "eager" else "sdpa"
         )
@@ -241,21 +247,24 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
         x, cls = inputs(module, 2, n)
         x.requires_grad_()
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        call = functools.partial(module, x, make_mask("right", 2, n, 40), cls_hidden=cls)
+        extra = {"cls_hidden": cls} if special == "cls" else {"global_attention_mask": global_mask(2, n, 0.05, 0)}
+        call = functools.partial(module, x, make_mask("right", 2, n, 40), **extra)
         saved, (out, _) = _saved_storages(call)
-        kept[name] = sum(size for ptr, size in saved.items() if ptr not in params and size >= n * hidden)
+        kept[name, special] = sum(size for ptr, size in saved.items() if ptr not in params and size >= n * hidden)
         out.square().sum().backward()
-        grads[name] = {"input": x.grad, **{key: p.grad for key, p in module.named_parameters()}}
-    for name in ("default", "recompute"):
-        assert grads[name].keys() == grads["eager"].keys()
-        for key, expected in grads["eager"].items():
-            torch.testing.assert_close(grads[name][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}: {key}")
-    assert kept["recompute"] <= kept["default"] - 3 * 2 * n * hidden
+        grads[name, special] = {"input": x.grad, **{key: p.grad for key, p in module.named_parameters()}}
+    for name, special in runs:
+        assert grads[name, special].keys() == grads["eager", special].keys()
+        for key, expected in grads["eager", special].items():
+            torch.testing.assert_close(
+                grads[name, special][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}, {special}: {key}"
+            )
+    assert kept["recompute", "cls"] <= kept["default", "cls"] - 3 * 2 * n * hidden
 
 
 def test_compiled_layer_runs_where_it_can(monkeypatch):
     """``forward`` sends the fused path to ``compiled_attention_layer`` on ``COMPILED_LAYER_DEVICES`` in
-    ``FUSED_DTYPES``, and not with ``compile_attention=False``, global tokens, a decoding cache, another path or
+    ``FUSED_DTYPES``, global tokens included, and not with ``compile_attention=False``, a decoding cache, another path or
     inside the caller's ``torch.compile``; the output is the layer's either way. (The compiled region itself is
     checked above; here it runs uncompiled, to count its calls.)"""
     from ls_hf import long_short_attention
@@ -284,7 +293,15 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
     assert count == 1
     assert_close(out, compiled_calls(bidirectional, x, attn_implementation="eager")[1], atol=EXACT)
     assert compiled_calls(causal, x)[0] == 1
-    assert compiled_calls(bidirectional, x, global_attention_mask=global_mask(2, 13, 0.2, 0))[0] == 0
+    count, out = compiled_calls(bidirectional, x, global_attention_mask=global_mask(2, 13, 0.2, 0))
+    assert count == 1
+    assert_close(
+        out,
+        compiled_calls(bidirectional, x, global_attention_mask=global_mask(2, 13, 0.2, 0), attn_implementation="eager")[
+            1
+        ],
+        atol=EXACT,
+    )
     assert compiled_calls(causal, x, state=CausalState())[0] == 0
     assert compiled_calls(bidirectional, x, attn_implementation="eager")[0] == 0
     assert compiled_calls(bidirectional, x, output_attentions=True)[0] == 0
@@ -431,17 +448,18 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
 
 
 @pytest.mark.compiled_layer
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_default_matches_the_portable_path_on_the_test_device(causal, device, dtype, monkeypatch):
+@pytest.mark.parametrize("kind", ["cls", "global", "causal"])
+def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtype, monkeypatch):
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
     rest of the layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager"
-    (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token (bidirectional)
-    and 128-token blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input,
-    of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
+    (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token or global tokens
+    (bidirectional) and 128-token blocks: outputs, and where FlexAttention has a backward (not on the CPU) the
+    gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
     from ls_hf import long_short_attention
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+    causal = kind == "causal"
     config = {
         "hidden": 32,
         "heads": 2,
@@ -454,7 +472,11 @@ def test_default_matches_the_portable_path_on_the_test_device(causal, device, dt
     eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")
     x, cls = inputs(default, 2, 300)
     mask = make_mask("left" if causal else "right", 2, 300, 70, device=device)
-    extra = {} if causal else {"cls_hidden": cls}
+    extra = {
+        "cls": {"cls_hidden": cls},
+        "global": {"global_attention_mask": global_mask(2, 300, 0.02, 0).to(device)},
+        "causal": {},
+    }[kind]
     grads = device.type != "cpu"
     outs = []
     for module in (default, eager):
