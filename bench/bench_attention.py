@@ -11,6 +11,8 @@ One attention module each (query/key/value/output projections included; hidden 7
 * ``long-short-recompute``: the same with ``recompute_window_tiles=True``: on the CPU tiles built chunk by chunk, again
   in the backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``); on
   CUDA the layer compiled with torch's activation memory budget (the Linears' outputs and P computed again);
+* ``long-short-apart``: the same with ``long_range_in_kernel=False``: on CUDA the kernel attends over the window keys
+  alone, and a dense softmax over the projected rows is merged with it by log-sum-exp;
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
@@ -87,6 +89,7 @@ PEERS = (
     "long-short-recompute",
     "long-short-eager",
     "long-short-kernel",
+    "long-short-apart",
 )
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
@@ -152,6 +155,7 @@ class LongShortAttention(nn.Module):
         recompute_window_tiles: bool = False,
         attn_implementation: str = "sdpa",
         compile_attention: bool = True,
+        long_range_in_kernel: bool = True,
     ):
         super().__init__()
         self.attn = LongShortSelfAttention(
@@ -162,6 +166,7 @@ class LongShortAttention(nn.Module):
             recompute_window_tiles=recompute_window_tiles,
             attn_implementation=attn_implementation,
             compile_attention=compile_attention,
+            long_range_in_kernel=long_range_in_kernel,
         )
 
     def forward(self, x):
@@ -216,6 +221,7 @@ def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
             recompute_window_tiles=peer == "long-short-recompute",
             attn_implementation="eager" if peer == "long-short-eager" else "sdpa",
             compile_attention=peer != "long-short-kernel",
+            long_range_in_kernel=peer != "long-short-apart",
         )
     if peer in ("sdpa", "eager"):
         return DenseAttention(hidden, heads, eager=peer == "eager")

@@ -8,7 +8,9 @@ compilation happens, each peer's peak memory over one step, then timed rounds ta
   16,384 and 65,536 tokens (batch 1) and at 4,096 tokens (batch 8): Long-Short's default (on CUDA its fused
   FlexAttention path, the rest of the layer compiled around the kernel), the same with the kernel alone compiled
   (``compile_attention=False``) and its grouped SDPA path (``attn_implementation="eager"``), for reference, dense SDPA
-  (the flash kernel) and FlexAttention's own sliding window (+-w, compiled);
+  (the flash kernel) and FlexAttention's own sliding window (+-w, compiled); at 16,384 and 65,536 also the layer
+  with the extra keys attended apart from the kernel (``long_range_in_kernel=False``), and at 16,384 with
+  ``recompute_window_tiles=True``;
 * masked LM: a training step of ``bench.bench_models``' base-width models (12 x 768) in tokens/s, at 4,096 tokens
   (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa (SDPA), and at 8,192 ModernBERT-base too
   (its config's 22 layers and widths, random weights, ``modernbert_attention``: flash attention 2 when installed,
@@ -59,8 +61,8 @@ ATTENTION_PEERS = ("long-short", "long-short-kernel", "long-short-eager", "sdpa"
 # (length label, batch, peers); lengths from Plan.attention_lengths
 ATTENTION_RUNS = (
     ("4k", 1, ATTENTION_PEERS),
-    ("16k", 1, (*ATTENTION_PEERS, "long-short-recompute")),
-    ("64k", 1, ATTENTION_PEERS),
+    ("16k", 1, (*ATTENTION_PEERS, "long-short-recompute", "long-short-apart")),
+    ("64k", 1, (*ATTENTION_PEERS, "long-short-apart")),
     ("4k", 8, ("long-short", "sdpa")),
 )
 MLM_RUNS = (
@@ -251,6 +253,20 @@ BARS = (
             _attention("long-short-recompute", "16k"),
             _attention(peer, "16k"),
         )
+        for peer, name, quantity, label in (
+            ("long-short", "default", "time_s", "time"),
+            ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),
+        )
+    ),
+    *(
+        Bar(
+            f"attention fwd+bwd {n}, batch 1: Long-Short long_range_in_kernel=False / {name}, {label}",
+            "attention",
+            quantity,
+            _attention("long-short-apart", n),
+            _attention(peer, n),
+        )
+        for n in ("16k", "64k")
         for peer, name, quantity, label in (
             ("long-short", "default", "time_s", "time"),
             ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),

@@ -282,6 +282,13 @@ class LongShortSelfAttention(nn.Module):
             projection), shared by every layer of the same settings in the process: fewer kernel launches, and what
             the backward pass needs recomputed rather than kept where that is cheaper. Not for calls with a decoding
             cache, nor inside a ``torch.compile`` of the caller's. False: only the attention kernel is compiled.
+        long_range_in_kernel: on the fused path, bidirectional queries attend to the extra keys (projected rows, cls
+            and global keys) inside the FlexAttention kernel, beside their window (the default). False: apart, in a
+            dense softmax over those R keys merged with the kernel's window softmax by their log-sum-exps
+            (``_merged_with_extra_keys``), the same one softmax (Eq. 6). Every query sees the extra keys, so inside
+            the kernel their key block is visited by every query block, one after the other, in FlexAttention's
+            backward pass (its gradients of keys and values are computed per key block); apart, the kernel's work is
+            the window's alone, evenly spread.
     """
 
     def __init__(
@@ -302,12 +309,14 @@ class LongShortSelfAttention(nn.Module):
         attn_implementation: str = "sdpa",
         recompute_window_tiles: bool = False,
         compile_attention: bool = True,
+        long_range_in_kernel: bool = True,
     ):
         super().__init__()
         check_attn_implementation(attn_implementation)
         self.attn_implementation = attn_implementation
         self.recompute_window_tiles = recompute_window_tiles
         self.compile_attention = compile_attention
+        self.long_range_in_kernel = long_range_in_kernel
         validate_long_short_args(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -689,7 +698,7 @@ class LongShortSelfAttention(nn.Module):
         projected, extra = None, _concatenated(extra)  # one set: global keys, then projected rows
         if self.projection_rank:
             projection_valid = local if masked or K else None
-            if backend == "flex" and width:  # the rows built into one tensor with the window keys
+            if backend == "flex" and width and self.long_range_in_kernel:  # rows in one tensor with the window keys
                 extra, projected = self._joined_extra(projection_inputs, k, v, projection_valid, prefix=extra)
             else:
                 projected = self._project(projection_inputs, k, v, projection_valid, segment=n, lean=backend == "lean")
@@ -937,6 +946,8 @@ class LongShortSelfAttention(nn.Module):
         that no query sees. A query with no visible key gets 0."""
         q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
+        if R and inputs.k.shape[1] and extra.segment is None and not self.long_range_in_kernel:
+            return self._merged_with_extra_keys(inputs), None
         if not R:
             keys, values = inputs.k, inputs.v
         elif extra.joined is not None:  # built as one tensor each with the window keys (``_joined_extra``)
@@ -958,6 +969,32 @@ class LongShortSelfAttention(nn.Module):
         q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
         out = long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid)
         return out.transpose(1, 2), None
+
+    def _merged_with_extra_keys(self, inputs: JointInputs) -> Tensor:
+        """``_attend_flex`` with the extra keys (seen by every query) apart from the kernel: FlexAttention over the window
+        keys alone, its log-sum-exp ``lse_w`` beside its output ``o_w``, and a dense softmax over the R extra keys,
+        ``lse_e`` and ``o_e``; one softmax over both sets (Eq. 6) is ``(e^lse_w o_w + e^lse_e o_e) / (e^lse_w + e^lse_e)``,
+        computed in float32 at least. A query that sees no key gets 0."""
+        q, extra = inputs.q, inputs.extra
+        key_layout = KeyLayout(
+            window_size=self.window_size, causal=False, num_window_keys=inputs.k.shape[1], q_start=inputs.q_start
+        )
+        q, k, v, extra_k, extra_v = (
+            x.to(q.dtype).transpose(1, 2) for x in (q, inputs.k, inputs.v, extra.keys, extra.values)
+        )
+        key_valid = None if inputs.all_valid else inputs.k_valid
+        window, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = (q @ extra_k.transpose(-1, -2)).to(dtype) / math.sqrt(q.shape[-1])  # (B, H, m, R)
+        scores = scores.masked_fill(~extra.valid[:, None, None, :], float("-inf"))
+        lse_e = scores.logsumexp(-1)
+        lse = torch.logaddexp(lse_w.to(dtype), lse_e)
+        seen = torch.isfinite(lse)
+        lse = torch.where(seen, lse, 0.0)[..., None]
+        weight_w = torch.where(seen[..., None], (lse_w.to(dtype)[..., None] - lse).exp(), 0.0)
+        probabilities = torch.where(seen[..., None], (scores - lse).exp(), 0.0)  # the extra keys' share of the softmax
+        out = weight_w * window.to(dtype) + probabilities.to(v.dtype) @ extra_v
+        return out.to(q.dtype).transpose(1, 2)
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""

@@ -29,7 +29,7 @@ import torch
 import torch._functorch.config
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from .long_short_rules import (
     cached_outside_compile,
@@ -409,10 +409,23 @@ def compiled_flex_attention() -> Callable:
     skips the blocks that no query sees. It is compiled as a function of its own (``compile_in_package``)."""
     flex = flex_attention  # bound now: a later patch of this module's name does not reach it
 
-    def long_short_flex_attention(query, key, value, *, score_mod=None, block_mask=None, scale=None):
-        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    def long_short_flex_attention(query, key, value, *, score_mod=None, block_mask=None, scale=None, return_lse=False):
+        return flex_call(
+            flex, query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse
+        )
 
     return compile_in_package(long_short_flex_attention)
+
+
+def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool):
+    """``flex(query, key, value, ...)``: the output, or with ``return_lse`` the output and the log-sum-exp (asked for
+    as FlexAttention's auxiliary output)."""
+    if not return_lse:
+        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    out, aux = flex(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+    )
+    return out, aux.lse
 
 
 @torch.compiler.disable
@@ -424,9 +437,11 @@ def long_short_flex_attend(
     *,
     key_valid: Tensor | None = None,
     offsets: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``flex_attend`` of query (B, H, m, E) over key and value (B, H, L + R, .) laid out as ``layout`` says, with
-    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, H, m, Ev).
+    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, H, m, Ev), and with ``return_lse`` each
+    query's log-sum-exp of its scores (B, H, m) float32 too.
 
     A compile boundary: inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's)
     the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
@@ -435,7 +450,7 @@ def long_short_flex_attend(
     mask = long_short_block_mask(
         layout, num_queries=query.shape[2], offsets=offsets, key_valid=key_valid, device=query.device
     )
-    return flex_attend(query, key, value, mask)
+    return flex_attend(query, key, value, mask, return_lse=return_lse)
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:
@@ -453,23 +468,29 @@ def flex_attend(
     score_mod: Callable | None = None,
     scale: float | None = None,
     compiled: bool | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
     optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0.
 
     ``compiled``: use ``compiled_flex_attention`` (default: on ``COMPILED_DEVICES`` in ``FUSED_DTYPES``; inside a
     function being compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default
     ``1 / sqrt(E)``. On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the
-    output is cut back to Ev.
+    output is cut back to Ev. ``return_lse``: also each query's log-sum-exp of its scores, (B, H, m) float32 (-inf
+    for a query that sees no key); gradients flow through it on CUDA.
     """
     if compiled is None:
         compiled = query.device.type in COMPILED_DEVICES and query.dtype in FUSED_DTYPES
-    kernel = compiled_flex_attention() if compiled and not torch.compiler.is_compiling() else flex_attention
+    compiled = compiled and not torch.compiler.is_compiling()
+    kernel = compiled_flex_attention() if compiled else functools.partial(flex_call, flex_attention)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))
     # compiled for the CPU, FlexAttention refuses views of its inputs (torch 2.14)
-    if kernel is not flex_attention and query.device.type == "cpu":
+    if compiled and query.device.type == "cpu":
         query, key, value = (x.contiguous() for x in (query, key, value))
-    out = kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    out = kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse)
+    if return_lse:
+        out, lse = out
+        return out[..., :value_dim], lse
     return out[..., :value_dim]

@@ -50,10 +50,14 @@ def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
 @given(
     **{**bidirectional_grid, "n": st.integers(1, 24), "mask_kind": st.sampled_from(["none", "right", "random"])},
     extra=st.sampled_from(["none", "cls", "global", "global_projections"]),
+    in_kernel=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind, pad, extra, seed, device, dtype):
-    """Window, projection, padding, the cls token and global tokens (with and without their own projections)."""
+def test_bidirectional_flex_matches_sdpa(
+    dims, window, rank, n, batch, mask_kind, pad, extra, in_kernel, seed, device, dtype
+):
+    """Window, projection, padding, the cls token and global tokens (with and without their own projections), their
+    keys in the kernel or apart (``long_range_in_kernel``)."""
     if window == rank == 0:
         rank = 1
     if extra == "cls" and dims.get("qk_head_dim"):  # the cls query attends to the token outputs
@@ -67,6 +71,7 @@ def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind
         dtype=dtype,
         **dims,
     )
+    flex.long_range_in_kernel = in_kernel
     x, cls = inputs(sdpa, batch, n, seed)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra.startswith("global"):
@@ -228,7 +233,8 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
 def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
     padding, and the cls token or global tokens): its gradients of the input and of every parameter are the grouped
-    SDPA path's, by default and (cls) with ``recompute_window_tiles`` (compiled with torch's activation memory budget), which keeps less
+    SDPA path's, by default and (cls) with the extra keys apart from the kernel (``long_range_in_kernel=False``) or
+    with ``recompute_window_tiles`` (compiled with torch's activation memory budget), which keeps less
     for the backward pass: neither the keys' and values' Linear outputs nor P."""
     from ls_hf import long_short_attention, long_short_blocks
     from tests.test_attention import _saved_storages
@@ -238,12 +244,20 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     n, hidden = 150, 32
     kept, grads = {}, {}
-    runs = [("eager", "cls"), ("default", "cls"), ("recompute", "cls"), ("eager", "global"), ("default", "global")]
+    runs = [
+        ("eager", "cls"),
+        ("default", "cls"),
+        ("recompute", "cls"),
+        ("apart", "cls"),
+        ("eager", "global"),
+        ("default", "global"),
+    ]
     for name, special in runs:
         module = make(
             hidden=hidden, heads=2, window=16, rank=4, attn_implementation="eager" if name == "eager" else "sdpa"
         )
         module.recompute_window_tiles = name == "recompute"
+        module.long_range_in_kernel = name != "apart"
         x, cls = inputs(module, 2, n)
         x.requires_grad_()
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -325,18 +339,22 @@ def test_backward_matches_sdpa_where_supported(device):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
 
 
-def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=None):
+def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=None, return_lse=False):
     """FlexAttention's result computed densely, which autograd differentiates on any device: the softmax over the keys
     that ``block_mask``'s mask_mod keeps (evaluated on every pair) of the scores through ``score_mod`` (called once on
-    broadcast index tensors), 0 for a query that sees none."""
+    broadcast index tensors), 0 for a query that sees none; with ``return_lse`` the log-sum-exp of its kept scores
+    too (-inf for a query that sees none)."""
     keep = create_mask(block_mask.mask_mod, query.shape[0], 1, query.shape[2], key.shape[2], device=query.device)
     scores = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
     if score_mod is not None:
         index = [torch.arange(size, device=query.device) for size in scores.shape]  # b, h, q_idx, kv_idx
         scores = score_mod(scores, *(i.view([-1 if d == dim else 1 for d in range(4)]) for dim, i in enumerate(index)))
-    return scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ value
+    scores = scores.masked_fill(~keep, float("-inf"))
+    out = scores.softmax(-1).nan_to_num(0.0) @ value
+    return (out, scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(-1)) if return_lse else out
 
 
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["long_range_in_kernel", "long_range_apart"])
 @pytest.mark.parametrize("extra", ["none", "cls", "global", "causal"])
 @pytest.mark.parametrize(
     "dims",
@@ -347,11 +365,13 @@ def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=N
     ],
     ids=["dual_ln", "no_dual_ln", "lmsa"],
 )
-def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
-    """The fused path's gradients on the CPU, with FlexAttention computed densely (it has no backward there): its
-    keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected rows]; causal:
-    the rows of each finished segment, Eq. 5, the last segment unfinished) give the gradients of the SDPA path, for
-    the input and every parameter (float64, right padding)."""
+def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, in_kernel, monkeypatch):
+    """The fused path's outputs and gradients on the CPU, with FlexAttention computed densely (it has no backward
+    there): its keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected
+    rows]; causal: the rows of each finished segment, Eq. 5, the last segment unfinished), or with
+    ``long_range_in_kernel=False`` the window alone in the kernel merged with a dense softmax over the extra keys
+    (bidirectional; causal rows stay in the kernel), give the output and gradients of the SDPA path, for the input and
+    every parameter (float64, right padding)."""
     from ls_hf import long_short_attention, long_short_blocks
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
@@ -361,6 +381,7 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
         extra = "none"
     causal = {"window": 4, "causal": True, "segment_length": 2} if extra == "causal" else {"window": 3}
     default, eager = (make(rank=2, **causal, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
+    default.long_range_in_kernel = in_kernel
     x, cls = inputs(default, 2, 21)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra == "global":
@@ -371,7 +392,11 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, monkeypatch):
         out, _ = module(x_in, make_mask("right", 2, 21, 5), **kwargs)
         out.square().sum().backward()
         grads.append(
-            {"input": x_in.grad, **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
+            {
+                "output": out,
+                "input": x_in.grad,
+                **{name: p.grad for name, p in module.named_parameters() if p.grad is not None},
+            }
         )
     assert grads[0].keys() == grads[1].keys()
     assert "dynamic_projection.weight" in grads[0]
