@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         take_cuda_choices_on_cpu()
     if args.n < 1 or args.steps < 1 or args.warmups < 0:
         parser.error(f"--n and --steps must be >= 1 and --warmups >= 0, got {args.n}, {args.steps}, {args.warmups}")
-    meta = run_meta("profile_attention", argv, device=args.device, dtype=args.dtype, n=args.n, steps=args.steps)
+    shape = {"resolution": args.resolution, "batch": args.batch} if args.vision else {"n": args.n}
+    meta = run_meta("profile_attention", argv, device=args.device, dtype=args.dtype, steps=args.steps, **shape)
     report = [f"{meta}\n"]
     for peer in args.vision or ():
         table = profile_vision(
