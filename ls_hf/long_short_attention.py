@@ -985,7 +985,8 @@ class LongShortSelfAttention(nn.Module):
         key_valid = None if inputs.all_valid else inputs.k_valid
         window, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
         dtype = torch.promote_types(q.dtype, torch.float32)
-        scores = (q @ extra_k.transpose(-1, -2)).to(dtype) / math.sqrt(q.shape[-1])  # (B, H, m, R)
+        # (B, H, m, R), unrounded as the kernel's own scores are
+        scores = q.to(dtype) @ extra_k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
         scores = scores.masked_fill(~extra.valid[:, None, None, :], float("-inf"))
         lse_e = scores.logsumexp(-1)
         lse = torch.logaddexp(lse_w.to(dtype), lse_e)
