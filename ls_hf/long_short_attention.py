@@ -946,7 +946,7 @@ class LongShortSelfAttention(nn.Module):
         that no query sees. A query with no visible key gets 0."""
         q, extra = inputs.q, inputs.extra
         R = extra.keys.shape[1] if extra is not None else 0
-        if R and inputs.k.shape[1] and extra.segment is None and not self.long_range_in_kernel:
+        if R and inputs.k.shape[1] and not self.causal and not self.long_range_in_kernel:
             return self._merged_with_extra_keys(inputs), None
         if not R:
             keys, values = inputs.k, inputs.v
