@@ -52,6 +52,7 @@ from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, long
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
+    ExtraKeysAttention,
     JoinedProjectedKeys,
     TiledAttention,
     gather_tiles,
@@ -971,10 +972,11 @@ class LongShortSelfAttention(nn.Module):
         return out.transpose(1, 2), None
 
     def _merged_with_extra_keys(self, inputs: JointInputs) -> Tensor:
-        """``_attend_flex`` with the extra keys (seen by every query) apart from the kernel: FlexAttention over the window
-        keys alone, its log-sum-exp ``lse_w`` beside its output ``o_w``, and a dense softmax over the R extra keys,
-        ``lse_e`` and ``o_e``; one softmax over both sets (Eq. 6) is ``(e^lse_w o_w + e^lse_e o_e) / (e^lse_w + e^lse_e)``,
-        computed in float32 at least. A query that sees no key gets 0."""
+        """``_attend_flex`` with the extra keys (seen by every query) apart from the kernel: FlexAttention over the
+        window keys alone gives its output ``o_w`` and log-sum-exp ``lse_w``, ``ExtraKeysAttention`` over the R extra
+        keys ``o_e`` and ``lse_e``; the one softmax over both sets (Eq. 6) is their sum weighted by
+        ``sigmoid(lse_w - lse_e) = e^lse_w / (e^lse_w + e^lse_e)`` and its complement, in float32 at least. A query
+        that sees no key gets 0."""
         q, extra = inputs.q, inputs.extra
         key_layout = KeyLayout(
             window_size=self.window_size, causal=False, num_window_keys=inputs.k.shape[1], q_start=inputs.q_start
@@ -983,18 +985,16 @@ class LongShortSelfAttention(nn.Module):
             x.to(q.dtype).transpose(1, 2) for x in (q, inputs.k, inputs.v, extra.keys, extra.values)
         )
         key_valid = None if inputs.all_valid else inputs.k_valid
-        window, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        # (B, H, m, R), unrounded as the kernel's own scores are
-        scores = q.to(dtype) @ extra_k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~extra.valid[:, None, None, :], float("-inf"))
-        lse_e = scores.logsumexp(-1)
-        lse = torch.logaddexp(lse_w.to(dtype), lse_e)
-        seen = torch.isfinite(lse)
-        lse = torch.where(seen, lse, 0.0)[..., None]
-        weight_w = torch.where(seen[..., None], (lse_w.to(dtype)[..., None] - lse).exp(), 0.0)
-        probabilities = torch.where(seen[..., None], (scores - lse).exp(), 0.0)  # the extra keys' share of the softmax
-        out = weight_w * window.to(dtype) + probabilities.to(v.dtype) @ extra_v
+        out_w, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
+        keep = extra.valid[:, None, None, :]
+        out_e, lse_e = ExtraKeysAttention.apply(q, extra_k, extra_v, keep, 1 / math.sqrt(q.shape[-1]))
+        # e^lse_w / (e^lse_w + e^lse_e), with -inf (no key seen) made finite: no NaN in either pass
+        lse_w, lse_e = (
+            torch.where(torch.isfinite(x), x, torch.finfo(x.dtype).min) for x in (lse_w.to(lse_e.dtype), lse_e)
+        )
+        weight_w = torch.sigmoid(lse_w - lse_e)[..., None]
+        out_w, out_e = (x.to(weight_w.dtype) for x in (out_w, out_e))
+        out = out_e + weight_w * (out_w - out_e)
         return out.to(q.dtype).transpose(1, 2)
 
     def _cls_output(self, cls_hidden, context, valid):

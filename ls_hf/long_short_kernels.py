@@ -11,7 +11,9 @@ saves (``bench/RESULTS.md``):
 * ``DynamicProjection``: Eq. 3's scores and P built a few heads at a time, and again in the backward pass.
 
 On the fused path, ``JoinedProjectedKeys`` builds the keys and values of the one attention kernel call, [window keys;
-global keys; projected rows], and keeps the window keys only there.
+global keys; projected rows], and keeps the window keys only there; with ``long_range_in_kernel=False``,
+``ExtraKeysAttention`` attends to the global keys and projected rows apart from the kernel, returning the log-sum-exp
+that merges the two softmaxes into one.
 
 Each matches its plain-autograd counterpart (``tests/test_attention.py``). This file imports nothing from
 Transformers or timm.
@@ -30,6 +32,7 @@ __all__ = [
     "LN_MIN_GAMMA",
     "TILE_CHUNK_BYTES",
     "DynamicProjection",
+    "ExtraKeysAttention",
     "JoinedProjectedKeys",
     "LayerNormInPlace",
     "TiledAttention",
@@ -358,3 +361,49 @@ class JoinedProjectedKeys(torch.autograd.Function):
         grad_window = grad_window.to(ctx.window_dtype)
         grad_prefix = None if ctx.prefix_dtype is None else grad_joined[:, L : L + G].to(ctx.prefix_dtype)
         return grad_window, grad_prefix, grad_weights, grad_norm_weight, grad_norm_bias, None
+
+
+class ExtraKeysAttention(torch.autograd.Function):
+    """Softmax attention of queries q (B, H, m, E) over a few keys k (B, H, R, E) and values v (B, H, R, Ev) that every
+    query sees where ``keep`` (B, 1, 1, R) holds, with ``scale``: the output (B, H, m, Ev) in v's dtype and each
+    query's log-sum-exp of its kept scores (B, H, m), float32 at least (-inf and a zero output where none is kept).
+    The fused path's extra keys apart from the window kernel, whose softmax this one's merges with by log-sum-exp
+    (``LongShortSelfAttention._merged_with_extra_keys``).
+
+    The scores and probabilities are computed in float32 at least (autocast off), and again in the backward pass, as
+    flash attention does: it keeps q, k, v, the output and the log-sum-exp, no (m, R) tensor. The backward pass takes
+    the gradient of the log-sum-exp too: d lse_i / d s_ij = p_ij."""
+
+    @staticmethod
+    def _probabilities(q: Tensor, k: Tensor, keep: Tensor, scale: float, lse: Tensor | None = None):
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+        if lse is None:
+            lse = scores.logsumexp(-1)
+        finite = torch.isfinite(lse)[..., None]
+        return torch.where(finite, (scores - torch.where(finite, lse[..., None], 0.0)).exp(), 0.0), lse
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float):
+        with torch.autocast(q.device.type, enabled=False):
+            p, lse = ExtraKeysAttention._probabilities(q, k, keep, scale)
+            out = (p @ v.to(p.dtype)).to(v.dtype)
+        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
+        q, k, v, keep, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            p, _ = ExtraKeysAttention._probabilities(q, k, keep, ctx.scale, lse)
+            grad_out = grad_out.to(p.dtype)
+            grad_v = p.transpose(-1, -2) @ grad_out
+            # d out_i / d s_ij = p_ij (v_j - out_i); d lse_i / d s_ij = p_ij
+            row = (grad_out * out.to(p.dtype)).sum(-1, keepdim=True)
+            if grad_lse is not None:
+                row = row - grad_lse.to(p.dtype)[..., None]
+            grad_scores = p * (grad_out @ v.to(p.dtype).transpose(-1, -2) - row) * ctx.scale
+            grad_q = grad_scores @ k.to(p.dtype)
+            grad_k = grad_scores.transpose(-1, -2) @ q.to(p.dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -709,6 +709,67 @@ def test_joined_projected_keys_keep_the_window_once():
     assert kept == {"joined": [], "composition": [window.numel()]}
 
 
+def _extra_keys_inputs(dtype=torch.float64):
+    """q (2, 3, 40, 8), k (2, 3, 5, 8), v (2, 3, 5, 6) leaves and keep (2, 1, 1, 5): sample 0 keeps 3 of its 5 keys,
+    sample 1 none."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (
+        3 * torch.randn(2, 3, n, d, generator=generator, dtype=torch.float64) for n, d in ((40, 8), (5, 8), (5, 6))
+    )
+    keep = torch.tensor([[True, False, True, True, False], [False] * 5]).view(2, 1, 1, 5)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)], keep
+
+
+def _extra_keys_by_autograd(q, k, v, keep, scale):
+    """``ExtraKeysAttention``'s output and log-sum-exp by plain autograd: (B, H, m, Ev), (B, H, m)."""
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    lse = scores.logsumexp(-1)
+    return scores.softmax(-1).nan_to_num(0.0) @ v, lse
+
+
+def test_extra_keys_attention_matches_autograd():
+    """``ExtraKeysAttention``'s output, log-sum-exp and gradients (through both, as the merge with the window kernel
+    takes them) equal plain autograd's in float64, masked keys included; a sample that keeps no key gets a zero
+    output, a log-sum-exp of -inf and zero gradients, no NaN."""
+    results = []
+    for fn in (long_short_kernels.ExtraKeysAttention.apply, _extra_keys_by_autograd):
+        (q, k, v), keep = _extra_keys_inputs()
+        out, lse = fn(q, k, v, keep, 0.3)
+        finite = torch.isfinite(lse)
+        loss = out.square().sum() + torch.where(finite, lse, 0.0).sin().sum()
+        loss.backward()
+        results.append((out, lse, q.grad, k.grad, v.grad))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    out, lse, *grads = results[0]
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert all(torch.isfinite(g).all() for g in grads) and (grads[0][1] == 0).all()
+
+
+def test_extra_keys_attention_scores_stay_float32_under_autocast():
+    """Under bfloat16 autocast ``ExtraKeysAttention`` computes the scores and probabilities in float32 from its
+    bfloat16 inputs (the kernel's own scores are never rounded): the float32 computation from the same inputs."""
+    (q, k, v), keep = _extra_keys_inputs(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = long_short_kernels.ExtraKeysAttention.apply(q, k, v, keep, 0.3)
+    expected_out, expected_lse = _extra_keys_by_autograd(q.float(), k.float(), v.float(), keep, 0.3)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, expected_lse, atol=0, rtol=1e-6)
+    torch.testing.assert_close(out, expected_out.bfloat16(), atol=0, rtol=0)
+
+
+def test_extra_keys_attention_keeps_no_scores():
+    """``ExtraKeysAttention`` keeps its inputs, output and log-sum-exp for the backward pass and computes the (m, R)
+    probabilities again there; plain autograd keeps them."""
+    shapes = {}
+    for name, fn in (("function", long_short_kernels.ExtraKeysAttention.apply), ("autograd", _extra_keys_by_autograd)):
+        (q, k, v), keep = _extra_keys_inputs()
+        saved, _ = _saved_storages(functools.partial(fn, q, k, v, keep, 0.3))
+        shapes[name] = sorted(saved.values())
+    scores = 2 * 3 * 40 * 5
+    assert scores not in shapes["function"] and scores in shapes["autograd"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_projection_weights_round_once(dtype):
     """Eq. 3's P from half-precision scores comes in their dtype (no float32 copy of the scores or of P) and equals
