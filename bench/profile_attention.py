@@ -44,20 +44,28 @@ from ls_timm.long_short_attention_2d import LongShortAttention2d
 class FlexAttentionKeepingItsInputs(torch.autograd.Function):
     """``long_short_blocks.flex_attend`` for ``--saved`` on the CPU, which has no FlexAttention backward: the call
     without autograd, keeping what FlexAttention's backward pass takes on CUDA (query, key, value, output and the
-    float32 log-sum-exp). Its backward pass returns zero gradients: it is for counting only."""
+    float32 log-sum-exp, here a stand-in of zeros, which it also returns). Its backward pass returns zero gradients: it
+    is for counting only (``flex_attend_keeping_its_inputs``)."""
 
     attend = staticmethod(long_short_blocks.flex_attend)
 
     @staticmethod
     def forward(ctx, query, key, value, block_mask):
         out = FlexAttentionKeepingItsInputs.attend(query.detach(), key.detach(), value.detach(), block_mask)
-        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
-        return out
+        lse = query.new_zeros(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         query, key, value, *_ = ctx.saved_tensors
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+
+
+def flex_attend_keeping_its_inputs(query, key, value, block_mask, *, return_lse=False):
+    """``FlexAttentionKeepingItsInputs`` called as ``long_short_blocks.flex_attend`` is."""
+    out, lse = FlexAttentionKeepingItsInputs.apply(query, key, value, block_mask)
+    return (out, lse) if return_lse else out
 
 
 def saved_for_backward(peer: str, n: int, device: str, dtype: torch.dtype, cpu_as_cuda: bool = False) -> str:
@@ -66,7 +74,7 @@ def saved_for_backward(peer: str, n: int, device: str, dtype: torch.dtype, cpu_a
     shape, in units of one (n, hidden) tensor of ``dtype``. ``cpu_as_cuda``: FlexAttention's calls go through
     ``FlexAttentionKeepingItsInputs``."""
     if cpu_as_cuda:
-        with patch.object(long_short_blocks, "flex_attend", FlexAttentionKeepingItsInputs.apply):
+        with patch.object(long_short_blocks, "flex_attend", flex_attend_keeping_its_inputs):
             return saved_for_backward(peer, n, device, dtype)
     module = bench_attention.build_peer(peer).to(device=device, dtype=dtype)
     x, grad = bench_attention.inputs(n, device, dtype)

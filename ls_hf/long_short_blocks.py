@@ -481,7 +481,8 @@ def flex_attend(
     """
     if compiled is None:
         compiled = query.device.type in COMPILED_DEVICES and query.dtype in FUSED_DTYPES
-    compiled = compiled and not torch.compiler.is_compiling()
+    # compiled for the CPU, FlexAttention returns no log-sum-exp (torch 2.14): there it runs uncompiled
+    compiled = compiled and not torch.compiler.is_compiling() and not (return_lse and query.device.type == "cpu")
     kernel = compiled_flex_attention() if compiled else functools.partial(flex_call, flex_attention)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
