@@ -8,10 +8,10 @@ Tests that compare against a reference take ``device`` and ``dtype`` and check w
 
 On a GPU (``LS_TEST_DEVICE=cuda``) only the tests that take the ``device`` fixture run: the others would run on the
 CPU exactly as they do without it, so they are deselected; so are, in a precision below the device's full one
-(bfloat16; ``tests.devices.FULL_PRECISION``), the tests that do not take the ``dtype`` fixture. Property tests draw fewer examples there
-(``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the rest of the attention
-layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the others run the kernel
-alone compiled, which the marked tests check the compiled layer against.
+(bfloat16; ``tests.devices.FULL_PRECISION``), the tests that do not take the ``dtype`` fixture. Property tests draw
+fewer examples on a GPU (``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the
+rest of the attention layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the
+others run the kernel alone compiled, which the marked tests check the compiled layer against.
 """
 
 import pytest

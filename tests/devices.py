@@ -55,12 +55,14 @@ def needed_fixtures(device: torch.device, dtype: torch.dtype) -> set[str]:
     return needed
 
 
-def device_selection(items: list, device: torch.device, dtype: torch.dtype = torch.float64) -> tuple[list, list]:
+def device_selection(items: list, device: torch.device, dtype: torch.dtype) -> tuple[list, list]:
     """The collected tests to run on ``device`` in ``dtype`` (they take the ``needed_fixtures``) and those to
     deselect."""
     needed = needed_fixtures(device, dtype)
-    kept = [item for item in items if needed <= set(getattr(item, "fixturenames", ()))]
-    return kept, [item for item in items if not needed <= set(getattr(item, "fixturenames", ()))]
+    kept, deselected = [], []
+    for item in items:
+        (kept if needed <= set(getattr(item, "fixturenames", ())) else deselected).append(item)
+    return kept, deselected
 
 
 def cpu64(*objects):
