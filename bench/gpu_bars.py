@@ -247,26 +247,17 @@ BARS = (
     ),
     *(
         Bar(
-            f"attention fwd+bwd 16k, batch 1: Long-Short recompute_window_tiles / {name}, {label}",
+            f"attention fwd+bwd {n}, batch 1: Long-Short {setting} / {name}, {label}",
             "attention",
             quantity,
-            _attention("long-short-recompute", "16k"),
-            _attention(peer, "16k"),
-        )
-        for peer, name, quantity, label in (
-            ("long-short", "default", "time_s", "time"),
-            ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),
-        )
-    ),
-    *(
-        Bar(
-            f"attention fwd+bwd {n}, batch 1: Long-Short long_range_in_kernel=False / {name}, {label}",
-            "attention",
-            quantity,
-            _attention("long-short-apart", n),
+            _attention(variant, n),
             _attention(peer, n),
         )
-        for n in ("16k", "64k")
+        for variant, setting, lengths in (
+            ("long-short-recompute", "recompute_window_tiles", ("16k",)),
+            ("long-short-apart", "long_range_in_kernel=False", ("16k", "64k")),
+        )
+        for n in lengths
         for peer, name, quantity, label in (
             ("long-short", "default", "time_s", "time"),
             ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),
