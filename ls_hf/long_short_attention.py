@@ -57,6 +57,7 @@ from .long_short_kernels import (
     TiledAttention,
     gather_tiles,
     layer_norm_in_place,
+    recoverable_layer_norms,
     segments_heads_first,
 )
 from .long_short_rules import (
@@ -411,14 +412,49 @@ class LongShortSelfAttention(nn.Module):
             return x
         return layer_norm_in_place(x, norm) if lean else norm(x)
 
-    def _local_keys_values(self, hidden_states: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
+    def _local_keys_values(self, hidden_states: Tensor, lean: bool, normalize: bool = True) -> tuple[Tensor, Tensor]:
         """``LN_L(x W_K)`` and ``LN_L(x W_V)`` (Eq. 7), (B, n, H, d). ``lean``: each LayerNorm is written over its
-        Linear's output, computed on the (B n) rows so that the output is a tensor of its own rather than a view."""
+        Linear's output, computed on the (B n) rows so that the output is a tensor of its own rather than a view.
+        ``normalize=False``: ``x W_K`` and ``x W_V``, whose ``LN_L`` comes later (``_joins_local_norm``)."""
         B, n, _ = hidden_states.shape
         rows = hidden_states.flatten(0, 1) if lean else hidden_states
         return tuple(
-            self._split(self._dual_ln(linear(rows), local=True, is_key=is_key, lean=lean).view(B, n, -1))
+            self._split(
+                (self._dual_ln(linear(rows), local=True, is_key=is_key, lean=lean) if normalize else linear(rows)).view(
+                    B, n, -1
+                )
+            )
             for linear, is_key in ((self.key, True), (self.value, False))
+        )
+
+    def _normalized_local(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``LN_L`` of the Linears' outputs k, v (B, n, H, d) that ``_local_keys_values(normalize=False)`` gave."""
+        return tuple(
+            self._split(self._dual_ln(x.flatten(2), local=True, is_key=is_key)) for x, is_key in ((k, True), (v, False))
+        )
+
+    def _joins_keys(self, backend: str, *, cached: bool) -> bool:
+        """Whether the fused path builds the window keys and the projected rows in one tensor each (``_joined_extra``):
+        bidirectionally with the extra keys in the kernel; causally without a cache, where besides a segment must be
+        finished and no row may start with padding (``_causal`` knows)."""
+        if backend != "flex" or not self.window_size or not self.projection_rank:
+            return False
+        return not cached if self.causal else self.long_range_in_kernel
+
+    def _joins_local_norm(self, backend: str, *, cached: bool) -> bool:
+        """Whether the joined keys take ``LN_L`` too (``JoinedProjectedKeys`` given its gains), so that the key and
+        value Linears' outputs are not kept for ``LN_L``'s backward pass: with DualLN, where the keys are joined
+        (``_joins_keys``), with autograd recording, outside a compilation of the caller's, and where ``LN_L``'s input
+        can be recovered from its output (``recoverable_layer_norms``: one read of the gains, which waits for their
+        device)."""
+        return (
+            self.dual_ln_local is not None
+            and self._joins_keys(backend, cached=cached)
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and recoverable_layer_norms(
+                self._dual_ln_norm(local=True, is_key=True), self._dual_ln_norm(local=True, is_key=False)
+            )
         )
 
     def _split(self, x: Tensor) -> Tensor:
@@ -472,22 +508,26 @@ class LongShortSelfAttention(nn.Module):
         valid: Tensor | None,
         prefix: ExtraKeys | None,
         segment: int | None = None,
+        *,
+        local_norm: bool = False,
     ) -> tuple[ExtraKeys, ExtraKeys]:
         """The fused path's extra keys [prefix; projected rows] built with the window keys (B, n, H, d) in one tensor
         each (``JoinedProjectedKeys``), and the projected rows alone, as views of those tensors. The rows: Eq. 3 over
         hidden X (B, m, D), the first m of the n tokens, valid (B, m) or None as ``_project``'s, then ``LN_G``;
         ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the caller marks each row's
-        segment)."""
+        segment). ``local_norm``: keys and values are the Linears' outputs, and ``LN_L`` is applied there (the
+        normalized window keys are the joined tensors' first n rows)."""
         B, n = keys.shape[:2]
         S = 1 if segment is None else hidden.shape[1] // segment
         seg_valid = None if valid is None else valid.view(B, S, -1)
         weights = projection_weights(self._projection_scores(hidden, S), seg_valid)
         joined = []
         for name, window, is_key in (("keys", keys, True), ("values", values, False)):
-            norm = self._dual_ln_norm(local=False, is_key=is_key)
+            local, norm = (self._dual_ln_norm(local=is_local, is_key=is_key) for is_local in (True, False))
+            local_args = (local.weight, local.bias) if local_norm else (None, None)
             norm_args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             before = None if prefix is None else getattr(prefix, name)
-            joined.append(JoinedProjectedKeys.apply(window, before, weights, *norm_args))
+            joined.append(JoinedProjectedKeys.apply(window, before, weights, *local_args, *norm_args))
         rows_valid = self._rows_valid(seg_valid, B, S, keys.device)
         start = n + (0 if prefix is None else prefix.keys.shape[1])
         joined_k, joined_v = joined
@@ -586,16 +626,19 @@ class LongShortSelfAttention(nn.Module):
             cls_hidden=cls_hidden,
             state=state,
             backend=backend,
+            local_norm_joined=self._joins_local_norm(backend, cached=state is not None),
         )
 
     def _attend(
-        self, hidden_states, *, valid, is_global, global_count, cls_hidden, state, backend
+        self, hidden_states, *, valid, is_global, global_count, cls_hidden, state, backend, local_norm_joined=False
     ) -> tuple[Tensor, Tensor | None]:
         """The layer after ``forward``'s checks and choice of backend: the projections, the attention and the output
         projection (as ``compiled_attention_layer`` runs it). ``global_count``: the most global tokens of a sample
-        (counted before, so that the compiled layer's shapes follow from its arguments)."""
+        (counted before, so that the compiled layer's shapes follow from its arguments). ``local_norm_joined``:
+        ``LN_L`` is applied where the keys are joined (``_joins_local_norm``, decided before, as it reads the
+        gains)."""
         q = self._split(self.query(hidden_states))
-        k, v = self._local_keys_values(hidden_states, lean=backend == "lean")
+        k, v = self._local_keys_values(hidden_states, lean=backend == "lean", normalize=not local_norm_joined)
         if self.causal:
             context, attn = self._causal(
                 q=q,
@@ -605,6 +648,7 @@ class LongShortSelfAttention(nn.Module):
                 valid=valid,
                 state=state,
                 backend=backend,
+                local_norm=local_norm_joined,
             )
         else:
             context, attn = self._bidirectional(
@@ -617,6 +661,7 @@ class LongShortSelfAttention(nn.Module):
                 is_global=is_global,
                 global_count=global_count,
                 backend=backend,
+                local_norm=local_norm_joined,
             )
         return self.output(context.flatten(2)), attn
 
@@ -678,7 +723,11 @@ class LongShortSelfAttention(nn.Module):
             valid=valid,
         )
 
-    def _bidirectional(self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, global_count, backend):
+    def _bidirectional(
+        self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, global_count, backend, local_norm=False
+    ):
+        """``local_norm``: k, v are the Linears' outputs, normalized by ``LN_L`` where they are joined with the
+        projected rows (``_joins_local_norm``)."""
         B, n = q.shape[:2]
         K = global_count
         masked = valid is not None
@@ -699,8 +748,11 @@ class LongShortSelfAttention(nn.Module):
         projected, extra = None, _concatenated(extra)  # one set: global keys, then projected rows
         if self.projection_rank:
             projection_valid = local if masked or K else None
-            if backend == "flex" and width and self.long_range_in_kernel:  # rows in one tensor with the window keys
-                extra, projected = self._joined_extra(projection_inputs, k, v, projection_valid, prefix=extra)
+            if self._joins_keys(backend, cached=False):  # rows in one tensor with the window keys
+                extra, projected = self._joined_extra(
+                    projection_inputs, k, v, projection_valid, prefix=extra, local_norm=local_norm
+                )
+                k, v = (x[:, :n] for x in extra.joined)
             else:
                 projected = self._project(projection_inputs, k, v, projection_valid, segment=n, lean=backend == "lean")
                 extra = _concatenated([part for part in (extra, projected) if part is not None])
@@ -1006,9 +1058,10 @@ class LongShortSelfAttention(nn.Module):
         out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
-    def _causal(self, *, q, k, v, hidden, valid, state: CausalState | None, backend):
+    def _causal(self, *, q, k, v, hidden, valid, state: CausalState | None, backend, local_norm=False):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it (None:
-        a forward pass without a cache, from position 0).
+        a forward pass without a cache, from position 0). ``local_norm``: k, v are the Linears' outputs, normalized by
+        ``LN_L`` where they are joined with the projected rows (``_joins_local_norm``), and here otherwise.
 
         Each row counts its window and projection segments from its first real token (``_first_real``), so a row's
         output does not depend on left padding beside it: the same rule in a full forward and in every cached call."""
@@ -1018,6 +1071,10 @@ class LongShortSelfAttention(nn.Module):
         p0, end = state.seen, state.seen + n
         q_valid, offsets = valid, self._first_real(valid, state)
         all_valid = q_valid is None and p0 == 0  # every key is a real token
+        seg_start, done = ((p0 // l) * l, (end // l) * l) if r else (0, 0)
+        joins = self._joins_keys(backend, cached=cached) and offsets is None and done > seg_start
+        if local_norm and not joins:
+            k, v = self._normalized_local(k, v)
         if valid is None:
             valid = torch.ones(B, n, dtype=torch.bool, device=hidden.device)
         # Window keys of positions [k_start, end): the cached tail and the new tokens.
@@ -1033,12 +1090,18 @@ class LongShortSelfAttention(nn.Module):
         if r:
             all_hidden = torch.cat([state.pending, hidden], 1) if state.pending is not None else hidden
             if offsets is None:
-                seg_start, done = (p0 // l) * l, (end // l) * l
-                if done > seg_start and backend == "flex" and w and not cached:  # rows and window keys in one tensor
+                if joins:  # rows and window keys in one tensor
                     joined, projected = self._joined_extra(
-                        all_hidden[:, :done], k_all, v_all, None if all_valid else valid_all[:, :done], None, l
+                        all_hidden[:, :done],
+                        k_all,
+                        v_all,
+                        None if all_valid else valid_all[:, :done],
+                        None,
+                        l,
+                        local_norm=local_norm,
                     )
                     rows_k, rows_v, rows_valid = projected.keys, projected.values, projected.valid
+                    k_all, v_all = (x[:, : k_all.shape[1]] for x in joined.joined)
                 elif done > seg_start:
                     span = slice(seg_start - k_start, done - k_start)
                     new_k, new_v, new_valid = self._project(

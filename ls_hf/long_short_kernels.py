@@ -11,7 +11,8 @@ saves (``bench/RESULTS.md``):
 * ``DynamicProjection``: Eq. 3's scores and P built a few heads at a time, and again in the backward pass.
 
 On the fused path, ``JoinedProjectedKeys`` builds the keys and values of the one attention kernel call, [window keys;
-global keys; projected rows], and keeps the window keys only there; with ``long_range_in_kernel=False``,
+global keys; projected rows], and keeps the window keys only there, applying ``LN_L`` too where the gains allow
+recovering its input from its output (``recoverable_layer_norms``); with ``long_range_in_kernel=False``,
 ``ExtraKeysAttention`` attends to the global keys and projected rows apart from the kernel, returning the log-sum-exp
 that merges the two softmaxes into one.
 
@@ -39,6 +40,7 @@ __all__ = [
     "gather_tiles",
     "layer_norm_in_place",
     "layer_norm_input_grad",
+    "recoverable_layer_norms",
     "segments_heads_first",
 ]
 
@@ -200,16 +202,19 @@ class LayerNormInPlace(torch.autograd.Function):
 LN_MIN_GAMMA = 1e-3
 
 
+def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
+    """Whether the normalized input ``x_hat = (y - beta) / gamma`` can be recovered from each LayerNorm's output y:
+    gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. Reading the answer waits for the gains' device."""
+    if any(norm.weight is None or norm.bias is None for norm in norms):
+        return False
+    return bool(torch.cat([norm.weight.detach().abs().flatten() for norm in norms]).min() >= LN_MIN_GAMMA)
+
+
 def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:
     """``norm(x)`` written over ``x`` (``LayerNormInPlace``) when ``x`` is contiguous and the gains allow recovering
-    ``x_hat`` from the output (all ``|gamma| >= LN_MIN_GAMMA``, gain and bias present); otherwise ``norm(x)``. The
-    caller's ``x`` must be needed by nothing else."""
-    if (
-        not x.is_contiguous()
-        or norm.weight is None
-        or norm.bias is None
-        or bool((norm.weight.abs() < LN_MIN_GAMMA).any())
-    ):
+    ``x_hat`` from the output (``recoverable_layer_norms``); otherwise ``norm(x)``. The caller's ``x`` must be needed
+    by nothing else."""
+    if not x.is_contiguous() or not recoverable_layer_norms(norm):
         return norm(x)
     return LayerNormInPlace.apply(x, norm.weight, norm.bias, norm.eps)
 
@@ -313,36 +318,50 @@ class JoinedProjectedKeys(torch.autograd.Function):
     window from it there: built from ``project_rows`` and a cat, the window would be kept twice more, as the product's
     input and inside the cat. Besides, it keeps P (which P's softmax keeps too) and the r rows before ``LN_G``. The
     forward pass runs the operations of ``project_rows``, ``nn.LayerNorm`` and ``torch.cat``, autocast included; the
-    backward pass computes the product's gradients in the product's dtype and ``LN_G``'s in float32 at least.
+    backward pass computes the product's gradients in the product's dtype and the LayerNorms' in float32 at least.
+
+    Given ``LN_L``'s gain and bias, the window is the Linear's output and ``LN_L`` is applied here, in float32 at
+    least and written in the window's dtype: its backward pass recovers the normalized window ``(y - beta) / gamma``
+    from the output (as ``LayerNormInPlace``; every ``|gamma| >= LN_MIN_GAMMA``, ``recoverable_layer_norms``), so the
+    Linear's output is not kept.
 
     window (B, L, H, d), of which the first S*l tokens are projected (causal: the last, unfinished segment is not),
-    prefix (B, G, H, d) or None, weights P (B, S, H, r, l), norm_weight and norm_bias (H*d) or None (DualLN off),
-    eps -> (B, L + G + S*r, H, d), the rows segment-major.
+    prefix (B, G, H, d) or None, weights P (B, S, H, r, l), local_weight and local_bias (H*d) or None (the window is
+    normalized already, or DualLN is off), norm_weight and norm_bias (H*d) or None (DualLN off), eps (both
+    LayerNorms') -> (B, L + G + S*r, H, d) in the window's dtype, the rows segment-major.
     """
 
     @staticmethod
-    def forward(ctx, window, prefix, weights, norm_weight, norm_bias, eps):
+    def forward(ctx, window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps):
         B, L, H, d = window.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
+        local_rstd = None
+        if local_weight is not None:
+            dtype = torch.promote_types(window.dtype, torch.float32)
+            normed, _, local_rstd = torch.native_layer_norm(
+                window.reshape(B, L, H * d).to(dtype), (H * d,), local_weight.to(dtype), local_bias.to(dtype), eps
+            )
+            window = normed.to(window.dtype).view(B, L, H, d)
         rows = projected(weights, segments_heads_first(window[:, : S * l], S))  # (B, S, H, r, d)
         rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
         normed = rows if norm_weight is None else F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
-        joined = torch.cat([window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)], 1)
-        ctx.eps, ctx.window_length, ctx.window_dtype, ctx.weights_dtype = eps, L, window.dtype, weights.dtype
+        parts = [window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)]
+        joined = torch.cat([part.to(window.dtype) for part in parts], 1)
+        ctx.eps, ctx.window_length, ctx.weights_dtype = eps, L, weights.dtype
         ctx.prefix_dtype = None if prefix is None else prefix.dtype
-        ctx.save_for_backward(joined, weights, rows, norm_weight, norm_bias)
+        ctx.save_for_backward(joined, weights, rows, local_weight, local_bias, local_rstd, norm_weight, norm_bias)
         return joined
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_joined):
-        joined, weights, rows, norm_weight, norm_bias = ctx.saved_tensors
+        joined, weights, rows, local_weight, local_bias, local_rstd, norm_weight, norm_bias = ctx.saved_tensors
         B, _, H, d = joined.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
         L = ctx.window_length
         G = joined.shape[1] - L - S * r
         grad_rows = grad_joined[:, L + G :].flatten(2)
-        grad_norm_weight = grad_norm_bias = None
+        grad_norm_weight = grad_norm_bias = grad_local_weight = grad_local_bias = None
         if norm_weight is not None:
             dtype = torch.promote_types(rows.dtype, torch.float32)
             var, mean = torch.var_mean(rows.to(dtype), -1, correction=0, keepdim=True)
@@ -356,11 +375,30 @@ class JoinedProjectedKeys(torch.autograd.Function):
         window = segments_heads_first(joined[:, : S * l], S).to(rows.dtype)  # its projected segments
         grad_weights = (grad_rows @ window.transpose(-1, -2)).to(ctx.weights_dtype)
         grad_projected = (weights.to(rows.dtype).transpose(-1, -2) @ grad_rows).transpose(2, 3).reshape(B, S * l, H, d)
-        grad_window = grad_joined[:, :L].to(torch.promote_types(grad_joined.dtype, rows.dtype), copy=True)
+        dtype = torch.promote_types(grad_joined.dtype, rows.dtype)
+        if local_weight is not None:
+            dtype = torch.promote_types(dtype, torch.float32)
+        grad_window = grad_joined[:, :L].to(dtype, copy=True)
         grad_window[:, : S * l] += grad_projected
-        grad_window = grad_window.to(ctx.window_dtype)
+        if local_weight is not None:  # through LN_L, from its output: x_hat = (y - beta) / gamma
+            gamma, beta = local_weight.to(dtype), local_bias.to(dtype)
+            g = grad_window.reshape(B, L, H * d)
+            x_hat = (joined[:, :L].reshape(B, L, H * d).to(dtype) - beta).div_(gamma)
+            grad_local_weight = (g * x_hat).sum((0, 1)).to(local_weight.dtype)
+            grad_local_bias = g.sum((0, 1)).to(local_bias.dtype)
+            grad_window = layer_norm_input_grad(g, x_hat, local_rstd.to(dtype), gamma).view(B, L, H, d)
+        grad_window = grad_window.to(joined.dtype)  # the window's dtype
         grad_prefix = None if ctx.prefix_dtype is None else grad_joined[:, L : L + G].to(ctx.prefix_dtype)
-        return grad_window, grad_prefix, grad_weights, grad_norm_weight, grad_norm_bias, None
+        return (
+            grad_window,
+            grad_prefix,
+            grad_weights,
+            grad_local_weight,
+            grad_local_bias,
+            grad_norm_weight,
+            grad_norm_bias,
+            None,
+        )
 
 
 class ExtraKeysAttention(torch.autograd.Function):

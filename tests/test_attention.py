@@ -608,10 +608,13 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
-def _joined_by_composition(window, prefix, weights, norm_weight, norm_bias, eps):
-    """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it."""
-    B, _, H, d = window.shape
+def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps):
+    """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it; given LN_L's gain and
+    bias, the window is normalized first."""
+    B, L, H, d = window.shape
     S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
+    if local_weight is not None:
+        window = F.layer_norm(window.flatten(2), (H * d,), local_weight, local_bias, eps).view(B, L, H, d)
     rows = weights.to(window.dtype) @ long_short_kernels.segments_heads_first(window[:, : S * l], S)
     rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
     if norm_weight is not None:
@@ -619,9 +622,11 @@ def _joined_by_composition(window, prefix, weights, norm_weight, norm_bias, eps)
     return torch.cat([window, *(() if prefix is None else (prefix,)), rows.view(B, S * r, H, d)], 1)
 
 
-def _joined_inputs(prefix: bool, norm: bool, segments: int, unfinished: int = 0, dtype=torch.float64):
+def _joined_inputs(norms: str, prefix: bool, segments: int, unfinished: int = 0, dtype=torch.float64):
     """window (2, S*5 + unfinished, 3, 4) (causal: an unfinished segment is not projected), prefix (2, 2, 3, 4),
-    P (2, S, 3, 2, 5) from scores with one excluded token, LN_G's gain and bias, all leaves that take gradients."""
+    P (2, S, 3, 2, 5) from scores with one excluded token, LN_L's gain and bias (``norms="both"``; the window is then
+    the Linear's output) and LN_G's (``"both"`` or ``"global"``; ``"none"``: DualLN off), all leaves that take
+    gradients."""
     generator = torch.Generator().manual_seed(0)
     B, H, d, r, l = 2, 3, 4, 2, 5
 
@@ -632,46 +637,63 @@ def _joined_inputs(prefix: bool, norm: bool, segments: int, unfinished: int = 0,
     valid[1, 0, 2] = False
     scores = draw(B, segments, H, r, l)
     weights = long_short_rules.projection_weights(scores, valid)
-    norm_args = (draw(H * d), draw(H * d), 1e-5) if norm else (None, None, 0.0)
-    return [draw(B, segments * l + unfinished, H, d), draw(B, 2, H, d) if prefix else None, weights, *norm_args], scores
+    local_args = (draw(H * d), draw(H * d)) if norms == "both" else (None, None)
+    norm_args = (None, None, 0.0) if norms == "none" else (draw(H * d), draw(H * d), 1e-5)
+    window, before = draw(B, segments * l + unfinished, H, d), draw(B, 2, H, d) if prefix else None
+    return [window, before, weights, *local_args, *norm_args], scores
+
+
+def _joined_leaves(tensors, scores):
+    """The leaves of ``_joined_inputs`` that take gradients: window, prefix, scores and the LayerNorms' parameters."""
+    return [t for t in (tensors[0], tensors[1], scores, *tensors[3:7]) if t is not None]
 
 
 @pytest.mark.parametrize("segments, unfinished", [(1, 0), (2, 0), (2, 3)], ids=["one", "segments", "unfinished"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["rows", "prefix"])
-@pytest.mark.parametrize("norm", [True, False], ids=["dual_ln", "no_dual_ln"])
-def test_joined_projected_keys_match_autograd(segments, unfinished, prefix, norm):
-    """``JoinedProjectedKeys`` ([window; prefix; LN_G(P window)], Eq. 3 / Eq. 5 and Eq. 7, keeping the window only
-    in its output): the output and the gradients of the window, the prefix, the scores behind P and LN_G's gain and
-    bias are those of plain autograd through ``project_rows``'s product, ``F.layer_norm`` and a cat (float64); one
-    segment, two, and two followed by an unfinished one (causal)."""
+@pytest.mark.parametrize("norms", ["both", "global", "none"], ids=["ln_l_and_ln_g", "ln_g", "no_dual_ln"])
+def test_joined_projected_keys_match_autograd(segments, unfinished, prefix, norms):
+    """``JoinedProjectedKeys`` ([LN_L(window); prefix; LN_G(P LN_L(window))], Eq. 3 / Eq. 5 and Eq. 7, keeping the
+    window only in its output): the output and the gradients of the window, the prefix, the scores behind P and the
+    LayerNorms' gains and biases are those of plain autograd through ``F.layer_norm``, ``project_rows``'s product and
+    a cat (float64); with LN_L applied there (its backward pass recovering the normalized window from the output) or
+    before; one segment, two, and two followed by an unfinished one (causal)."""
     results = []
     for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
-        tensors, scores = _joined_inputs(prefix, norm, segments, unfinished)
+        tensors, scores = _joined_inputs(norms, prefix, segments, unfinished)
         out = joined_fn(*tensors)
         upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
         out.backward(upstream)
-        leaves = [t for t in (tensors[0], tensors[1], scores, *tensors[3:5]) if t is not None]
-        results.append([out.detach(), *(t.grad for t in leaves)])
-    assert len(results[0]) == 4 + prefix + 2 * norm - 1
+        results.append([out.detach(), *(t.grad for t in _joined_leaves(tensors, scores))])
+    assert len(results[0]) == 3 + prefix + {"both": 4, "global": 2, "none": 0}[norms]
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
 def test_joined_projected_keys_under_autocast():
     """Under bfloat16 autocast (float32 leaves) ``JoinedProjectedKeys`` runs the same forward operations as the
-    composition, so its output is the same; its gradients are the composition's within bfloat16 rounding."""
-    results = []
-    for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
-        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2, unfinished=3, dtype=torch.float32)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = joined_fn(*tensors)
-        out.float().square().sum().backward()
-        results.append([out.detach(), *(t.grad for t in (tensors[0], tensors[1], scores, *tensors[3:5]))])
-    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    composition, so its output is the same; its gradients are the composition's within bfloat16 rounding. Given
+    LN_L too and the window in bfloat16 (as a Linear's output under autocast), its output is LN_L's in float32 rounded
+    to bfloat16 once, the dtype the attention kernel takes, where the composition's is float32."""
     eps = torch.finfo(torch.bfloat16).eps
-    for got, expected in zip(results[0][1:], results[1][1:]):
-        assert got.dtype == expected.dtype
-        torch.testing.assert_close(got, expected, rtol=0, atol=4 * eps * float(expected.abs().max()))
+    for norms in ("global", "both"):
+        results = []
+        for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
+            tensors, scores = _joined_inputs(norms, prefix=True, segments=2, unfinished=3, dtype=torch.float32)
+            if norms == "both":
+                tensors[0] = tensors[0].detach().bfloat16().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = joined_fn(*tensors)
+            out.float().square().sum().backward()
+            results.append([out.detach(), *(t.grad for t in _joined_leaves(tensors, scores))])
+        (joined, *grads), (expected_joined, *expected_grads) = results
+        if norms == "global":
+            torch.testing.assert_close(joined, expected_joined, atol=0, rtol=0)
+        else:
+            assert joined.dtype == torch.bfloat16
+            torch.testing.assert_close(joined, expected_joined.bfloat16(), atol=0, rtol=0)
+        for got, expected in zip(grads, expected_grads):
+            assert got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=8 * eps * float(expected.abs().max()))
 
 
 def test_joined_projected_keys_compile():
@@ -680,10 +702,10 @@ def test_joined_projected_keys_compile():
     torch._dynamo.reset()
     results = []
     for joined_fn in (_joined_twice, torch.compile(_joined_twice, fullgraph=True)):
-        tensors, scores = _joined_inputs(prefix=True, norm=True, segments=2)
+        tensors, scores = _joined_inputs("both", prefix=True, segments=2)
         out = joined_fn(*tensors)
         out.square().sum().backward()
-        results.append([out.detach(), *(t.grad for t in (tensors[0], tensors[1], scores, *tensors[3:5]))])
+        results.append([out.detach(), *(t.grad for t in _joined_leaves(tensors, scores))])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
@@ -695,18 +717,26 @@ def _joined_twice(*tensors):
 
 def test_joined_projected_keys_keep_the_window_once():
     """``JoinedProjectedKeys`` keeps its output (which the attention kernel keeps anyway), P and the rows before
-    LN_G, and no other tensor of the window's size; the composition keeps a copy of the window for its product."""
+    LN_G, and no other tensor of the window's size, LN_L's input included when it applies LN_L; the composition keeps
+    a copy of the window for its product, and LN_L's input."""
     kept = {}
     for name, joined_fn in (
         ("joined", long_short_kernels.JoinedProjectedKeys.apply),
         ("composition", _joined_by_composition),
     ):
-        tensors, _ = _joined_inputs(prefix=True, norm=True, segments=1)
-        window = tensors[0] * 1  # a tensor of its own, as LN_L's output is
-        saved, out = _saved_storages(functools.partial(joined_fn, window, *tensors[1:]))
-        output = out.untyped_storage().data_ptr()
-        kept[name] = sorted(size for ptr, size in saved.items() if ptr != output and size >= window.numel())
-    assert kept == {"joined": [], "composition": [window.numel()]}
+        for norms in ("global", "both"):
+            tensors, _ = _joined_inputs(norms, prefix=True, segments=1)
+            window = tensors[0] * 1  # a tensor of its own, as a Linear's or LN_L's output is
+            saved, out = _saved_storages(functools.partial(joined_fn, window, *tensors[1:]))
+            output = out.untyped_storage().data_ptr()
+            kept[name, norms] = sorted(size for ptr, size in saved.items() if ptr != output and size >= window.numel())
+    size = window.numel()
+    assert kept == {
+        ("joined", "global"): [],
+        ("joined", "both"): [],
+        ("composition", "global"): [size],
+        ("composition", "both"): [size, size],
+    }
 
 
 def _extra_keys_inputs(dtype=torch.float64):

@@ -228,9 +228,9 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
 def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
     padding): its output and its gradients of the input and of every parameter are the grouped SDPA path's, with the
-    cls token by default and with ``recompute_window_tiles`` (compiled with torch's activation memory budget, which
-    keeps less for the backward pass: neither the keys' and values' Linear outputs nor P), and with global tokens and
-    the extra keys apart from the kernel (``long_range_in_kernel=False``)."""
+    cls token by default (``LN_L`` applied where the keys are joined) and with ``recompute_window_tiles`` (compiled with
+    torch's activation memory budget, which keeps less for the backward pass: not P), and with global tokens and the
+    extra keys apart from the kernel (``long_range_in_kernel=False``)."""
     from ls_hf import long_short_attention, long_short_blocks
     from tests.test_attention import _saved_storages
 
@@ -265,7 +265,7 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
             torch.testing.assert_close(
                 grads[name, special][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}, {special}: {key}"
             )
-    assert kept["recompute", "cls"] <= kept["default", "cls"] - 3 * 2 * n * hidden
+    assert kept["recompute", "cls"] <= kept["default", "cls"] - 2 * n * hidden
 
 
 def test_compiled_layer_runs_where_it_can(monkeypatch):
@@ -394,6 +394,51 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, in_kernel, monkeypa
     assert "dynamic_projection.weight" in grads[0]
     for name, expected in grads[1].items():
         torch.testing.assert_close(grads[0][name], expected, atol=1e-9, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
+    """Where the fused path joins the window keys with the projected rows, ``LN_L`` is applied there
+    (``JoinedProjectedKeys``), which recovers its normalized input from its output: autograd keeps neither the key
+    nor the value Linear's output (two (n, hidden) tensors fewer). A gain below ``LN_MIN_GAMMA`` in an LN_L turns
+    that off, and so do a decoding cache and, causally, left padding (the keys are not joined then); the outputs and
+    gradients are the SDPA path's either way (float64, FlexAttention computed densely)."""
+    from ls_hf import long_short_attention, long_short_blocks
+    from tests.test_attention import _saved_storages
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    n, hidden, unit = 24, 12, 2 * 24 * 12
+    settings = {"window": 4, "causal": True, "segment_length": 2} if causal else {"window": 3}
+    cases = {"joined": ("right", None), "small gain": ("right", "dual_ln_local")}
+    if causal:
+        cases["left padding"] = ("left", None)
+    kept = {}
+    for name, (padding, small_gain) in cases.items():
+        default, eager = (
+            make(hidden=hidden, heads=3, rank=2, **settings, attn_implementation=a) for a in ("sdpa", "eager")
+        )
+        for module in (default, eager):
+            if small_gain is not None:
+                with torch.no_grad():
+                    getattr(module, small_gain).weight[1] = 1e-4
+        assert default._joins_local_norm("flex", cached=False) == (small_gain is None)
+        assert not (causal and default._joins_local_norm("flex", cached=True))
+        x, _ = inputs(default, 2, n)
+        mask = make_mask(padding, 2, n, 5)
+        grads = []
+        for module in (default, eager):
+            x_in = x.clone().requires_grad_()
+            params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+            saved, (out, _) = _saved_storages(functools.partial(module, x_in, mask))
+            if module is default:
+                kept[name] = sum(size for ptr, size in saved.items() if ptr not in params and size >= unit) / unit
+            out.square().sum().backward()
+            grads.append({"output": out, "input": x_in.grad, **{k: p.grad for k, p in module.named_parameters()}})
+        for key, expected in grads[1].items():
+            torch.testing.assert_close(grads[0][key], expected, atol=1e-9, rtol=0, msg=f"{name}: {key}")
+    assert kept["joined"] <= kept["small gain"] - 2
 
 
 def test_cpu_training_is_refused_clearly():
