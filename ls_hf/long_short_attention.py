@@ -94,8 +94,8 @@ FUSED_DEVICES = ("cuda",)
 # projections, DualLN, Eq. 3, the output projection), unless the module is built with ``compile_attention=False``.
 COMPILED_LAYER_DEVICES = ("cuda",)
 # The share of the compiled layer's activation memory (against what it keeps by default) that it keeps with
-# ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes the Linears' outputs and P in the
-# backward pass (0.3 and 0.2 keep the same, 0.5 keeps P; bench/RESULTS.md).
+# ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes P in the backward pass, and the
+# Linears' outputs where ``LN_L`` is not applied with the joined keys (``_joins_local_norm``; bench/RESULTS.md).
 RECOMPUTE_MEMORY_BUDGET = 0.3
 
 
@@ -269,8 +269,9 @@ class LongShortSelfAttention(nn.Module):
             a time and again in the backward pass, ``LN_L`` is written over its input and keeps its output only, and
             the projection's scores and weights P are built a few heads at a time, and again in the backward pass:
             less memory (``bench/RESULTS.md``), as fast on one thread, slower with several threads on a busy CPU. Where
-            the fused path compiles the layer (CUDA), its backward pass computes the keys' and values' Linear outputs
-            and P again instead (``compiled_attention_layer(recompute=True)``). Off by default.
+            the fused path compiles the layer (CUDA), its backward pass computes P again instead (and the keys' and
+            values' Linear outputs where they are kept: ``_joins_local_norm``) (``compiled_attention_layer(recompute=
+            True)``). Off by default.
         attn_implementation: ``"sdpa"`` (Transformers' default): the fastest exact path where the tensors are,
             FlexAttention with a block-sparse mask on CUDA (``FUSED_DEVICES``; the grouped SDPA path while attention
             dropout is active), grouped ``scaled_dot_product_attention`` elsewhere; ``"eager"``: grouped
@@ -1226,8 +1227,9 @@ def compiled_attention_layer(recompute: bool = False) -> Callable:
     the first one that differs.
 
     ``recompute`` (``recompute_window_tiles=True``): compiled with torch's ``activation_memory_budget`` at
-    ``RECOMPUTE_MEMORY_BUDGET``, so that its backward pass computes the keys' and values' Linear outputs and P (Eq. 3)
-    again rather than keeping them: about what fused dense attention keeps (``bench.profile_attention --saved``)."""
+    ``RECOMPUTE_MEMORY_BUDGET``, so that its backward pass computes P (Eq. 3) again rather than keeping it (and the
+    keys' and values' Linear outputs where they are kept): about what fused dense attention keeps
+    (``bench.profile_attention --saved``)."""
     budget = RECOMPUTE_MEMORY_BUDGET if recompute else None
     return compile_in_package(LongShortSelfAttention._attend, activation_memory_budget=budget)
 
