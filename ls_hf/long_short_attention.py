@@ -436,11 +436,9 @@ class LongShortSelfAttention(nn.Module):
 
     def _joins_keys(self, backend: str, *, cached: bool) -> bool:
         """Whether the fused path builds the window keys and the projected rows in one tensor each (``_joined_extra``):
-        bidirectionally with the extra keys in the kernel; causally without a cache, where besides a segment must be
-        finished and no row may start with padding (``_causal`` knows)."""
-        if backend != "flex" or not self.window_size or not self.projection_rank:
-            return False
-        return not cached if self.causal else self.long_range_in_kernel
+        bidirectionally (with the extra keys in the kernel or apart); causally without a cache, where besides a segment
+        must be finished and no row may start with padding (``_causal`` knows)."""
+        return backend == "flex" and bool(self.window_size and self.projection_rank) and not (self.causal and cached)
 
     def _joins_local_norm(self, backend: str, *, cached: bool) -> bool:
         """Whether the joined keys take ``LN_L`` too (``JoinedProjectedKeys`` given its gains), so that the key and
@@ -1135,9 +1133,8 @@ class LongShortSelfAttention(nn.Module):
         extra = None
         if rows_k is not None:
             segment = torch.arange(rows_k.shape[1], device=q.device) // r
-            extra = (
-                ExtraKeys(rows_k, rows_v, rows_valid, segment) if joined is None else joined._replace(segment=segment)
-            )
+            # built whole: under torch.compile, ``_replace``'s tuple cannot be rebuilt across a graph break (torch 2.11)
+            extra = ExtraKeys(rows_k, rows_v, rows_valid, segment, joined=None if joined is None else joined.joined)
         inputs = JointInputs(
             q=q,
             q_start=p0,
