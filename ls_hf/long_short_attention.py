@@ -419,14 +419,13 @@ class LongShortSelfAttention(nn.Module):
         ``normalize=False``: ``x W_K`` and ``x W_V``, whose ``LN_L`` comes later (``_joins_local_norm``)."""
         B, n, _ = hidden_states.shape
         rows = hidden_states.flatten(0, 1) if lean else hidden_states
-        return tuple(
-            self._split(
-                (self._dual_ln(linear(rows), local=True, is_key=is_key, lean=lean) if normalize else linear(rows)).view(
-                    B, n, -1
-                )
-            )
-            for linear, is_key in ((self.key, True), (self.value, False))
-        )
+        keys_values = []
+        for linear, is_key in ((self.key, True), (self.value, False)):
+            x = linear(rows)
+            if normalize:
+                x = self._dual_ln(x, local=True, is_key=is_key, lean=lean)
+            keys_values.append(self._split(x.view(B, n, -1)))
+        return tuple(keys_values)
 
     def _normalized_local(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``LN_L`` of the Linears' outputs k, v (B, n, H, d) that ``_local_keys_values(normalize=False)`` gave."""
