@@ -10,7 +10,7 @@ One attention module each (query/key/value/output projections included; hidden 7
   of the layer run op by op (the default compiles it around the kernel);
 * ``long-short-recompute``: the same with ``recompute_window_tiles=True``: on the CPU tiles built chunk by chunk, again
   in the backward pass, ``LN_L`` keeping its output only and the projection's lean backward (``bench/RESULTS.md``); on
-  CUDA the layer compiled with torch's activation memory budget (the Linears' outputs and P computed again);
+  CUDA the layer compiled with torch's activation memory budget (P computed again);
 * ``long-short-apart``: the same with ``long_range_in_kernel=False``: on CUDA the kernel attends over the window keys
   alone, and a dense softmax over the projected rows is merged with it by log-sum-exp;
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;

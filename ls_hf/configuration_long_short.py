@@ -41,7 +41,8 @@ class LongShortConfig(PreTrainedConfig):
             ``LN_L`` keeps its output only, and the projection's scores and P are built a head at a time and again in
             the backward pass (attention peak 1.03-1.07x fused SDPA's in tensors instead of 2.1x; slower with several
             threads on a busy CPU; see ``bench/RESULTS.md``). On CUDA, where the attention layer is compiled, its
-            backward pass computes the keys' and values' Linear outputs and P again instead of keeping them.
+            backward pass computes P again instead of keeping it (the keys' and values' Linear outputs are not kept
+            there by default: ``LN_L`` recovers its input from its output).
         compile_attention (`bool`, defaults to True): on CUDA, where attention runs one FlexAttention kernel per layer,
             compile the rest of each attention layer around it (projections, DualLN, the dynamic projection), once per
             process for all layers; False compiles the kernel alone.
