@@ -171,8 +171,10 @@ class ExtraKeys(NamedTuple):
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
-    """The entries ``index`` (B, m) along dim 1 of a (B, L, ...) tensor: (B, m, ...)."""
-    return torch.take_along_dim(x, index.view(index.shape + (1,) * (x.dim() - 2)), dim=1)
+    """The entries ``index`` (B, m) along dim 1 of a (B, L, ...) tensor: (B, m, ...). A gather, which, unlike
+    ``take_along_dim``, does not make ``torch.compile`` specialize on L (a recompilation per length)."""
+    index = index.view(index.shape + (1,) * (x.dim() - 2))
+    return x.gather(1, index.expand(x.shape[0], index.shape[1], *x.shape[2:]))
 
 
 def _pad_seq(x: Tensor, left: int, right: int) -> Tensor:

@@ -96,6 +96,16 @@ def roberta_position_ids(
     return ((real.cumsum(1) + earlier) * real + padding_idx)[:, -n:]
 
 
+def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``attention_mask`` for the attention layers, or None when it marks every token real, as Transformers' SDPA
+    mask preparation drops an all-ones mask (one read of the device per forward pass): the layers then take their
+    unpadded path, with no key-validity mask and no masked projection, whose compiled code serves every length.
+    Kept as it is inside ``torch.compile``, which cannot branch on its values."""
+    if attention_mask is None or torch.compiler.is_compiling() or not bool((attention_mask > 0).all()):
+        return attention_mask
+    return None
+
+
 def first_token_global(reference: torch.Tensor) -> torch.Tensor:
     """Longformer's default for classification: the first token (``<s>``) global. reference (B, n, ...) -> (B, n)."""
     mask = torch.zeros(reference.shape[:2], dtype=torch.long, device=reference.device)
@@ -533,7 +543,7 @@ class LongShortModel(LongShortPreTrainedModel):
         )
         hidden_states = self.encoder(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
+            attention_mask=padding_mask(attention_mask),
             cache=cache,
             output_attentions=output_attentions,
             global_attention_mask=global_attention_mask,

@@ -225,6 +225,43 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
 
 
 @pytest.mark.compiled
+def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
+    """Uncached generation feeds the layer one token more each step. With left padding (each row's segments counted
+    from its first real token), the compiled causal layer makes its lengths symbolic at the second length and the
+    count of projected rows at the first segment boundary after it, and compiles nothing for the later lengths; it
+    matches the grouped SDPA path throughout. Dynamo's own eager backend, whose guards are the ones inductor gets:
+    ``take_along_dim`` made dynamo specialize on the length, one compilation per token."""
+    from torch._dynamo.utils import counters
+
+    from ls_hf import long_short_attention, long_short_blocks
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
+    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
+    for compiled in cached:  # built with the eager backend here, and again with inductor after the test
+        compiled.cache_clear()
+    _compile_on_cpu(monkeypatch)
+    layer = make(hidden=16, heads=2, window=8, rank=2, causal=True, segment_length=4, dtype=torch.float32)
+    new_graphs = []
+    try:
+        for n in range(40, 52):  # segments of 4 tokens: 40 static, 41 symbolic, 44 the rows' count symbolic
+            x, _ = inputs(layer, 2, n)
+            mask = make_mask("left", 2, n, 11)
+            with torch.no_grad():
+                expected, _ = layer(x, mask, attn_implementation="eager")
+                before = counters["stats"]["unique_graphs"]
+                out, _ = layer(x, mask)
+                new_graphs.append(counters["stats"]["unique_graphs"] - before)
+            torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    finally:
+        for compiled in cached:
+            compiled.cache_clear()
+        torch._dynamo.reset()
+    assert new_graphs[0] > 0 and new_graphs[1] > 0
+    assert new_graphs[5:] == [0] * 7
+
+
+@pytest.mark.compiled
 def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
     padding): its output and its gradients of the input and of every parameter are the grouped SDPA path's, with the

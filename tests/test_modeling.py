@@ -395,6 +395,30 @@ def test_right_padding_does_not_change_real_positions(overrides, device, dtype):
     assert_close(batch.last_hidden_state[:1, :13], alone, atol=1e-12)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
+def test_an_all_ones_mask_reaches_the_layers_as_none(overrides):
+    """As Transformers drops an all-ones mask before SDPA, the model passes the layers None for a mask that marks every
+    token real (the unpadded path, whose compiled code serves every length), the same outputs; a mask with padding
+    reaches them as it is."""
+    model = LongShortModel(tiny_config(**overrides)).eval()
+    masks = []
+    for layer in model.encoder.layer:
+        layer.attention.self.register_forward_pre_hook(
+            lambda module, args, kwargs: masks.append(kwargs["attention_mask"]),
+            with_kwargs=True,
+        )
+    ids, padded = tokens(2, 19), torch.ones(2, 19, dtype=torch.long)
+    padded[1, slice(0, 5) if overrides else slice(14, None)] = 0  # causal: left padding; bidirectional: right
+    with torch.no_grad():
+        plain = model(ids).last_hidden_state
+        assert masks == [None, None]
+        ones = model(ids, attention_mask=torch.ones(2, 19, dtype=torch.long)).last_hidden_state
+        assert masks[2:] == [None, None]
+        model(ids, attention_mask=padded)
+    assert all(mask is not None and mask.equal(padded) for mask in masks[4:]) and len(masks) == 6
+    torch.testing.assert_close(ones, plain, atol=0, rtol=0)
+
+
 def test_no_future_leakage_through_the_causal_model(device):
     model = LongShortForCausalLM(tiny_config(is_decoder=True)).to(device, torch.float64).eval()  # leaks >> rounding
     ids = tokens(1, 29).to(device)
