@@ -6,11 +6,9 @@ compilation happens, each peer's peak memory over one step, then timed rounds ta
 
 * attention: ``bench.bench_attention``'s layer (hidden 768, 12 heads, w = 256, r = 64), forward + backward at 4,096,
   16,384 and 65,536 tokens (batch 1) and at 4,096 tokens (batch 8): Long-Short's default (on CUDA its fused
-  FlexAttention path, the rest of the layer compiled around the kernel), the same with the kernel alone compiled
-  (``compile_attention=False``) and its grouped SDPA path (``attn_implementation="eager"``), for reference, dense SDPA
-  (the flash kernel) and FlexAttention's own sliding window (+-w, compiled); at 16,384 and 65,536 also the layer
-  with the extra keys attended apart from the kernel (``long_range_in_kernel=False``), and at 16,384 with
-  ``recompute_window_tiles=True``;
+  FlexAttention path, the rest of the layer compiled around the kernel), dense SDPA (the flash kernel) and
+  FlexAttention's own sliding window (+-w, compiled); at 16,384 also, for reference, Long-Short with the kernel alone
+  compiled (``compile_attention=False``) and its grouped SDPA path (``attn_implementation="eager"``);
 * masked LM: a training step of ``bench.bench_models``' base-width models (12 x 768) in tokens/s, at 4,096 tokens
   (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa (SDPA), and at 8,192 ModernBERT-base too
   (its config's 22 layers and widths, random weights, ``modernbert_attention``: flash attention 2 when installed,
@@ -57,13 +55,15 @@ from bench import bench_attention, bench_models, bench_vision
 from bench.common import DTYPES, MEASUREMENT_ERRORS, failure, results_path, run_meta, side_by_side, write_json
 from recipes.lra import train as lra_train
 
-ATTENTION_PEERS = ("long-short", "long-short-kernel", "long-short-eager", "sdpa", "flex-window")
-# (length label, batch, peers); lengths from Plan.attention_lengths
+ATTENTION_PEERS = ("long-short", "sdpa", "flex-window")
+# Long-Short's other paths on CUDA, timed against the default at 16k: the kernel alone compiled, the grouped SDPA path
+ATTENTION_VARIANTS = ("long-short-kernel", "long-short-eager")
+# (length label, batch, peers) in the order run; lengths from Plan.attention_lengths
 ATTENTION_RUNS = (
     ("4k", 1, ATTENTION_PEERS),
-    ("16k", 1, (*ATTENTION_PEERS, "long-short-recompute", "long-short-apart")),
-    ("64k", 1, (*ATTENTION_PEERS, "long-short-apart")),
     ("4k", 8, ("long-short", "sdpa")),
+    ("16k", 1, (*ATTENTION_PEERS, *ATTENTION_VARIANTS)),
+    ("64k", 1, ATTENTION_PEERS),
 )
 MLM_RUNS = (
     ("4k", 8, ("long-short", "roberta-sdpa")),
@@ -243,25 +243,7 @@ BARS = (
             ("long-short-kernel", "kernel alone compiled", (("time_s", "time"), ("peak_mem_bytes", "peak memory"))),
         )
         for quantity, label in quantities
-        for n in ("4k", "16k", "64k")
-    ),
-    *(
-        Bar(
-            f"attention fwd+bwd {n}, batch 1: Long-Short {setting} / {name}, {label}",
-            "attention",
-            quantity,
-            _attention(variant, n),
-            _attention(peer, n),
-        )
-        for variant, setting, lengths in (
-            ("long-short-recompute", "recompute_window_tiles", ("16k",)),
-            ("long-short-apart", "long_range_in_kernel=False", ("16k", "64k")),
-        )
-        for n in lengths
-        for peer, name, quantity, label in (
-            ("long-short", "default", "time_s", "time"),
-            ("sdpa", "flash SDPA", "peak_mem_bytes", "peak memory"),
-        )
+        for n in ("16k",)
     ),
     Bar(
         "MLM step 12 x 768, 4k x 8: Long-Short / RoBERTa-SDPA, tokens/s",

@@ -42,7 +42,7 @@ class LongShortConfig(PreTrainedConfig):
             the backward pass (attention peak 1.03-1.07x fused SDPA's in tensors instead of 2.1x; slower with several
             threads on a busy CPU; see ``bench/RESULTS.md``). On CUDA, where the attention layer is compiled, its
             backward pass computes P again instead of keeping it (the keys' and values' Linear outputs are not kept
-            there by default: ``LN_L`` recovers its input from its output).
+            there by default: ``LN_L`` recovers its input from its output); on an H200 that left the peak unchanged.
         compile_attention (`bool`, defaults to True): on CUDA, where attention runs one FlexAttention kernel per layer,
             compile the rest of each attention layer around it (projections, DualLN, the dynamic projection), once per
             process for all layers; False compiles the kernel alone.
