@@ -375,7 +375,10 @@ RECOMPILE_LIMIT = 64
 def compile_in_package(fn: Callable, *, activation_memory_budget: float | None = None) -> Callable:
     """``torch.compile(fn)``, called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while it runs. Its
     compilations count against a limit of its own, not against those of any other compiled function in the
-    process. ``activation_memory_budget``: compiled by inductor with torch's setting of that name
+    process. Dynamo's ``nested_graph_breaks`` is on while it runs: a compile boundary deep in ``fn`` (the attention
+    kernel's call, three calls down in the layer) splits it into one graph before and one after, not a graph before
+    and after in every frame on the way (about 6 forward graphs a layer, each with its guards and its autograd node,
+    to 2). ``activation_memory_budget``: compiled by inductor with torch's setting of that name
     (``inductor_with_memory_budget``), whose code dynamo keeps apart from the default backend's."""
     backend = (
         "inductor"
@@ -386,7 +389,7 @@ def compile_in_package(fn: Callable, *, activation_memory_budget: float | None =
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, nested_graph_breaks=True):
             return compiled(*args, **kwargs)
 
     return run
