@@ -232,18 +232,17 @@ BARS = (
     ),
     *(
         Bar(
-            f"attention fwd+bwd {n}, batch 1: Long-Short {name} / default, {label}",
+            f"attention fwd+bwd 16k, batch 1: Long-Short {name} / default, {label}",
             "attention",
             quantity,
-            _attention(peer, n),
-            _attention("long-short", n),
+            _attention(peer, "16k"),
+            _attention("long-short", "16k"),
         )
         for peer, name, quantities in (
             ("long-short-eager", "eager (grouped SDPA)", (("time_s", "time"),)),
             ("long-short-kernel", "kernel alone compiled", (("time_s", "time"), ("peak_mem_bytes", "peak memory"))),
         )
         for quantity, label in quantities
-        for n in ("16k",)
     ),
     Bar(
         "MLM step 12 x 768, 4k x 8: Long-Short / RoBERTa-SDPA, tokens/s",
