@@ -8,9 +8,9 @@ there), with the operators that take the most device time listed per peer.
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
     python -m bench.profile_attention --vision cvt_ls_13 cvt_ls_13-kernel hf_cvt_13 --resolution 224 --batch 32
 
-Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls
-and device kernels per step, and writes them to ``bench/results/profile_attention_<device>.txt`` (``--out``: another
-file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and the layer compiled
+Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls,
+device kernels and compiled graphs run per step, and writes them to ``bench/results/profile_attention_<device>.txt``
+(``--out``: another file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and the layer compiled
 around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the layer removes.
 ``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
 ``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled).
@@ -107,7 +107,8 @@ def profile_peer(
     peer: str, n: int, device: str, dtype: torch.dtype, warmups: int, steps: int, rows: int, backward: bool = True
 ) -> str:
     """The profiler's operator table of ``steps`` forward + backward (or forward) steps of ``peer`` at ``n`` tokens,
-    then the operator calls (``aten::`` events, nested ones included) and device kernels per step."""
+    then the operator calls (``aten::`` events, nested ones included), device kernels and compiled graphs run
+    (``torch.compile``'s regions) per step."""
     module = bench_attention.build_peer(peer).to(device=device, dtype=dtype)
     x, grad = bench_attention.inputs(n, device, dtype)
     return profiled(lambda: bench_attention.step(module, x, grad, backward), device, warmups, steps, rows)
@@ -134,7 +135,8 @@ def profile_vision(
 
 def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, rows: int) -> str:
     """The profiler's operator table of ``steps`` calls of ``step`` after ``warmups``, then the operator calls
-    (``aten::`` events, nested ones included) and device kernels per step."""
+    (``aten::`` events, nested ones included), device kernels and compiled graphs run
+    (``torch.compile``'s regions) per step."""
     for _ in range(warmups):
         step()
     sync(device)
@@ -147,7 +149,10 @@ def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, ro
     sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     operators = sum(e.count for e in events if e.key.startswith("aten::")) / steps
     kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA) / steps
-    counts = f"per step: {operators:.0f} aten operator calls, {kernels:.0f} device kernels"
+    graphs = sum(e.count for e in events if e.key.startswith("Torch-Compiled Region")) / steps
+    counts = (
+        f"per step: {operators:.0f} aten operator calls, {kernels:.0f} device kernels, {graphs:.0f} compiled graphs run"
+    )
     return f"{events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)}\n{counts}"
 
 
