@@ -26,6 +26,7 @@ Each section has a share of ``--budget-s``; time a section leaves over passes to
 of its time is stopped where it is, its bars marked "not run". Times are never asserted anywhere.
 
     python -m bench.gpu_bars                 # CUDA, bf16, within --budget-s (270 s) of measuring
+    python -m bench.gpu_bars --sections attention --budget-s 150   # one section (or several) alone
     python -m bench.gpu_bars --smoke         # the same sections and bars on the CPU with tiny shapes (float32,
                                              # forward-only attention: FlexAttention has no CPU backward; the
                                              # smallest members of the timm families): checks the logic
@@ -376,11 +377,11 @@ def verdict(ratio: float | None, relation: str, target: float | None) -> str:
     return "PASS" if (ratio >= target if relation == ">=" else ratio <= target) else "MISS"
 
 
-def bar_rows(measurements: dict[str, dict], notes: dict[str, str]) -> list[dict]:
-    """Every bar's row from the ``measurements`` (key -> result with ``status``) and the sections' ``notes`` (why a
-    bar whose measurements are absent was not run)."""
+def bar_rows(measurements: dict[str, dict], notes: dict[str, str], sections: list[str] | None = None) -> list[dict]:
+    """Every bar's row (of ``sections`` only, when given) from the ``measurements`` (key -> result with ``status``) and
+    the sections' ``notes`` (why a bar whose measurements are absent was not run)."""
     rows = []
-    for bar in BARS:
+    for bar in BARS if sections is None else [bar for bar in BARS if bar.section in sections]:
         found = [measurements.get(key, {}) for key in (bar.numerator, bar.denominator)]
         values = [result.get(bar.quantity) if result.get("status") == "ok" else None for result in found]
         ratio = values[0] / values[1] if None not in values and values[1] else None
@@ -595,9 +596,14 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_sections(plan: Plan, budget_s: float) -> tuple[dict[str, dict], dict[str, str]]:
-    """Every section within its time (``SECTIONS``: its share of ``budget_s`` and what the earlier ones left); returns
-    the measurements by key and a note per section (how long it ran, or why it stopped)."""
+def run_sections(
+    plan: Plan, budget_s: float, names: tuple[str, ...] | None = None
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every section (or those of ``names``) within its time (``SECTIONS``: its share of ``budget_s``, the shares of
+    the sections run scaled to add up to 1, and what the earlier ones left); returns the measurements by key and a
+    note per section run (how long it ran, or why it stopped)."""
+    sections = [section for section in SECTIONS if names is None or section[0] in names]
+    total_share = sum(share for *_, share in sections)
     measurements, notes, start, share_so_far = {}, {}, time.perf_counter(), 0.0
 
     def record(key: str, result: dict) -> None:
@@ -605,8 +611,8 @@ def run_sections(plan: Plan, budget_s: float) -> tuple[dict[str, dict], dict[str
         shown = " ".join(shown_value(result[quantity], quantity) for quantity in UNITS if quantity in result)
         print(f"  {key:<48} {result['status']:<6} {shown} {result.get('reason', '')}", flush=True)
 
-    for name, section, share in SECTIONS:
-        share_so_far += share
+    for name, section, share in sections:
+        share_so_far += share / total_share
         began = time.perf_counter()
         left = start + share_so_far * budget_s - began
         print(f"{name}: up to {max(left, 0):.0f} s", flush=True)
@@ -638,6 +644,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="JSON path, .md beside it (default bench/results/[quick/]gpu_bars_<device>.json)",
     )
     parser.add_argument("--copy-to", type=Path, default=None, help="a folder that gets a copy of the JSON and .md")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=None,
+        choices=[name for name, *_ in SECTIONS],
+        help="run these sections only, in their usual order, the budget shared among them (default: all)",
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
     budget_s = args.budget_s if args.budget_s is not None else 600.0 if args.smoke else 270.0
@@ -649,8 +662,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if out.suffix != ".json":
         parser.error(f"--out must name a .json file, got {str(out)!r}")
 
-    measurements, notes = run_sections(plan, budget_s)
-    rows = bar_rows(measurements, notes)
+    measurements, notes = run_sections(plan, budget_s, args.sections and tuple(args.sections))
+    rows = bar_rows(measurements, notes, sections=args.sections)
     meta = run_meta(
         "gpu_bars",
         argv,

@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, long_short_flex_attend
+from . import long_short_blocks
+from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, extra_key_copies, long_short_flex_attend
 from .long_short_kernels import (
     FUSED_CPU,
     DynamicProjection,
@@ -56,6 +57,7 @@ from .long_short_kernels import (
     JoinedProjectedKeys,
     TiledAttention,
     gather_tiles,
+    in_copies,
     layer_norm_in_place,
     recoverable_layer_norms,
     segments_heads_first,
@@ -435,6 +437,14 @@ class LongShortSelfAttention(nn.Module):
             self._split(self._dual_ln(x.flatten(2), local=True, is_key=is_key)) for x, is_key in ((k, True), (v, False))
         )
 
+    def _extra_key_copies(self, num_queries: int) -> int:
+        """How many copies of the extra keys the fused path's kernel takes for ``num_queries`` queries: one per band
+        of ``EXTRA_KEY_BAND`` queries bidirectionally with the extra keys in the kernel (``extra_key_copies``: a
+        backward pass as parallel for them as for the window keys), else 1."""
+        if self.causal or not self.long_range_in_kernel:
+            return 1
+        return extra_key_copies(num_queries, long_short_blocks.EXTRA_KEY_BAND)
+
     def _joins_keys(self, backend: str, *, cached: bool) -> bool:
         """Whether the fused path builds the window keys and the projected rows in one tensor each (``_joined_extra``):
         bidirectionally (with the extra keys in the kernel or apart); causally without a cache, where besides a segment
@@ -510,13 +520,15 @@ class LongShortSelfAttention(nn.Module):
         segment: int | None = None,
         *,
         local_norm: bool = False,
+        copies: int = 1,
     ) -> tuple[ExtraKeys, ExtraKeys]:
         """The fused path's extra keys [prefix; projected rows] built with the window keys (B, n, H, d) in one tensor
         each (``JoinedProjectedKeys``), and the projected rows alone, as views of those tensors. The rows: Eq. 3 over
         hidden X (B, m, D), the first m of the n tokens, valid (B, m) or None as ``_project``'s, then ``LN_G``;
         ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the caller marks each row's
         segment). ``local_norm``: keys and values are the Linears' outputs, and ``LN_L`` is applied there (the
-        normalized window keys are the joined tensors' first n rows)."""
+        normalized window keys are the joined tensors' first n rows). ``copies``: the joined tensors hold that many
+        copies of [prefix; rows] (``extra_key_copies``); the returned keys and values are the first."""
         B, n = keys.shape[:2]
         S = 1 if segment is None else hidden.shape[1] // segment
         seg_valid = None if valid is None else valid.view(B, S, -1)
@@ -527,14 +539,15 @@ class LongShortSelfAttention(nn.Module):
             local_args = (local.weight, local.bias) if local_norm else (None, None)
             norm_args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             before = None if prefix is None else getattr(prefix, name)
-            joined.append(JoinedProjectedKeys.apply(window, before, weights, *local_args, *norm_args))
+            joined.append(JoinedProjectedKeys.apply(window, before, weights, *local_args, *norm_args, copies))
         rows_valid = self._rows_valid(seg_valid, B, S, keys.device)
         start = n + (0 if prefix is None else prefix.keys.shape[1])
+        end = start + rows_valid.shape[1]
         joined_k, joined_v = joined
-        projected = ExtraKeys(keys=joined_k[:, start:], values=joined_v[:, start:], valid=rows_valid)
+        projected = ExtraKeys(keys=joined_k[:, start:end], values=joined_v[:, start:end], valid=rows_valid)
         extra = ExtraKeys(
-            keys=joined_k[:, n:],
-            values=joined_v[:, n:],
+            keys=joined_k[:, n:end],
+            values=joined_v[:, n:end],
             valid=rows_valid if prefix is None else torch.cat([prefix.valid, rows_valid], 1),
             joined=(joined_k, joined_v),
         )
@@ -750,7 +763,13 @@ class LongShortSelfAttention(nn.Module):
             projection_valid = local if masked or K else None
             if self._joins_keys(backend, cached=False):  # rows in one tensor with the window keys
                 extra, projected = self._joined_extra(
-                    projection_inputs, k, v, projection_valid, prefix=extra, local_norm=local_norm
+                    projection_inputs,
+                    k,
+                    v,
+                    projection_valid,
+                    prefix=extra,
+                    local_norm=local_norm,
+                    copies=self._extra_key_copies(n),
                 )
                 k, v = (x[:, :n] for x in extra.joined)
             else:
@@ -1001,23 +1020,30 @@ class LongShortSelfAttention(nn.Module):
         R = extra.keys.shape[1] if extra is not None else 0
         if R and inputs.k.shape[1] and not self.causal and not self.long_range_in_kernel:
             return self._merged_with_extra_keys(inputs), None
+        copies = self._extra_key_copies(q.shape[1]) if R else 1
         if not R:
             keys, values = inputs.k, inputs.v
-        elif extra.joined is not None:  # built as one tensor each with the window keys (``_joined_extra``)
+        elif extra.joined is not None:  # built as one tensor each with the window keys (``_joined_extra``), in copies
             keys, values = extra.joined
         else:
-            keys, values = torch.cat([inputs.k, extra.keys], 1), torch.cat([inputs.v, extra.values], 1)
-        key_valid = None if inputs.all_valid else torch.cat([inputs.k_valid, extra.valid], 1) if R else inputs.k_valid
+            keys, values = (
+                torch.cat([x, in_copies(e, copies)], 1) for x, e in ((inputs.k, extra.keys), (inputs.v, extra.values))
+            )
+        key_valid = None if inputs.all_valid else inputs.k_valid
+        if R and key_valid is not None:
+            key_valid = torch.cat([key_valid, in_copies(extra.valid, copies)], 1)
         causal_rows = R and extra.segment is not None  # r rows per segment of l tokens, seen by Eq. 5
         key_layout = KeyLayout(
             window_size=self.window_size,
             causal=self.causal,
             num_window_keys=inputs.k.shape[1],
-            num_extra_keys=R,
+            num_extra_keys=R * copies,
             q_start=inputs.q_start,
             k_start=inputs.k_start,
             segment_length=self.segment_length if causal_rows else None,
             projection_rank=self.projection_rank if causal_rows else None,
+            extra_key_copies=copies,
+            queries_per_copy=long_short_blocks.EXTRA_KEY_BAND,
         )
         q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
         out = long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid)

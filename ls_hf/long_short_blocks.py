@@ -4,7 +4,9 @@ Eq. 5, Appendix D), built from the window geometry and never evaluated over all 
 Key layout: ``L`` window keys first, at key indices ``[0, L)``, holding the tokens at positions
 ``[k_start, k_start + L)``; then ``R`` extra keys at ``[L, L + R)``: the global tokens' keys and the projected rows
 (bidirectional, every query sees every valid one), or causally the projected rows, segment-major with ``r`` rows per
-segment of ``l`` tokens (Eq. 5). The queries hold the positions ``[q_start, q_start + m)``. With ``offsets`` (B,), row
+segment of ``l`` tokens (Eq. 5). Bidirectional extra keys may come as ``extra_key_copies`` equal copies, each seen by
+one band of ``queries_per_copy`` consecutive queries (the last copy by every query after): each query still sees
+each extra key once (``extra_key_copies``). The queries hold the positions ``[q_start, q_start + m)``. With ``offsets`` (B,), row
 b's logical positions are its physical ones minus ``offsets[b]``, queries and keys alike, so that a left-padded row
 counts its windows and segments from its first real token.
 
@@ -47,6 +49,7 @@ __all__ = [
     "KeyLayout",
     "compile_in_package",
     "compiled_flex_attention",
+    "extra_key_copies",
     "flex_attend",
     "long_short_block_mask",
     "long_short_flex_attend",
@@ -62,6 +65,18 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # an earlier call made the lengths symbolic).
 COMPILED_DEVICES = ("cuda",)
 DEFAULT_BLOCK_SIZE = 128
+# Queries per copy of the bidirectional extra keys (``extra_key_copies``): 8 query blocks of ``DEFAULT_BLOCK_SIZE``.
+EXTRA_KEY_BAND = 1024
+
+
+def extra_key_copies(num_queries: int, queries_per_copy: int = EXTRA_KEY_BAND) -> int:
+    """How many copies of the bidirectional extra keys the fused path gives FlexAttention for ``num_queries``
+    queries: one per band of ``queries_per_copy`` queries. Every query sees the extra keys, so one copy would sit in
+    one key block that every query block sees, and FlexAttention's backward pass, which loops over a key block's
+    query blocks in one program, would spend most of its time on that loop alone (at 65,536 tokens, 512 query blocks:
+    the backward pass took 8.5x the forward pass's time on an H100). A copy per band makes that loop as short as a
+    window block's, for the same forward work and each query's same softmax; the copies' gradients add up."""
+    return -(-num_queries // queries_per_copy)
 
 
 # ---------------------------------------------------------------------------------------------------- layout
@@ -70,8 +85,9 @@ class KeyLayout:
     """Where the keys are and which rule each follows (this module's docstring): ``num_window_keys`` (L) window keys
     holding positions ``[k_start, k_start + L)``, then ``num_extra_keys`` (R) extra keys, for queries from position
     ``q_start``. ``segment_length`` (l) and ``projection_rank`` (r), causal only: the extra keys are projected rows,
-    r per segment of l tokens, seen by Eq. 5; without them every query sees every extra key. ``window_size`` 0: no
-    window keys. A malformed layout raises ``ValueError`` naming the field."""
+    r per segment of l tokens, seen by Eq. 5; without them every query sees every extra key, or with
+    ``extra_key_copies`` C > 1 the R / C keys of copy ``min(q_idx // queries_per_copy, C - 1)``. ``window_size`` 0:
+    no window keys. A malformed layout raises ``ValueError`` naming the field."""
 
     window_size: int
     causal: bool
@@ -81,12 +97,25 @@ class KeyLayout:
     k_start: int = 0
     segment_length: int | None = None
     projection_rank: int | None = None
+    extra_key_copies: int = 1
+    queries_per_copy: int = EXTRA_KEY_BAND
 
     def __post_init__(self):
         for name in ("window_size", "num_window_keys", "num_extra_keys", "q_start", "k_start"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        for name in ("extra_key_copies", "queries_per_copy"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        copies, extra = self.extra_key_copies, self.num_extra_keys
+        if copies > 1 and (self.segment_length is not None or extra == 0 or extra % copies):
+            raise ValueError(
+                f"extra_key_copies ({copies}) > 1 needs bidirectional extra keys (no segment_length) in equal "
+                f"copies: num_extra_keys ({extra}) must be a positive multiple of it; pass extra_key_copies=1 "
+                f"otherwise."
+            )
         if self.window_size == 0 and self.num_window_keys:
             raise ValueError(
                 f"window_size is 0 (no short-term window), so num_window_keys must be 0, got "
@@ -122,6 +151,10 @@ class KeyLayout:
     def num_keys(self) -> int:
         return self.num_window_keys + self.num_extra_keys
 
+    @property
+    def keys_per_copy(self) -> int:
+        return self.num_extra_keys // self.extra_key_copies
+
 
 def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | None) -> int:
     """The batch size that ``key_valid`` / ``offsets`` give (1 without them, broadcast over the batch), after checking
@@ -153,13 +186,14 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
 # -------------------------------------------------------------------------------------------------- mask_mod
 @cached_outside_compile(maxsize=64)
 def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor:
-    """``[num_window_keys, q_start, k_start]`` of ``layout``, the parts of it that change with the length, as an int64
-    tensor on ``device`` for the mask_mod to read: as a tensor, not as Python ints, the compiled kernel, which takes
+    """``[num_window_keys, q_start, k_start, keys_per_copy, extra_key_copies - 1]`` of ``layout``, the parts of it
+    that change with the length, as an int64 tensor on ``device`` for the mask_mod to read: as a tensor, not as Python ints, the compiled kernel, which takes
     the mask as an input, serves every length (it fails to lower the ints that a mask captures once it recompiles with
     symbolic lengths, torch 2.14). Cached per layout and device, built outside inference mode (a cached mask serves
     later calls in training too)."""
     with torch.inference_mode(False):
-        return torch.tensor([layout.num_window_keys, layout.q_start, layout.k_start], device=device)
+        numbers = (layout.num_window_keys, layout.q_start, layout.k_start, layout.keys_per_copy)
+        return torch.tensor([*numbers, layout.extra_key_copies - 1], device=device)
 
 
 def long_short_mask_mod(
@@ -173,14 +207,15 @@ def long_short_mask_mod(
 
     Query ``q_idx`` is at position ``t = q_start + q_idx - offsets[b]``. It sees the window key ``kv_idx < L`` (at
     ``k_start + kv_idx - offsets[b]``) by ``window_rule``, and the extra key ``kv_idx >= L``: always, or, with a
-    ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``.
-    Keys where ``key_valid`` (B, L + R) is False are never seen. ``device``: where the attention runs (by default
+    ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``,
+    or, with ``extra_key_copies``, where its copy is the query's (``copy_seen``). Keys where ``key_valid`` (B, L + R) is False are never seen. ``device``: where the attention runs (by default
     ``key_valid``'s or ``offsets``', else the CPU).
     """
     _batch_size(layout, key_valid, offsets)
     device = _mask_device(device, key_valid, offsets)
     window, causal, has_window = layout.window_size, layout.causal, layout.num_window_keys > 0
     segment_length, rank = layout.segment_length, layout.projection_rank
+    copied, queries_per_copy = layout.extra_key_copies > 1, layout.queries_per_copy
     geometry = mask_geometry(layout, device)
 
     def long_short_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -191,6 +226,9 @@ def long_short_mask_mod(
         seen = ~is_window
         if segment_length is not None:
             seen = seen & segment_rule(t, (kv_idx - window_keys) // rank, segment_length)
+        elif copied:
+            copy = (kv_idx - window_keys) // geometry[3]
+            seen = seen & (copy == copy_seen(q_idx, queries_per_copy, geometry[4]))
         if has_window:
             seen = seen | (is_window & window_rule(t, kv_idx + (k_start - shift), window, causal))
         if key_valid is not None:
@@ -198,6 +236,12 @@ def long_short_mask_mod(
         return seen
 
     return long_short_mask
+
+
+def copy_seen(q_idx, queries_per_copy: int, last_copy):
+    """The copy of the extra keys that query ``q_idx`` sees: its band of ``queries_per_copy`` queries, the queries
+    past the last band in the last copy."""
+    return torch.clamp(q_idx // queries_per_copy, max=last_copy)
 
 
 def _mask_device(device: torch.device | str | None, *tensors: Tensor | None) -> torch.device:
@@ -256,14 +300,18 @@ def _block_geometry(
         window = spans(zero, zero + L, (low_a - k_shift, high_z - k_shift), (low_z - k_shift, high_a - k_shift))
     else:
         window = (key_start, key_start, torch.ones((), dtype=torch.bool, device=device))
-    if layout.segment_length is None:  # every extra key
-        rows_a = rows_z = zero + R
+    if layout.segment_length is None:  # the extra keys of the query's copy (every one without copies)
+        per_copy, last_copy = layout.keys_per_copy, layout.extra_key_copies - 1
+        copy_a, copy_z = (copy_seen(t, layout.queries_per_copy, last_copy) for t in (first, last))
+        union = (L + per_copy * copy_a, L + per_copy * (copy_z + 1))
+        intersection = (L + per_copy * copy_z, L + per_copy * (copy_a + 1))
     else:  # rows [0, r * finished segments) of the segment-major projected rows (Eq. 5)
         rows_a, rows_z = (
             torch.clamp(layout.projection_rank * finished_segments(t + q_shift, layout.segment_length), 0, R)
             for t in (first, last)
         )
-    extra = spans(zero + L, zero + L + R, (zero + L, L + rows_z), (zero + L, L + rows_a))
+        union, intersection = (zero + L, L + rows_z), (zero + L, L + rows_a)
+    extra = spans(zero + L, zero + L + R, union, intersection)
     spans_and_full = torch.broadcast_tensors(*window[:2], *extra[:2], complete & window[2] & extra[2])
     return _BlockGeometry(*spans_and_full, key_start, key_end)
 

@@ -311,6 +311,11 @@ def segments_heads_first(x: Tensor, segments: int) -> Tensor:
     return x.unflatten(1, (segments, -1)).transpose(2, 3)
 
 
+def in_copies(x: Tensor, copies: int) -> Tensor:
+    """x (B, R, ...) repeated ``copies`` times along dim 1: (B, copies * R, ...), copy-major."""
+    return x.unsqueeze(1).expand(x.shape[0], copies, *x.shape[1:]).flatten(1, 2)
+
+
 class JoinedProjectedKeys(torch.autograd.Function):
     """The keys (or values) of the fused path's one softmax (Eq. 6) in one tensor, [window; prefix; rows]: the window
     keys after ``LN_L``, the global tokens' keys, and the projected rows ``P K`` of Eq. 3 / Eq. 5 after ``LN_G``
@@ -328,11 +333,12 @@ class JoinedProjectedKeys(torch.autograd.Function):
     window (B, L, H, d), of which the first S*l tokens are projected (causal: the last, unfinished segment is not),
     prefix (B, G, H, d) or None, weights P (B, S, H, r, l), local_weight and local_bias (H*d) or None (the window is
     normalized already, or DualLN is off), norm_weight and norm_bias (H*d) or None (DualLN off), eps (both
-    LayerNorms') -> (B, L + G + S*r, H, d) in the window's dtype, the rows segment-major.
+    LayerNorms'), copies (of [prefix; rows], ``extra_key_copies``) -> (B, L + copies * (G + S*r), H, d) in the
+    window's dtype, the rows segment-major; the copies' gradients add up.
     """
 
     @staticmethod
-    def forward(ctx, window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps):
+    def forward(ctx, window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps, copies=1):
         B, L, H, d = window.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
         local_rstd = None
@@ -345,9 +351,11 @@ class JoinedProjectedKeys(torch.autograd.Function):
         rows = projected(weights, segments_heads_first(window[:, : S * l], S))  # (B, S, H, r, d)
         rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
         normed = rows if norm_weight is None else F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
-        parts = [window, *(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d)]
-        joined = torch.cat([part.to(window.dtype) for part in parts], 1)
-        ctx.eps, ctx.window_length, ctx.weights_dtype = eps, L, weights.dtype
+        extra = [
+            part.to(window.dtype) for part in (*(() if prefix is None else (prefix,)), normed.view(B, S * r, H, d))
+        ]
+        joined = torch.cat([window, in_copies(torch.cat(extra, 1), copies)], 1)
+        ctx.eps, ctx.window_length, ctx.weights_dtype, ctx.copies = eps, L, weights.dtype, copies
         ctx.prefix_dtype = None if prefix is None else prefix.dtype
         ctx.save_for_backward(joined, weights, rows, local_weight, local_bias, local_rstd, norm_weight, norm_bias)
         return joined
@@ -359,8 +367,9 @@ class JoinedProjectedKeys(torch.autograd.Function):
         B, _, H, d = joined.shape
         S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
         L = ctx.window_length
-        G = joined.shape[1] - L - S * r
-        grad_rows = grad_joined[:, L + G :].flatten(2)
+        grad_extra = grad_joined[:, L:].unflatten(1, (ctx.copies, -1)).sum(1)  # the copies' gradients added
+        G = grad_extra.shape[1] - S * r
+        grad_rows = grad_extra[:, G:].flatten(2)
         grad_norm_weight = grad_norm_bias = grad_local_weight = grad_local_bias = None
         if norm_weight is not None:
             dtype = torch.promote_types(rows.dtype, torch.float32)
@@ -388,7 +397,7 @@ class JoinedProjectedKeys(torch.autograd.Function):
             grad_local_bias = g.sum((0, 1)).to(local_bias.dtype)
             grad_window = layer_norm_input_grad(g, x_hat, local_rstd.to(dtype), gamma).view(B, L, H, d)
         grad_window = grad_window.to(joined.dtype)  # the window's dtype
-        grad_prefix = None if ctx.prefix_dtype is None else grad_joined[:, L : L + G].to(ctx.prefix_dtype)
+        grad_prefix = None if ctx.prefix_dtype is None else grad_extra[:, :G].to(ctx.prefix_dtype)
         return (
             grad_window,
             grad_prefix,
@@ -397,6 +406,7 @@ class JoinedProjectedKeys(torch.autograd.Function):
             grad_local_bias,
             grad_norm_weight,
             grad_norm_bias,
+            None,
             None,
         )
 

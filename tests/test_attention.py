@@ -608,9 +608,9 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
-def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps):
-    """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it; given LN_L's gain and
-    bias, the window is normalized first."""
+def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps, copies=1):
+    """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it, [prefix; rows]
+    ``copies`` times; given LN_L's gain and bias, the window is normalized first."""
     B, L, H, d = window.shape
     S, r, l = weights.shape[1], weights.shape[3], weights.shape[4]
     if local_weight is not None:
@@ -619,7 +619,7 @@ def _joined_by_composition(window, prefix, weights, local_weight, local_bias, no
     rows = rows.permute(0, 1, 3, 2, 4).reshape(B, S * r, H * d)
     if norm_weight is not None:
         rows = F.layer_norm(rows, (H * d,), norm_weight, norm_bias, eps)
-    return torch.cat([window, *(() if prefix is None else (prefix,)), rows.view(B, S * r, H, d)], 1)
+    return torch.cat([window, *[*(() if prefix is None else (prefix,)), rows.view(B, S * r, H, d)] * copies], 1)
 
 
 def _joined_inputs(norms: str, prefix: bool, segments: int, unfinished: int = 0, dtype=torch.float64):
@@ -648,19 +648,21 @@ def _joined_leaves(tensors, scores):
     return [t for t in (tensors[0], tensors[1], scores, *tensors[3:7]) if t is not None]
 
 
+@pytest.mark.parametrize("copies", [1, 3], ids=["one_copy", "copies"])
 @pytest.mark.parametrize("segments, unfinished", [(1, 0), (2, 0), (2, 3)], ids=["one", "segments", "unfinished"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["rows", "prefix"])
 @pytest.mark.parametrize("norms", ["both", "global", "none"], ids=["ln_l_and_ln_g", "ln_g", "no_dual_ln"])
-def test_joined_projected_keys_match_autograd(segments, unfinished, prefix, norms):
+def test_joined_projected_keys_match_autograd(segments, unfinished, prefix, norms, copies):
     """``JoinedProjectedKeys`` ([LN_L(window); prefix; LN_G(P LN_L(window))], Eq. 3 / Eq. 5 and Eq. 7, keeping the
     window only in its output): the output and the gradients of the window, the prefix, the scores behind P and the
     LayerNorms' gains and biases are those of plain autograd through ``F.layer_norm``, ``project_rows``'s product and
     a cat (float64); with LN_L applied there (its backward pass recovering the normalized window from the output) or
-    before; one segment, two, and two followed by an unfinished one (causal)."""
+    before; one segment, two, and two followed by an unfinished one (causal); [prefix; rows] once or in 3 copies
+    (``extra_key_copies``), whose gradients add up."""
     results = []
     for joined_fn in (long_short_kernels.JoinedProjectedKeys.apply, _joined_by_composition):
         tensors, scores = _joined_inputs(norms, prefix, segments, unfinished)
-        out = joined_fn(*tensors)
+        out = joined_fn(*tensors, copies)
         upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
         out.backward(upstream)
         results.append([out.detach(), *(t.grad for t in _joined_leaves(tensors, scores))])

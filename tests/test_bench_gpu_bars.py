@@ -119,6 +119,16 @@ def test_smoke_run_measures_every_bar_on_the_cpu(tmp_path, capsys):
     assert table(rows) in capsys.readouterr().out
 
 
+def test_chosen_sections_run_alone(tmp_path):
+    """``--sections``: those sections run, with the whole budget between them, and the table holds their bars only."""
+    rows = gpu_bars.main(["--smoke", "--sections", "decoding", "--out", str(tmp_path / "bars.json")])
+    saved = json.loads((tmp_path / "bars.json").read_text())
+    assert [row["bar"] for row in rows] == [bar.what for bar in BARS if bar.section == "decoding"]
+    assert all(row["verdict"] in ("PASS", "MISS") for row in rows)
+    assert list(saved["meta"]["sections"]) == ["decoding"]
+    assert {key.split("/")[0] for key in saved["measurements"]} == {"decoding"}
+
+
 def test_no_time_left_marks_every_bar_not_run(tmp_path):
     rows = gpu_bars.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "bars.json")])
     assert len(rows) == len(BARS) and {row["verdict"] for row in rows} == {"not run"}

@@ -80,6 +80,13 @@ def layouts(draw, max_queries=700, windows=WINDOWS):
         fields.update(
             num_window_keys=num_window_keys, num_extra_keys=draw(st.integers(0 if num_window_keys else 1, 150))
         )
+        if fields["num_extra_keys"] and draw(st.booleans()):  # in copies, each seen by a band of queries
+            copies = draw(st.integers(2, 5))
+            fields.update(
+                num_extra_keys=copies * -(-fields["num_extra_keys"] // copies),
+                extra_key_copies=copies,
+                queries_per_copy=draw(st.sampled_from((1, 3, 8, 16, 50))),
+            )
     spec = {
         "batch": draw(st.integers(1, 3)),
         "padding": draw(st.sampled_from(["none", "right", "left", "random"])),
@@ -122,7 +129,8 @@ def reference_keep(case: Case) -> torch.Tensor:
     """(B, m, L + R): the paper's visibility with loops over positions. Query i of row b is at t = q_start + i -
     offset, window key j at k_start + j - offset; with s = (t // w) w and e = max(w // 2, 1), a bidirectional query
     sees [s - e, s + w + e) (Sec. 3.2), a causal one [s - w, t] (Appendix D); an extra key is always seen, or, a causal
-    projected row j' = j - L, when its segment j' // r < t // l (Eq. 5); an invalid key never."""
+    projected row j' = j - L, when its segment j' // r < t // l (Eq. 5), or, in C copies, when its copy j' // (R / C)
+    is the query's band i // queries_per_copy (the last copy for every later band); an invalid key never."""
     lay, B = case.layout, case.batch
     L, w = lay.num_window_keys, lay.window_size
     valid = [[True] * lay.num_keys] * B if case.key_valid is None else case.key_valid.tolist()
@@ -136,8 +144,11 @@ def reference_keep(case: Case) -> torch.Tensor:
                     p, s = lay.k_start + j - offsets[b], (t // w) * w
                     e = max(w // 2, 1)
                     seen = s - w <= p <= t if lay.causal else s - e <= p < s + w + e
+                elif lay.segment_length is not None:
+                    seen = (j - L) // lay.projection_rank < t // lay.segment_length
                 else:
-                    seen = lay.segment_length is None or (j - L) // lay.projection_rank < t // lay.segment_length
+                    copies = lay.extra_key_copies
+                    seen = (j - L) // (lay.num_extra_keys // copies) == min(i // lay.queries_per_copy, copies - 1)
                 keep[b, i, j] = seen and valid[b][j]
     return keep
 
@@ -254,6 +265,28 @@ def test_block_structure_at_the_benchmark_settings():
     assert partial[0, :, 32:].tolist() == [[True, False]] * 16 + [[False, True]] * 16
 
 
+def test_extra_key_copies_shorten_the_longest_key_block_loop():
+    """Bidirectionally every query block sees the extra keys' block: in FlexAttention's backward pass, which loops over
+    the query blocks that see a key block, that block's loop is the whole sequence's. In one copy per band of 1,024
+    queries (``extra_key_copies``: 4 at 4,096 tokens, 64 rows each, two copies to a key block) each query block sees
+    half a key block of them (partial) and no key block is seen by more than 16 query blocks, a window block by 4 at
+    most; the window blocks are unchanged."""
+    n = 4096
+    one = KeyLayout(window_size=256, causal=False, num_window_keys=n, num_extra_keys=64)
+    copies = lsb.extra_key_copies(n)
+    banded = KeyLayout(
+        window_size=256, causal=False, num_window_keys=n, num_extra_keys=64 * copies, extra_key_copies=copies
+    )
+    (partial_one, full_one), (partial, full) = (
+        block_classes(long_short_block_mask(layout, num_queries=n)) for layout in (one, banded)
+    )
+    assert copies == 4
+    assert torch.equal(full, F.pad(full_one, (0, 1))) and torch.equal(partial[..., :32], partial_one[..., :32])
+    assert partial[0, :, 32:].tolist() == [[True, False]] * 16 + [[False, True]] * 16
+    seen_by = (partial | full)[0].sum(0)  # query blocks per key block
+    assert (partial_one | full_one)[0].sum(0).max() == 32 and seen_by.max() == 16 and seen_by[:32].max() == 4
+
+
 def test_geometry_is_cached_per_shape():
     """A second call with the same shape (and another padding) reuses the geometry; with offsets each row's geometry
     is computed on the device, without the cache; without padding or offsets the mask itself is reused."""
@@ -301,6 +334,23 @@ def test_geometry_is_cached_per_shape():
             "multiple of projection_rank",
         ),
         ({"window_size": 2, "causal": True, "num_window_keys": 4, "q_start": 1.5}, "q_start must be an integer"),
+        (
+            {"window_size": 2, "causal": False, "num_window_keys": 4, "num_extra_keys": 5, "extra_key_copies": 2},
+            "positive multiple",
+        ),
+        (
+            {
+                "window_size": 2,
+                "causal": True,
+                "num_window_keys": 4,
+                "num_extra_keys": 4,
+                "segment_length": 2,
+                "projection_rank": 1,
+                "extra_key_copies": 2,
+            },
+            "needs bidirectional extra keys",
+        ),
+        ({"window_size": 2, "causal": False, "num_window_keys": 4, "queries_per_copy": 0}, "queries_per_copy must"),
     ],
 )
 def test_malformed_layout_is_refused(fields, message):
@@ -339,6 +389,20 @@ FLEX_CASES = {  # (layout and num_queries, padding spec, qk head dim, v head dim
         {"padding": "random", "offsets": "none", "block_size": (8, 16)},
         4,
         3,
+    ),
+    "bidirectional copies": (
+        {
+            "num_queries": 45,
+            "num_window_keys": 45,
+            "num_extra_keys": 3 * 7,
+            "window_size": 5,
+            "causal": False,
+            "extra_key_copies": 3,
+            "queries_per_copy": 16,
+        },
+        {"padding": "random", "offsets": "none", "block_size": (8, 16)},
+        8,
+        4,
     ),
     "rows only": (
         {"num_queries": 20, "num_window_keys": 0, "num_extra_keys": 6, "window_size": 0, "causal": False},

@@ -224,14 +224,10 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     assert new_graphs[1::2] == [0, 0, 0]  # the second layer reuses the first one's compilations
 
 
-@pytest.mark.compiled
-def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
-    """Uncached generation feeds the layer one token more each step. With left padding (each row's segments counted
-    from its first real token), the compiled causal layer makes its lengths symbolic at the second length and the
-    count of projected rows at the first segment boundary after it, and compiles nothing for the later lengths; it
-    matches the grouped SDPA path throughout. The layer compiles to one graph before its kernel's call and one after
-    it. Dynamo's own eager backend, whose guards and graphs are the ones inductor gets: ``take_along_dim`` made dynamo
-    specialize on the length, one compilation per token."""
+def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> list[int]:
+    """The graphs that the compiled layer (the CPU standing in for CUDA, dynamo's own eager backend, whose guards and
+    graphs are the ones inductor gets) compiles for each of ``lengths`` in turn, forward only, ``padding`` 11 tokens
+    of the second row; each output matches the grouped SDPA path's."""
     from torch._dynamo.utils import counters
 
     from ls_hf import long_short_attention, long_short_blocks
@@ -242,12 +238,11 @@ def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
     for compiled in cached:  # built with the eager backend here, and again with inductor after the test
         compiled.cache_clear()
     _compile_on_cpu(monkeypatch)
-    layer = make(hidden=16, heads=2, window=8, rank=2, causal=True, segment_length=4, dtype=torch.float32)
     new_graphs = []
     try:
-        for n in range(40, 52):  # segments of 4 tokens: 40 static, 41 symbolic, 44 the rows' count symbolic
+        for n in lengths:
             x, _ = inputs(layer, 2, n)
-            mask = make_mask("left", 2, n, 11)
+            mask = make_mask(padding, 2, n, 11)
             with torch.no_grad():
                 expected, _ = layer(x, mask, attn_implementation="eager")
                 before = counters["stats"]["unique_graphs"]
@@ -258,10 +253,35 @@ def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
         for compiled in cached:
             compiled.cache_clear()
         torch._dynamo.reset()
+    return new_graphs
+
+
+@pytest.mark.compiled
+def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
+    """Uncached generation feeds the layer one token more each step. With left padding (each row's segments counted
+    from its first real token), the compiled causal layer makes its lengths symbolic at the second length and the
+    count of projected rows at the first segment boundary after it, and compiles nothing for the later lengths. The
+    layer compiles to one graph before its kernel's call and one after it. ``take_along_dim`` made dynamo specialize
+    on the length, one compilation per token."""
+    layer = make(hidden=16, heads=2, window=8, rank=2, causal=True, segment_length=4, dtype=torch.float32)
+    # segments of 4 tokens: 40 static, 41 symbolic, 44 the rows' count symbolic
+    new_graphs = _graphs_compiled_per_length(monkeypatch, layer, range(40, 52), "left")
     # the layer in one graph before the kernel's call and one after it (dynamo's nested graph breaks; 7 without),
     # and the kernel's own
     assert new_graphs[0] == 3 and new_graphs[1] > 0
     assert new_graphs[5:] == [0] * 7
+
+
+@pytest.mark.compiled
+def test_compiled_layer_compiles_once_for_any_number_of_extra_key_copies(monkeypatch):
+    """Bidirectionally the kernel takes the extra keys in one copy per band of queries (``extra_key_copies``; a band
+    of 8 here): the compiled layer makes the lengths symbolic at the second length, the copies' count with them, and
+    compiles nothing more as the count grows from 5 to 8."""
+    from ls_hf import long_short_blocks
+
+    monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 8)
+    layer = make(hidden=16, heads=2, window=8, rank=2, dtype=torch.float32)
+    assert _graphs_compiled_per_length(monkeypatch, layer, range(40, 60), "right") == [3, 3] + [0] * 18
 
 
 @pytest.mark.compiled
@@ -390,7 +410,7 @@ def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=N
     return (out, scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(-1)) if return_lse else out
 
 
-@pytest.mark.parametrize("in_kernel", [True, False], ids=["long_range_in_kernel", "long_range_apart"])
+@pytest.mark.parametrize("long_range", ["in_kernel", "in_kernel_copies", "apart"])
 @pytest.mark.parametrize("extra", ["none", "cls", "global", "causal"])
 @pytest.mark.parametrize(
     "dims",
@@ -401,10 +421,11 @@ def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=N
     ],
     ids=["dual_ln", "no_dual_ln", "lmsa"],
 )
-def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, in_kernel, monkeypatch):
+def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, long_range, monkeypatch):
     """The fused path's outputs and gradients on the CPU, with FlexAttention computed densely (it has no backward
     there): its keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected
-    rows]; causal: the rows of each finished segment, Eq. 5, the last segment unfinished), or with
+    rows]; causal: the rows of each finished segment, Eq. 5, the last segment unfinished), bidirectionally also with
+    the extra keys in copies, one per band of 8 queries (``extra_key_copies``: 3 for 21 tokens), or with
     ``long_range_in_kernel=False`` the window alone in the kernel merged with a dense softmax over the extra keys
     (bidirectional; causal rows stay in the kernel), give the output and gradients of the SDPA path, for the input and
     every parameter (float64, right padding)."""
@@ -412,12 +433,20 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, in_kernel, monkeypa
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    key_lengths = []
+
+    def dense_flex_attend(query, key, value, block_mask, **kwargs):
+        key_lengths.append(key.shape[2])
+        return _dense_flex_attend(query, key, value, block_mask, **kwargs)
+
+    monkeypatch.setattr(long_short_blocks, "flex_attend", dense_flex_attend)
+    if long_range == "in_kernel_copies":
+        monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 8)
     if extra == "cls" and "qk_head_dim" in dims:  # the cls query attends to the token outputs
         extra = "none"
     causal = {"window": 4, "causal": True, "segment_length": 2} if extra == "causal" else {"window": 3}
     default, eager = (make(rank=2, **causal, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
-    default.long_range_in_kernel = in_kernel
+    default.long_range_in_kernel = long_range != "apart"
     x, cls = inputs(default, 2, 21)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra == "global":
@@ -438,6 +467,11 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, in_kernel, monkeypa
     assert "dynamic_projection.weight" in grads[0]
     for name, expected in grads[1].items():
         torch.testing.assert_close(grads[0][name], expected, atol=1e-9, rtol=0, msg=name)
+    if extra != "causal" and long_range != "apart":  # the kernel's keys: the window's, then the extra keys' copies
+        per_copy = (
+            2 + (extra == "cls") + (int(kwargs["global_attention_mask"].sum(1).max()) if extra == "global" else 0)
+        )
+        assert key_lengths == [21 + (3 if long_range == "in_kernel_copies" else 1) * per_copy]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
