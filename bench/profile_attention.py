@@ -3,6 +3,7 @@
 there), with the operators that take the most device time listed per peer.
 
     python -m bench.profile_attention --n 16384                      # CUDA, bf16: long-short and flex-window
+    python -m bench.profile_attention --n 4096 --batch 8             # the batch-8 setting of the bars
     python -m bench.profile_attention --device cpu --dtype fp32 --n 1024 --steps 2
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --peers long-short long-short-kernel
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
@@ -26,6 +27,7 @@ counted too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -104,13 +106,22 @@ def saved_for_backward(peer: str, n: int, device: str, dtype: torch.dtype, cpu_a
 
 
 def profile_peer(
-    peer: str, n: int, device: str, dtype: torch.dtype, warmups: int, steps: int, rows: int, backward: bool = True
+    peer: str,
+    n: int,
+    device: str,
+    dtype: torch.dtype,
+    warmups: int,
+    steps: int,
+    rows: int,
+    backward: bool = True,
+    batch: int = 1,
 ) -> str:
-    """The profiler's operator table of ``steps`` forward + backward (or forward) steps of ``peer`` at ``n`` tokens,
-    then the operator calls (``aten::`` events, nested ones included), device kernels and compiled graphs run
-    (``torch.compile``'s regions) per step."""
-    module = bench_attention.build_peer(peer).to(device=device, dtype=dtype)
-    x, grad = bench_attention.inputs(n, device, dtype)
+    """The profiler's operator table of ``steps`` forward + backward (or forward) steps of ``peer`` at ``batch``
+    sequences of ``n`` tokens, then the operator calls (``aten::`` events, nested ones included), device kernels and
+    compiled graphs run (``torch.compile``'s regions) per step."""
+    shape = dataclasses.replace(bench_attention.SHAPE, batch=batch)
+    module = bench_attention.build_peer(peer, shape).to(device=device, dtype=dtype)
+    x, grad = bench_attention.inputs(n, device, dtype, shape)
     return profiled(lambda: bench_attention.step(module, x, grad, backward), device, warmups, steps, rows)
 
 
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         "compile_attention=False), at --resolution and --batch",
     )
     parser.add_argument("--resolution", type=int, default=224)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=None, help="sequences or images (default 1; --vision: 32)")
     args = parser.parse_args(argv)
     if args.vision and args.saved:
         parser.error("--saved counts the attention peers' training memory; it does not take --vision")
@@ -191,10 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--cpu-as-cuda needs --device cpu, got --device {args.device}")
     if args.cpu_as_cuda:
         take_cuda_choices_on_cpu()
-    if args.n < 1 or args.steps < 1 or args.warmups < 0:
-        parser.error(f"--n and --steps must be >= 1 and --warmups >= 0, got {args.n}, {args.steps}, {args.warmups}")
-    shape = {"resolution": args.resolution, "batch": args.batch} if args.vision else {"n": args.n}
-    meta = run_meta("profile_attention", argv, device=args.device, dtype=args.dtype, steps=args.steps, **shape)
+    if args.saved and args.batch not in (None, 1):
+        parser.error(f"--saved counts what one sequence keeps; it does not take --batch {args.batch}")
+    args.batch = args.batch if args.batch is not None else 32 if args.vision else 1
+    if args.n < 1 or args.steps < 1 or args.warmups < 0 or args.batch < 1:
+        parser.error(
+            f"--n, --steps and --batch must be >= 1 and --warmups >= 0, got {args.n}, {args.steps}, {args.batch}, "
+            f"{args.warmups}"
+        )
+    shape = {"resolution": args.resolution} if args.vision else {"n": args.n}
+    meta = run_meta(
+        "profile_attention", argv, device=args.device, dtype=args.dtype, steps=args.steps, batch=args.batch, **shape
+    )
     report = [f"{meta}\n"]
     for peer in args.vision or ():
         table = profile_vision(
@@ -212,10 +231,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         backward = not args.cpu_as_cuda
         table = profile_peer(
-            peer, args.n, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows, backward
+            peer, args.n, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows, backward, args.batch
         )
         kind = "forward + backward" if backward else "forward"
-        report.append(f"== {peer}, n = {args.n}, {args.steps} {kind} steps\n{table}")
+        report.append(f"== {peer}, n = {args.n}, batch {args.batch}, {args.steps} {kind} steps\n{table}")
         print(report[-1], flush=True)
     path = Path(args.out) if args.out else RESULTS / f"profile_attention_{args.device}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,8 @@ def test_profile_lists_each_peers_operators(tmp_path, capsys):
             "0",
             "--rows",
             "4",
+            "--batch",
+            "2",
             "--peers",
             "long-short",
             "sdpa",
@@ -42,7 +44,7 @@ def test_profile_lists_each_peers_operators(tmp_path, capsys):
         ]
     )
     report = out.read_text()
-    assert "== long-short, n = 64" in report and "== sdpa, n = 64" in report
+    assert "== long-short, n = 64, batch 2" in report and "== sdpa, n = 64, batch 2" in report
     assert "aten::" in report  # the operators' rows
     assert "== sdpa" in capsys.readouterr().out
 
