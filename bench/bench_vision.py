@@ -70,14 +70,15 @@ COLUMNS = {
 }
 
 
-def build(name: str, resolution: int, reparam: bool = False) -> torch.nn.Module:
+def build(name: str, resolution: int, reparam: bool = False, **kwargs) -> torch.nn.Module:
     """``hf_cvt_13``, or the timm model ``name`` built for ``resolution`` (``cvt_ls_13``, ``vil_ls_medium``: with the
-    paper's r and w for it), random weights; with ``reparam``, its convs fused for inference
-    (``reparameterize_model``, as timm's own benchmark script's ``--reparam``)."""
+    paper's r and w for it) and ``kwargs`` (a Long-Short model's ``attn_implementation``, say), random weights; with
+    ``reparam``, its convs fused for inference (``reparameterize_model``, as timm's own benchmark script's
+    ``--reparam``)."""
     torch.manual_seed(0)
     if name == "hf_cvt_13":
         return CvtForImageClassification(CvtConfig(num_labels=1000))
-    model = timm.create_model(name, img_size=resolution)
+    model = timm.create_model(name, img_size=resolution, **kwargs)
     return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
 
 

@@ -16,7 +16,8 @@ compilation happens, each peer's peak memory over one step, then timed rounds ta
   else SDPA);
 * decoding: ``bench.bench_models.measure_generation``, ms per token after 512 and 8,192 tokens of context, with and
   without the cache (2 layers, w = 256, l = 16, r = 1, as the earlier GPU measurement);
-* vision: inference at 224 and 448, batch 32: ``cvt_ls_13`` and ``vil_ls_medium`` against Transformers' CvT-13
+* vision: inference at 224 and 448, batch 32: ``cvt_ls_13`` (also with ``attn_implementation="eager"``, its window
+  tiles on SDPA instead of the fused 2-D path) and ``vil_ls_medium`` against Transformers' CvT-13
   (``hf_cvt_13``) and timm's nearest peers by parameters and MACs, ``deit_small_patch16_224`` (DeiT-S: 22 M
   parameters, 4.6 GMACs, beside CvT*-LS-13's 20 M) and ``swin_small_patch4_window7_224`` (Swin-S: 50 M, 8.7 GMACs, as
   ViL-LS-Medium);
@@ -71,6 +72,8 @@ MLM_RUNS = (
     ("8k", 4, ("long-short", "roberta-sdpa", "modernbert")),
 )
 VISION_MODELS = ("cvt_ls_13", "hf_cvt_13", "deit_small_patch16_224", "vil_ls_medium", "swin_small_patch4_window7_224")
+# Long-Short vision models with ``attn_implementation="eager"``: the window tiles on SDPA, not the fused 2-D path
+VISION_EAGER = ("cvt_ls_13-eager",)
 LRA_ATTENTIONS = ("long_short", "full")
 
 
@@ -316,6 +319,16 @@ BARS = (
     ),
     *(
         Bar(
+            f'vision {r}, batch 32: cvt_ls_13 / its SDPA path (attn_implementation="eager"), images/s',
+            "vision",
+            "images_per_s",
+            f"vision/cvt_ls_13/{r}",
+            f"vision/cvt_ls_13-eager/{r}",
+        )
+        for r in ("224", "448")
+    ),
+    *(
+        Bar(
             f"vision {r}, batch 32: vil_ls_medium / Swin-S (timm), images/s",
             "vision",
             "images_per_s",
@@ -488,6 +501,11 @@ def vision_section(plan: Plan, record) -> None:
             name: bench_vision.build(plan.vision_models[name], resolution).eval().to(plan.device, dtype)
             for name in VISION_MODELS
         }
+        for name in VISION_EAGER:
+            model = bench_vision.build(
+                plan.vision_models[name.removesuffix("-eager")], resolution, attn_implementation="eager"
+            )
+            models[name] = model.eval().to(plan.device, dtype)
         images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
         steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
         for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
@@ -495,7 +513,13 @@ def vision_section(plan: Plan, record) -> None:
                 result["images_per_s"] = plan.image_batch / result["time_s"]
             record(
                 f"vision/{name}/{label}",
-                result | {"model": plan.vision_models[name], "resolution": resolution, "batch": plan.image_batch},
+                result
+                | {
+                    "model": plan.vision_models[name.removesuffix("-eager")],
+                    "attn_implementation": "eager" if name in VISION_EAGER else None,
+                    "resolution": resolution,
+                    "batch": plan.image_batch,
+                },
             )
         del models, steps
 
