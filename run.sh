@@ -5,10 +5,10 @@
 #   bash run.sh gpu-check [tests [float32|bfloat16]|bench]   on a CUDA machine, the tests within 270 s and the
 #                      bars within 480 s: the tests that take the device (tests/device_tests.txt) on CUDA in float32
 #                      and bfloat16 side by side (each outcome logged as it finishes in GPU_CHECK_LOG_DIR, default
-#                      bench/results/), then bench.gpu_bars (the GPU targets, one table with each ratio and whether it is met; JSON in
-#                      bench/results/ and in GPU_CHECK_LOG_DIR) and bench.profile_attention (where the layer's time
-#                      goes, into GPU_CHECK_LOG_DIR); 'tests' or 'bench' runs one half, 'tests <dtype>'
-#                      one precision. It first says which declared dependencies the environment (VENV, default
+#                      bench/results/), then bench.gpu_bars (the GPU targets, one table with each ratio and whether
+#                      it is met; JSON in bench/results/ and in GPU_CHECK_LOG_DIR) and bench.profile_attention (where
+#                      the layer's time goes, into GPU_CHECK_LOG_DIR); 'tests' or 'bench' runs one half, 'tests
+#                      <dtype>' one precision. It first says which declared dependencies the environment (VENV, default
 #                      .venv) lacks, and refuses when the check needs one. Without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"

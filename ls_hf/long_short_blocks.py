@@ -6,9 +6,9 @@ Key layout: ``L`` window keys first, at key indices ``[0, L)``, holding the toke
 (bidirectional, every query sees every valid one), or causally the projected rows, segment-major with ``r`` rows per
 segment of ``l`` tokens (Eq. 5). Bidirectional extra keys may come as ``extra_key_copies`` equal copies, each seen by
 one band of ``queries_per_copy`` consecutive queries (the last copy by every query after): each query still sees
-each extra key once (``extra_key_copies``). The queries hold the positions ``[q_start, q_start + m)``. With ``offsets`` (B,), row
-b's logical positions are its physical ones minus ``offsets[b]``, queries and keys alike, so that a left-padded row
-counts its windows and segments from its first real token.
+each extra key once (``extra_key_copies``). The queries hold the positions ``[q_start, q_start + m)``. With
+``offsets`` (B,), row b's logical positions are its physical ones minus ``offsets[b]``, queries and keys alike, so
+that a left-padded row counts its windows and segments from its first real token.
 
 The rules are those of ``long_short_rules``: ``window_bounds`` (the window keys ``[lo, hi)`` of a query),
 ``window_rule`` and ``segment_rule``. ``long_short_mask_mod`` applies them per (query, key) pair, as FlexAttention's
@@ -187,10 +187,10 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
 @cached_outside_compile(maxsize=64)
 def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor:
     """``[num_window_keys, q_start, k_start, keys_per_copy, extra_key_copies - 1]`` of ``layout``, the parts of it
-    that change with the length, as an int64 tensor on ``device`` for the mask_mod to read: as a tensor, not as Python ints, the compiled kernel, which takes
-    the mask as an input, serves every length (it fails to lower the ints that a mask captures once it recompiles with
-    symbolic lengths, torch 2.14). Cached per layout and device, built outside inference mode (a cached mask serves
-    later calls in training too)."""
+    that change with the length, as an int64 tensor on ``device`` for the mask_mod to read: as a tensor, not as Python
+    ints, the compiled kernel, which takes the mask as an input, serves every length (it fails to lower the ints that
+    a mask captures once it recompiles with symbolic lengths, torch 2.14). Cached per layout and device, built outside
+    inference mode (a cached mask serves later calls in training too)."""
     with torch.inference_mode(False):
         numbers = (layout.num_window_keys, layout.q_start, layout.k_start, layout.keys_per_copy)
         return torch.tensor([*numbers, layout.extra_key_copies - 1], device=device)
@@ -208,8 +208,9 @@ def long_short_mask_mod(
     Query ``q_idx`` is at position ``t = q_start + q_idx - offsets[b]``. It sees the window key ``kv_idx < L`` (at
     ``k_start + kv_idx - offsets[b]``) by ``window_rule``, and the extra key ``kv_idx >= L``: always, or, with a
     ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``,
-    or, with ``extra_key_copies``, where its copy is the query's (``copy_seen``). Keys where ``key_valid`` (B, L + R) is False are never seen. ``device``: where the attention runs (by default
-    ``key_valid``'s or ``offsets``', else the CPU).
+    or, with ``extra_key_copies``, where its copy is the query's (``copy_seen``). Keys where ``key_valid`` (B, L + R)
+    is False are never seen. ``device``: where the attention runs (by default ``key_valid``'s or ``offsets``', else
+    the CPU).
     """
     _batch_size(layout, key_valid, offsets)
     device = _mask_device(device, key_valid, offsets)
