@@ -593,12 +593,14 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
     rest of the layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager"
     (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token or global tokens
-    (bidirectional) and 128-token blocks: outputs, and where FlexAttention has a backward (not on the CPU) the
-    gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
-    from ls_hf import long_short_attention
+    (bidirectional, their extra keys in 3 copies, one per band of 128 queries: ``extra_key_copies``) and 128-token
+    blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input, of W^P
+    (Eq. 3) and of LN_L's gain (Eq. 7)."""
+    from ls_hf import long_short_attention, long_short_blocks
 
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+    monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 128)
     causal = kind == "causal"
     config = {
         "hidden": 32,
