@@ -608,9 +608,7 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_sections(
-    plan: Plan, budget_s: float, names: tuple[str, ...] | None = None
-) -> tuple[dict[str, dict], dict[str, str]]:
+def run_sections(plan: Plan, budget_s: float, names: list[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """Every section (or those of ``names``) within its time (``SECTIONS``: its share of ``budget_s``, the shares of
     the sections run scaled to add up to 1, and what the earlier ones left); returns the measurements by key and a
     note per section run (how long it ran, or why it stopped)."""
@@ -674,7 +672,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if out.suffix != ".json":
         parser.error(f"--out must name a .json file, got {str(out)!r}")
 
-    measurements, notes = run_sections(plan, budget_s, args.sections and tuple(args.sections))
+    measurements, notes = run_sections(plan, budget_s, args.sections)
     rows = bar_rows(measurements, notes, sections=args.sections)
     meta = run_meta(
         "gpu_bars",

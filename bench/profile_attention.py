@@ -11,8 +11,9 @@ there), with the operators that take the most device time listed per peer.
 
 Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls,
 device kernels and compiled graphs run per step, and writes them to ``bench/results/profile_attention_<device>.txt``
-(``--out``: another file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and the layer compiled
-around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the layer removes.
+(``--out``: another file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and
+the layer compiled around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the
+layer removes.
 ``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
 ``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled).
 
