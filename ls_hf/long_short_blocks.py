@@ -187,13 +187,13 @@ def _batch_size(layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | N
 @cached_outside_compile(maxsize=64)
 def mask_geometry(layout: KeyLayout, device: torch.device) -> Tensor:
     """``[num_window_keys, q_start, k_start, keys_per_copy, extra_key_copies - 1]`` of ``layout``, the parts of it
-    that change with the length, as an int64 tensor on ``device`` for the mask_mod to read: as a tensor, not as Python
+    that change with the length, as an int32 tensor on ``device`` for the mask_mod to read: as a tensor, not as Python
     ints, the compiled kernel, which takes the mask as an input, serves every length (it fails to lower the ints that
     a mask captures once it recompiles with symbolic lengths, torch 2.14). Cached per layout and device, built outside
     inference mode (a cached mask serves later calls in training too)."""
     with torch.inference_mode(False):
         numbers = (layout.num_window_keys, layout.q_start, layout.k_start, layout.keys_per_copy)
-        return torch.tensor([*numbers, layout.extra_key_copies - 1], device=device)
+        return torch.tensor([*numbers, layout.extra_key_copies - 1], dtype=torch.int32, device=device)
 
 
 def long_short_mask_mod(
@@ -227,9 +227,10 @@ def long_short_mask_mod(
         seen = ~is_window
         if segment_length is not None:
             seen = seen & segment_rule(t, (kv_idx - window_keys) // rank, segment_length)
-        elif copied:
-            copy = (kv_idx - window_keys) // geometry[3]
-            seen = seen & (copy == copy_seen(q_idx, queries_per_copy, geometry[4]))
+        elif copied:  # the query's copy, [first, first + keys per copy): no division by the run-time keys per copy
+            keys_per_copy = geometry[3]
+            first = window_keys + copy_seen(q_idx, queries_per_copy, geometry[4]) * keys_per_copy
+            seen = seen & (kv_idx >= first) & (kv_idx < first + keys_per_copy)
         if has_window:
             seen = seen | (is_window & window_rule(t, kv_idx + (k_start - shift), window, causal))
         if key_valid is not None:
