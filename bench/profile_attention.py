@@ -15,7 +15,8 @@ device kernels and compiled graphs run per step, and writes them to ``bench/resu
 the layer compiled around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the
 layer removes.
 ``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
-``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled).
+``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled). Below each table,
+the time of the attention layers of each input shape (each stage), their kernels included.
 
 ``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
 parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
@@ -28,6 +29,7 @@ counted too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +38,8 @@ from unittest.mock import patch
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers.models.cvt.modeling_cvt import CvtSelfAttention
 
 from bench import bench_attention, bench_vision
 from bench.common import DTYPES, RESULTS, run_meta, sync
@@ -142,7 +145,37 @@ def profile_vision(
         with torch.no_grad():
             bench_vision.logits(model, images)
 
-    return profiled(step, device, warmups, steps, rows)
+    with labelled_attention_layers(model):
+        return profiled(step, device, warmups, steps, rows)
+
+
+# The profiler ranges of ``labelled_attention_layers``: the attention layer's class and its input's shape follow.
+LAYER_RANGE = "attention layer "
+
+
+@contextlib.contextmanager
+def labelled_attention_layers(model: torch.nn.Module):
+    """While it is open, each attention layer of ``model`` (Long-Short's 2-D layers, Transformers' CvT attention) runs
+    inside a profiler range named ``LAYER_RANGE`` + its class and input shape, so that ``profiled`` reports the device
+    time of the layers of each shape (a stage of the model) apart."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, LongShortAttention2d | CvtSelfAttention):
+            ranges = []
+
+            def enter(module, inputs, ranges=ranges):
+                ranges.append(record_function(f"{LAYER_RANGE}{type(module).__name__} {tuple(inputs[0].shape)}"))
+                ranges[-1].__enter__()
+
+            def leave(module, inputs, output, ranges=ranges):
+                ranges.pop().__exit__(None, None, None)
+
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, rows: int) -> str:
@@ -165,6 +198,16 @@ def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, ro
     counts = (
         f"per step: {operators:.0f} aten operator calls, {kernels:.0f} device kernels, {graphs:.0f} compiled graphs run"
     )
+    time_of = (lambda e: e.device_time_total) if device == "cuda" else (lambda e: e.cpu_time_total)
+    layers = [
+        f"  {e.key.removeprefix(LAYER_RANGE)}: {e.count / steps:.0f} calls, {time_of(e) / steps / 1e3:.3f} ms"
+        for e in sorted(events, key=lambda e: e.key)
+        if e.key.startswith(LAYER_RANGE)
+    ]
+    if layers:
+        kind = "device" if device == "cuda" else "CPU"
+        counts += f"\nattention layers by input shape, per step ({kind} time, the layer's kernels included):\n"
+        counts += "\n".join(layers)
     return f"{events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)}\n{counts}"
 
 

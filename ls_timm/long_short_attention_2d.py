@@ -64,7 +64,7 @@ from .long_short_blocks_2d import (
     cached_tile_block_mask,
     from_tile_order,
     tile_geometry,
-    tile_positions,
+    tile_position,
     to_tile_order,
 )
 
@@ -480,21 +480,23 @@ class LongShortAttention2d(nn.Module):
         ``long_short_flex_attend``: inside a caller's compiled graph the call runs as outside one (lowered inside a
         larger graph, inductor's CPU kernel refused the heads-first queries, torch 2.14)."""
         block_mask = cached_tile_block_mask(feat_size, self.window_size, num_extra_keys, q.device)
-        score_mod = self._window_bias_mod(feat_size, num_extra_keys, q.device)
-        return flex_attend(q, k, v, block_mask, score_mod=score_mod)
+        return flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
 
-    def _window_bias_mod(self, feat_size: tuple[int, int], num_extra_keys: int, device: torch.device):
+    def _window_bias_mod(self, feat_size: tuple[int, int], device: torch.device):
         """The ViL-LS window bias as FlexAttention's score_mod in tile order: its table read at the query-minus-key
-        offset for the patch keys (None without the table); the positions from ``tile_positions`` on ``device``."""
+        offset for the patch keys (None without the table); the map's ``tile_geometry`` on ``device``. The positions
+        are computed (``tile_position``), not looked up as the mask_mod does: a score_mod that reads a tensor at
+        ``kv_idx`` fails to build in inductor's CPU kernel when first compiled with symbolic sizes (torch 2.14)."""
         table = self.relative_position_bias_table
         if table is None:
             return None
-        w, geometry = self.window_size, tile_geometry(feat_size, self.window_size, device)
-        rows, cols = tile_positions(feat_size, w, num_extra_keys, device)
+        w, geometry = self.window_size, tile_geometry(tuple(feat_size), self.window_size, device)
 
         def window_bias(score, b, h, q_idx, kv_idx):
-            row = _vil_bias_row(rows[q_idx] - rows[kv_idx], cols[q_idx] - cols[kv_idx], w).clamp(0, table.shape[0] - 1)
-            return torch.where(kv_idx >= geometry[2], score, score + table[row, h].to(score.dtype))
+            W, patches = geometry[1], geometry[2]
+            (qy, qx), (ky, kx) = tile_position(q_idx, W, w), tile_position(kv_idx, W, w)
+            row = _vil_bias_row(qy - ky, qx - kx, w).clamp(0, table.shape[0] - 1)
+            return torch.where(kv_idx >= patches, score, score + table[row, h].to(score.dtype))
 
         return window_bias
 

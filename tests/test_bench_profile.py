@@ -1,6 +1,8 @@
 """bench.profile_attention on the CPU with a tiny shape: each peer's operator table, printed and written, and what its
 forward pass keeps for the backward pass."""
 
+import re
+
 import pytest
 
 from bench import profile_attention
@@ -96,6 +98,11 @@ def test_vision_profiles_whole_models(tmp_path, monkeypatch):
     report = out.read_text()
     assert "== cvt_ls_13, 64 x 64, batch 1" in report and "== cvt_ls_13-kernel, 64 x 64, batch 1" in report
     assert report.count("per step: ") == 2 and "== long-short" not in report
+    # each stage's attention layers apart: cvt_ls_13's maps of 16 x 16, 8 x 8 and 4 x 4 (and its cls) at 64 pixels
+    for tokens, calls in ((256, 1), (64, 2), (17, 10)):
+        line = f"  LongShortAttention2d (1, {tokens}, "
+        assert report.count(line) == 2  # both peers
+        assert re.search(rf"{re.escape(line)}\d+\): {calls} calls, \d+\.\d+ ms", report)
     settings = [
         {m.compile_attention for m in model.modules() if isinstance(m, LongShortAttention2d)} for model in built
     ]
