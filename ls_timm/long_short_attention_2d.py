@@ -484,9 +484,7 @@ class LongShortAttention2d(nn.Module):
 
     def _window_bias_mod(self, feat_size: tuple[int, int], device: torch.device):
         """The ViL-LS window bias as FlexAttention's score_mod in tile order: its table read at the query-minus-key
-        offset for the patch keys (None without the table); the map's ``tile_geometry`` on ``device``. The positions
-        are computed (``tile_position``), not looked up as the mask_mod does: a score_mod that reads a tensor at
-        ``kv_idx`` fails to build in inductor's CPU kernel when first compiled with symbolic sizes (torch 2.14)."""
+        offset for the patch keys (None without the table); the map's ``tile_geometry`` on ``device``."""
         table = self.relative_position_bias_table
         if table is None:
             return None

@@ -35,7 +35,6 @@ __all__ = [
     "tile_geometry",
     "tile_mask_mod",
     "tile_position",
-    "tile_positions",
     "tile_slots",
     "to_tile_order",
 ]
@@ -74,36 +73,21 @@ def tile_geometry(feat_size: tuple[int, int], window: int, device: torch.device 
         return torch.tensor([*feat_size, tile_slots(feat_size, window)], dtype=torch.int32, device=device)
 
 
-@cached_outside_compile(maxsize=64)
-def tile_positions(
-    feat_size: tuple[int, int], window: int, extra: int, device: torch.device | str | None = None
-) -> tuple[Tensor, Tensor]:
-    """The rows and the columns (``tile_position``) of the key slots [patches; ``extra`` keys] in tile order, int32 on
-    ``device``, for the mask_mod to look up. Inductor's CPU kernel evaluates a mask entry by entry, and there
-    ``tile_position`` would divide by the map's width (a run-time value) in every entry: with the lookups compiled
-    FlexAttention runs the vision models about 1.5x faster on the CPU (``bench/RESULTS.md``). Slots past the patches
-    (the extra keys) get positions past the padded map. Cached and built outside inference mode, as ``tile_geometry``.
-    """
-    with torch.inference_mode(False):
-        slots = torch.arange(tile_slots(feat_size, window) + extra, device=device)
-        positions = tile_position(slots, feat_size[1], window)
-        return tuple(axis.to(torch.int32) for axis in positions)
-
-
 def tile_mask_mod(
-    feat_size: tuple[int, int], window: int, extra: int, device: torch.device | str | None = None
+    feat_size: tuple[int, int], window: int, device: torch.device | str | None = None
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """FlexAttention's ``mask_mod`` for the queries and keys of tile order, over [patches; ``extra`` keys]: the key at
-    ``kv_idx`` is seen if it is an extra key, or a patch inside the map and inside the query's window on both axes
-    (``window_rule``), the positions looked up in ``tile_positions``. ``device``: where its tensors live, that of the
-    attention's inputs."""
+    """FlexAttention's ``mask_mod`` for the queries and keys of tile order: the key at ``kv_idx`` is seen if it is an
+    extra key, or a patch inside the map and inside the query's window on both axes (``window_rule``). ``device``:
+    where its ``tile_geometry`` lives, that of the attention's inputs. The positions are computed, not looked up in a
+    table of the slots' positions: a mask_mod or score_mod that reads a tensor at ``q_idx`` or ``kv_idx`` fails to
+    build in inductor's CPU kernel when it is first compiled with symbolic sizes (torch 2.11 and 2.14), though the
+    lookups ran the CPU's kernel 1.3-1.5x faster (``bench/RESULTS.md``)."""
     w, geometry = window, tile_geometry(feat_size, window, device)
-    rows, cols = tile_positions(feat_size, window, extra, device)
 
     def window_2d(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         H, W, patches = geometry[0], geometry[1], geometry[2]
-        ky, kx = rows[kv_idx], cols[kv_idx]
-        in_window = window_rule(rows[q_idx], ky, w, causal=False) & window_rule(cols[q_idx], kx, w, causal=False)
+        (qy, qx), (ky, kx) = tile_position(q_idx, W, w), tile_position(kv_idx, W, w)
+        in_window = window_rule(qy, ky, w, causal=False) & window_rule(qx, kx, w, causal=False)
         return (kv_idx >= patches) | (in_window & (ky < H) & (kx < W))
 
     return window_2d
@@ -175,10 +159,10 @@ def tile_block_mask(
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     device: torch.device | str | None = None,
 ) -> BlockMask:
-    """The ``BlockMask`` of ``tile_mask_mod(feat_size, window, extra)`` for the patch queries of an (H, W) map and the
-    keys [patches; ``extra`` keys], in tile order, built from the tile geometry (O(tiles x key blocks)); equal, block
-    class by block class, to ``create_block_mask(tile_mask_mod(...), None, None, P, P + extra,
-    BLOCK_SIZE=block_size)`` with ``P = tile_slots(feat_size, window)``. ``block_size``: ``(query block, key block)`` or one int for both."""
+    """The ``BlockMask`` of ``tile_mask_mod(feat_size, window)`` for the patch queries of an (H, W) map and the keys
+    [patches; ``extra`` keys], in tile order, built from the tile geometry (O(tiles x key blocks)); equal, block class
+    by block class, to ``create_block_mask(tile_mask_mod(...), None, None, P, P + extra, BLOCK_SIZE=block_size)`` with
+    ``P = tile_slots(feat_size, window)``. ``block_size``: ``(query block, key block)`` or one int for both."""
     q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
     device = torch.device("cpu" if device is None else device)
     partial, full = _block_classes(tuple(feat_size), window, extra, q_block, kv_block, device)
@@ -190,7 +174,7 @@ def tile_block_mask(
         full_kv_num_blocks,
         full_kv_indices,
         BLOCK_SIZE=(q_block, kv_block),
-        mask_mod=tile_mask_mod(feat_size, window, extra, device),
+        mask_mod=tile_mask_mod(feat_size, window, device),
         seq_lengths=(patches, patches + extra),
     )
 

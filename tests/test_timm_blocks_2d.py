@@ -53,7 +53,7 @@ def test_block_mask_equals_create_block_mask(window):
     for (H, W), (extra, block) in zip(itertools.product(SIDES, SIDES), extra_and_blocks):
         slots = tile_slots((H, W), window)
         expected = create_block_mask(
-            tile_mask_mod((H, W), window, extra), None, None, slots, slots + extra, device=CPU, BLOCK_SIZE=block
+            tile_mask_mod((H, W), window), None, None, slots, slots + extra, device=CPU, BLOCK_SIZE=block
         )
         got = tile_block_mask((H, W), window, extra, block_size=block)
         assert_same_blocks(got, expected)
@@ -84,7 +84,7 @@ def test_tile_order_is_the_window_rule(H, W, w):
         assert torch.equal(tiles[:, head], to_tile_order(rows[..., 4 * head : 4 * head + 4], (H, W), w, heads=1)[:, 0])
     assert torch.equal(from_tile_order(tiles, (H, W), w), rows)
 
-    mask = create_mask(tile_mask_mod((H, W), w, extra), None, None, slots, slots + extra, device=CPU)[0, 0]
+    mask = create_mask(tile_mask_mod((H, W), w), None, None, slots, slots + extra, device=CPU)[0, 0]
     raster = raster_positions(H, W)
     expected = torch.cat([window_keep_2d(raster, raster, w, (H, W)), torch.ones(H * W, extra, dtype=torch.bool)], 1)
     slot_of = from_tile_order(torch.arange(slots, dtype=torch.float64).view(1, 1, slots, 1), (H, W), w)[0, :, 0].long()
