@@ -78,10 +78,10 @@ def tile_mask_mod(
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod`` for the queries and keys of tile order: the key at ``kv_idx`` is seen if it is an
     extra key, or a patch inside the map and inside the query's window on both axes (``window_rule``). ``device``:
-    where its ``tile_geometry`` lives, that of the attention's inputs. The positions are computed, not looked up in a
-    table of the slots' positions: a mask_mod or score_mod that reads a tensor at ``q_idx`` or ``kv_idx`` fails to
-    build in inductor's CPU kernel when it is first compiled with symbolic sizes (torch 2.11 and 2.14), though the
-    lookups ran the CPU's kernel 1.3-1.5x faster (``bench/RESULTS.md``)."""
+    where its ``tile_geometry`` lives, that of the attention's inputs. The positions are computed, not looked up: read
+    at ``q_idx`` and ``kv_idx`` from int32 tables of the slots' positions, they ran the CPU's kernel 1.3-1.5x faster,
+    but failed to build in inductor's CPU kernel when first compiled with symbolic sizes (torch 2.11 and 2.14;
+    ``bench/RESULTS.md``)."""
     w, geometry = window, tile_geometry(feat_size, window, device)
 
     def window_2d(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
