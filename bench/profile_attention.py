@@ -21,9 +21,8 @@ the time of the attention layers of each input shape (each stage), their kernels
 ``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
 parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
 peak memory that stays from the forward pass to the backward pass. With ``--cpu-as-cuda``, FlexAttention's call runs
-without autograd and keeps what FlexAttention's backward takes on CUDA (query, keys, values, output, log-sum-exp);
-the CPU hands it contiguous copies of the query, keys and values where CUDA hands it views, and those copies are
-counted too.
+without autograd and keeps what FlexAttention's backward takes on CUDA (query, keys, values, output, log-sum-exp),
+with its output laid out as CUDA's kernel writes it.
 """
 
 from __future__ import annotations
@@ -50,27 +49,30 @@ from ls_timm.long_short_attention_2d import LongShortAttention2d
 class FlexAttentionKeepingItsInputs(torch.autograd.Function):
     """``long_short_blocks.flex_attend`` for ``--saved`` on the CPU, which has no FlexAttention backward: the call
     without autograd, keeping what FlexAttention's backward pass takes on CUDA (query, key, value, output and the
-    float32 log-sum-exp, here a stand-in of zeros, which it also returns). Its backward pass returns zero gradients: it
-    is for counting only (``flex_attend_keeping_its_inputs``)."""
+    float32 log-sum-exp, here a stand-in of zeros, which it also returns), the output laid out as CUDA's kernel writes
+    it, in the query's layout. Its backward pass returns zero gradients: it is for counting only
+    (``flex_attend_keeping_its_inputs``)."""
 
     attend = staticmethod(long_short_blocks.flex_attend)
 
     @staticmethod
-    def forward(ctx, query, key, value, block_mask):
-        out = FlexAttentionKeepingItsInputs.attend(query.detach(), key.detach(), value.detach(), block_mask)
-        lse = query.new_zeros(query.shape[:-1], dtype=torch.float32)
+    def forward(ctx, query, key, value, block_mask, tokens_first):
+        heads_first = [x.detach().transpose(1, 2) if tokens_first else x.detach() for x in (query, key, value)]
+        out = FlexAttentionKeepingItsInputs.attend(*heads_first, block_mask)
+        out = out.transpose(1, 2).contiguous() if tokens_first else out
+        lse = query.new_zeros(heads_first[0].shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         query, key, value, *_ = ctx.saved_tensors
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None
 
 
-def flex_attend_keeping_its_inputs(query, key, value, block_mask, *, return_lse=False):
+def flex_attend_keeping_its_inputs(query, key, value, block_mask, *, return_lse=False, tokens_first=False):
     """``FlexAttentionKeepingItsInputs`` called as ``long_short_blocks.flex_attend`` is."""
-    out, lse = FlexAttentionKeepingItsInputs.apply(query, key, value, block_mask)
+    out, lse = FlexAttentionKeepingItsInputs.apply(query, key, value, block_mask, tokens_first)
     return (out, lse) if return_lse else out
 
 

@@ -1045,9 +1045,8 @@ class LongShortSelfAttention(nn.Module):
             extra_key_copies=copies,
             queries_per_copy=long_short_blocks.EXTRA_KEY_BAND,
         )
-        q, keys, values = (x.to(q.dtype).transpose(1, 2) for x in (q, keys, values))
-        out = long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid)
-        return out.transpose(1, 2), None
+        keys, values = (x.to(q.dtype) for x in (keys, values))
+        return long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid), None
 
     def _merged_with_extra_keys(self, inputs: JointInputs) -> Tensor:
         """``_attend_flex`` with the extra keys (seen by every query) apart from the kernel: FlexAttention over the
@@ -1059,11 +1058,10 @@ class LongShortSelfAttention(nn.Module):
         key_layout = KeyLayout(
             window_size=self.window_size, causal=False, num_window_keys=inputs.k.shape[1], q_start=inputs.q_start
         )
-        q, k, v, extra_k, extra_v = (
-            x.to(q.dtype).transpose(1, 2) for x in (q, inputs.k, inputs.v, extra.keys, extra.values)
-        )
+        k, v, extra_k, extra_v = (x.to(q.dtype) for x in (inputs.k, inputs.v, extra.keys, extra.values))
         key_valid = None if inputs.all_valid else inputs.k_valid
         out_w, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
+        q, out_w, extra_k, extra_v = (x.transpose(1, 2) for x in (q, out_w, extra_k, extra_v))  # heads first
         keep = extra.valid[:, None, None, :]
         out_e, lse_e = ExtraKeysAttention.apply(q, extra_k, extra_v, keep, 1 / math.sqrt(q.shape[-1]))
         # e^lse_w / (e^lse_w + e^lse_e), with -inf (no key seen) made finite: no NaN in either pass

@@ -462,23 +462,30 @@ def compiled_flex_attention() -> Callable:
     skips the blocks that no query sees. It is compiled as a function of its own (``compile_in_package``)."""
     flex = flex_attention  # bound now: a later patch of this module's name does not reach it
 
-    def long_short_flex_attention(query, key, value, *, score_mod=None, block_mask=None, scale=None, return_lse=False):
-        return flex_call(
-            flex, query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse
-        )
+    def long_short_flex_attention(query, key, value, **kwargs):  # the keywords of ``flex_call``
+        return flex_call(flex, query, key, value, **kwargs)
 
     return compile_in_package(long_short_flex_attention)
 
 
-def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool):
+def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool, tokens_first=False):
     """``flex(query, key, value, ...)``: the output, or with ``return_lse`` the output and the log-sum-exp (asked for
-    as FlexAttention's auxiliary output)."""
-    if not return_lse:
-        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
-    out, aux = flex(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
-    )
-    return out, aux.lse
+    as FlexAttention's auxiliary output). ``tokens_first``: query, key and value are (B, m, H, E) and the output is
+    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies on the CPU, whose compiled kernel
+    refuses views), and its output, laid out as the query, is handed back as a view too."""
+    if tokens_first:
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+        if query.device.type == "cpu":
+            query, key, value = (x.contiguous() for x in (query, key, value))
+    if return_lse:
+        out, aux = flex(
+            query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+        )
+    else:
+        out = flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    if tokens_first:
+        out = out.transpose(1, 2)
+    return (out, aux.lse) if return_lse else out
 
 
 @torch.compiler.disable
@@ -492,18 +499,21 @@ def long_short_flex_attend(
     offsets: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """``flex_attend`` of query (B, H, m, E) over key and value (B, H, L + R, .) laid out as ``layout`` says, with
-    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, H, m, Ev), and with ``return_lse`` each
-    query's log-sum-exp of its scores (B, H, m) float32 too.
+    """``flex_attend`` of query (B, m, H, E) over key and value (B, L + R, H, .) laid out as ``layout`` says, with
+    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, m, H, Ev), and with ``return_lse`` each
+    query's log-sum-exp of its scores (B, H, m) float32 too. Token-major, as the projections make them
+    (``flex_attend``'s ``tokens_first``): every tensor that crosses this boundary between compiled regions is then
+    contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of their gradients into a
+    contiguous tensor in the backward pass (four copies of the layer's width per layer).
 
     A compile boundary: inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's)
     the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
     one. Lowered inside a larger graph, FlexAttention miscompiles some of these masks (inductor's CPU kernel, torch
     2.14: with a cls key, or without window keys but with padding)."""
     mask = long_short_block_mask(
-        layout, num_queries=query.shape[2], offsets=offsets, key_valid=key_valid, device=query.device
+        layout, num_queries=query.shape[1], offsets=offsets, key_valid=key_valid, device=query.device
     )
-    return flex_attend(query, key, value, mask, return_lse=return_lse)
+    return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:
@@ -522,9 +532,12 @@ def flex_attend(
     scale: float | None = None,
     compiled: bool | None = None,
     return_lse: bool = False,
+    tokens_first: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
-    optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0.
+    optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0. ``tokens_first``: query (B, m, H, E), key
+    and value (B, K, H, .) and the output (B, m, H, Ev) instead, turned heads first and back inside the compiled
+    kernel's region (``flex_call``), so that its inputs and output stay contiguous.
 
     ``compiled``: use ``compiled_flex_attention`` (default: on ``COMPILED_DEVICES`` in ``FUSED_DTYPES``; inside a
     function being compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default
@@ -543,7 +556,16 @@ def flex_attend(
     # compiled for the CPU, FlexAttention refuses views of its inputs (torch 2.14)
     if compiled and query.device.type == "cpu":
         query, key, value = (x.contiguous() for x in (query, key, value))
-    out = kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse)
+    out = kernel(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        return_lse=return_lse,
+        tokens_first=tokens_first,
+    )
     if return_lse:
         out, lse = out
         return out[..., :value_dim], lse

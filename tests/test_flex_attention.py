@@ -396,11 +396,22 @@ def test_backward_matches_sdpa_where_supported(device):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
 
 
-def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=None, return_lse=False):
+def _dense_flex_attend(
+    query, key, value, block_mask, *, score_mod=None, scale=None, return_lse=False, tokens_first=False
+):
     """FlexAttention's result computed densely, which autograd differentiates on any device: the softmax over the keys
     that ``block_mask``'s mask_mod keeps (evaluated on every pair) of the scores through ``score_mod`` (called once on
     broadcast index tensors), 0 for a query that sees none; with ``return_lse`` the log-sum-exp of its kept scores
-    too (-inf for a query that sees none)."""
+    too (-inf for a query that sees none). ``tokens_first`` as ``flex_attend``'s."""
+    if tokens_first:
+        out = _dense_flex_attend(
+            *(x.transpose(1, 2) for x in (query, key, value)),
+            block_mask,
+            score_mod=score_mod,
+            scale=scale,
+            return_lse=return_lse,
+        )
+        return (out[0].transpose(1, 2), out[1]) if return_lse else out.transpose(1, 2)
     keep = create_mask(block_mask.mask_mod, query.shape[0], 1, query.shape[2], key.shape[2], device=query.device)
     scores = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
     if score_mod is not None:
@@ -409,6 +420,31 @@ def _dense_flex_attend(query, key, value, block_mask, *, score_mod=None, scale=N
     scores = scores.masked_fill(~keep, float("-inf"))
     out = scores.softmax(-1).nan_to_num(0.0) @ value
     return (out, scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(-1)) if return_lse else out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_fused_path_hands_the_kernel_token_major_contiguous_tensors(causal, monkeypatch):
+    """The fused path hands FlexAttention its query, keys and values token-major and contiguous (``tokens_first``),
+    as the projections and ``JoinedProjectedKeys`` make them: no tensor that enters the compile boundary around the
+    kernel is a heads-first view, whose gradient torch 2.11's AOTAutograd copies into a contiguous tensor."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    calls = []
+
+    def recording_flex_attend(query, key, value, block_mask, **kwargs):
+        calls.append((kwargs.get("tokens_first"), [x.is_contiguous() for x in (query, key, value)]))
+        return _dense_flex_attend(query, key, value, block_mask, **kwargs)
+
+    monkeypatch.setattr(long_short_blocks, "flex_attend", recording_flex_attend)
+    settings = {"window": 4, "causal": True, "segment_length": 2} if causal else {"window": 3}
+    default, eager = (
+        make(rank=2, hidden=12, heads=3, **settings, attn_implementation=name) for name in ("sdpa", "eager")
+    )
+    x, _ = inputs(default, 2, 21)
+    torch.testing.assert_close(default(x)[0], eager(x)[0], atol=EXACT, rtol=0)
+    assert calls == [(True, [True, True, True])]
 
 
 @pytest.mark.parametrize("long_range", ["in_kernel", "in_kernel_copies", "apart"])
@@ -437,7 +473,7 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, long_range, monkeyp
     key_lengths = []
 
     def dense_flex_attend(query, key, value, block_mask, **kwargs):
-        key_lengths.append(key.shape[2])
+        key_lengths.append(key.shape[1 if kwargs.get("tokens_first") else 2])
         return _dense_flex_attend(query, key, value, block_mask, **kwargs)
 
     monkeypatch.setattr(long_short_blocks, "flex_attend", dense_flex_attend)
