@@ -417,25 +417,31 @@ _unpadded_block_mask = cached_outside_compile(maxsize=32)(_block_mask)
 # ---------------------------------------------------------------------------------------------- FlexAttention
 # Compilations that each function the package compiles (``compile_in_package``) may make before dynamo falls back to
 # running it uncompiled (for FlexAttention: the unfused kernel, which materialises every score): one per grad mode,
-# batch size, stride pattern, mask closure and layer configuration a process meets (8, dynamo's default, was reached by
-# one process training and evaluating several models).
+# batch size, stride pattern, mask closure and layer configuration a process meets, and compiled with static shapes
+# (the 2-D path), per input shape (8, dynamo's default, was reached by one process training and evaluating several
+# models).
 RECOMPILE_LIMIT = 64
 
 
-def compile_in_package(fn: Callable, *, activation_memory_budget: float | None = None) -> Callable:
+def compile_in_package(
+    fn: Callable, *, activation_memory_budget: float | None = None, static_shapes: bool = False
+) -> Callable:
     """``torch.compile(fn)``, called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while it runs. Its
     compilations count against a limit of its own, not against those of any other compiled function in the
     process. Dynamo's ``nested_graph_breaks`` is on while it runs: a compile boundary deep in ``fn`` (the attention
     kernel's call, three calls down in the layer) splits it into one graph before and one after, not a graph before
     and after in every frame on the way (about 6 forward graphs a layer, each with its guards and its autograd node,
     to 2). ``activation_memory_budget``: compiled by inductor with torch's setting of that name
-    (``inductor_with_memory_budget``), whose code dynamo keeps apart from the default backend's."""
+    (``inductor_with_memory_budget``), whose code dynamo keeps apart from the default backend's. ``static_shapes``:
+    every new input shape compiles code specialised to it (``torch.compile(dynamic=False)``), for inputs of few
+    shapes (images); by default the sizes become symbolic after the first that differs, so that text of any length
+    compiles a few times at most."""
     backend = (
         "inductor"
         if activation_memory_budget is None
         else functools.partial(inductor_with_memory_budget, budget=activation_memory_budget)
     )
-    compiled = torch.compile(fn, backend=backend)
+    compiled = torch.compile(fn, backend=backend, dynamic=False if static_shapes else None)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -457,15 +463,16 @@ def inductor_with_memory_budget(graph: torch.fx.GraphModule, example_inputs: lis
 
 
 @functools.cache
-def compiled_flex_attention() -> Callable:
+def compiled_flex_attention(static_shapes: bool = False) -> Callable:
     """``flex_attention`` compiled once per process (as Transformers' flex integration does): the fused kernel, which
-    skips the blocks that no query sees. It is compiled as a function of its own (``compile_in_package``)."""
+    skips the blocks that no query sees. It is compiled as a function of its own (``compile_in_package``, with its
+    ``static_shapes``)."""
     flex = flex_attention  # bound now: a later patch of this module's name does not reach it
 
     def long_short_flex_attention(query, key, value, **kwargs):  # the keywords of ``flex_call``
         return flex_call(flex, query, key, value, **kwargs)
 
-    return compile_in_package(long_short_flex_attention)
+    return compile_in_package(long_short_flex_attention, static_shapes=static_shapes)
 
 
 def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool, tokens_first=False):
@@ -533,6 +540,7 @@ def flex_attend(
     compiled: bool | None = None,
     return_lse: bool = False,
     tokens_first: bool = False,
+    static_shapes: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FlexAttention of query (B, H, m, E) over key (B, H, K, E) and value (B, H, K, Ev) with ``block_mask`` and an
     optional ``score_mod``: (B, H, m, Ev). A query that sees no key gets 0. ``tokens_first``: query (B, m, H, E), key
@@ -543,13 +551,15 @@ def flex_attend(
     function being compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default
     ``1 / sqrt(E)``. On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the
     output is cut back to Ev. ``return_lse``: also each query's log-sum-exp of its scores, (B, H, m) float32 (-inf
-    for a query that sees no key); gradients flow through it on CUDA.
+    for a query that sees no key); gradients flow through it on CUDA. ``static_shapes``: the compiled kernel is
+    specialised to each shape it meets (``compiled_flex_attention(static_shapes=True)``), its mask's arithmetic on
+    the sizes done at compile time.
     """
     if compiled is None:
         compiled = query.device.type in COMPILED_DEVICES and query.dtype in FUSED_DTYPES
     # compiled for the CPU, FlexAttention returns no log-sum-exp (torch 2.14): there it runs uncompiled
     compiled = compiled and not torch.compiler.is_compiling() and not (return_lse and query.device.type == "cpu")
-    kernel = compiled_flex_attention() if compiled else functools.partial(flex_call, flex_attention)
+    kernel = compiled_flex_attention(static_shapes) if compiled else functools.partial(flex_call, flex_attention)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))

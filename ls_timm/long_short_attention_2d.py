@@ -31,9 +31,10 @@ positions outside the map are masked keys and dropped queries, so any input size
 The fused path (``_attend_flex``: ``attn_implementation="sdpa"`` on ``FUSED_DEVICES``, i.e. CUDA, or
 ``"flex_attention"``) makes one FlexAttention call instead, over the patches in window-tile order (each w x w query
 block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks to visit than raster order) and the
-extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled once per process
-on CUDA, and a compile boundary. There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output
-projection) is compiled around it too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``.
+extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled on CUDA with
+static shapes (code specialised to each map and batch size, its index arithmetic constant), and a compile boundary.
+There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output projection) is compiled around it
+too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -63,8 +64,8 @@ from .conv_layers import ConvBn, StdConv2d
 from .long_short_blocks_2d import (
     cached_tile_block_mask,
     from_tile_order,
-    tile_geometry,
     tile_position,
+    tile_slots,
     to_tile_order,
 )
 
@@ -480,18 +481,18 @@ class LongShortAttention2d(nn.Module):
         ``long_short_flex_attend``: inside a caller's compiled graph the call runs as outside one (lowered inside a
         larger graph, inductor's CPU kernel refused the heads-first queries, torch 2.14)."""
         block_mask = cached_tile_block_mask(feat_size, self.window_size, num_extra_keys, q.device)
-        return flex_attend(q, k, v, block_mask, score_mod=self._window_bias_mod(feat_size, q.device))
+        score_mod = self._window_bias_mod(feat_size)
+        return flex_attend(q, k, v, block_mask, score_mod=score_mod, static_shapes=True)
 
-    def _window_bias_mod(self, feat_size: tuple[int, int], device: torch.device):
+    def _window_bias_mod(self, feat_size: tuple[int, int]):
         """The ViL-LS window bias as FlexAttention's score_mod in tile order: its table read at the query-minus-key
-        offset for the patch keys (None without the table); the map's ``tile_geometry`` on ``device``."""
+        offset for the patch keys (None without the table); the map size a constant, as in ``tile_mask_mod``."""
         table = self.relative_position_bias_table
         if table is None:
             return None
-        w, geometry = self.window_size, tile_geometry(tuple(feat_size), self.window_size, device)
+        w, W, patches = self.window_size, feat_size[1], tile_slots(feat_size, self.window_size)
 
         def window_bias(score, b, h, q_idx, kv_idx):
-            W, patches = geometry[1], geometry[2]
             (qy, qx), (ky, kx) = tile_position(q_idx, W, w), tile_position(kv_idx, W, w)
             row = _vil_bias_row(qy - ky, qx - kx, w).clamp(0, table.shape[0] - 1)
             return torch.where(kv_idx >= patches, score, score + table[row, h].to(score.dtype))
@@ -610,6 +611,9 @@ class LongShortAttention2d(nn.Module):
 def compiled_attention_layer_2d() -> Callable:
     """``LongShortAttention2d._layer`` compiled once per process (``ls_hf``'s ``compile_in_package``): the fused path's
     layer, in compiled regions before and after its FlexAttention call, a compile boundary
-    (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the compilations; the
-    map sizes become symbolic after the first one that differs."""
-    return compile_in_package(LongShortAttention2d._layer)
+    (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the compilations. With
+    static shapes, as the kernel: each map size and batch size compiles code of its own, whose tile-order copies
+    index with constants (an image model meets few shapes; on the CPU taking CUDA's choices, ``cvt_ls_13`` at 224
+    ran 1.2x faster than with the sizes symbolic from the second stage on, and compiled in half the time:
+    ``bench/RESULTS.md``)."""
+    return compile_in_package(LongShortAttention2d._layer, static_shapes=True)

@@ -32,7 +32,6 @@ __all__ = [
     "cached_tile_block_mask",
     "from_tile_order",
     "tile_block_mask",
-    "tile_geometry",
     "tile_mask_mod",
     "tile_position",
     "tile_slots",
@@ -55,37 +54,24 @@ def tile_slots(feat_size: tuple[int, int], window: int) -> int:
 
 
 def tile_position(slot, width: int, window: int):
-    """The 2-D position ``(y, x)`` of the patch slot ``slot`` (an int or a tensor, elementwise) of a map ``width`` (an
-    int or a 0-d tensor) wide in tile order; slots of the padding get positions outside the map."""
+    """The 2-D position ``(y, x)`` of the patch slot ``slot`` (an int or a tensor, elementwise) of a map ``width``
+    wide in tile order; slots of the padding get positions outside the map."""
     w = window
     tile, inner = slot // (w * w), slot % (w * w)
     tiles_per_row = -(-width // w)
     return tile // tiles_per_row * w + inner // w, tile % tiles_per_row * w + inner % w
 
 
-@cached_outside_compile(maxsize=64)
-def tile_geometry(feat_size: tuple[int, int], window: int, device: torch.device | str | None = None) -> Tensor:
-    """``[H, W, patch slots]`` of an (H, W) map in tile order, as an int32 tensor on ``device`` for the mask_mod and
-    score_mod to read: as a tensor, not as Python ints, a compiled kernel serves every map size (with symbolic sizes,
-    inductor fails to lower the ints' arithmetic in the mask, torch 2.11-2.14) and recompiles for none. Cached, and
-    built outside inference mode, as ``cached_tile_block_mask``."""
-    with torch.inference_mode(False):
-        return torch.tensor([*feat_size, tile_slots(feat_size, window)], dtype=torch.int32, device=device)
-
-
-def tile_mask_mod(
-    feat_size: tuple[int, int], window: int, device: torch.device | str | None = None
-) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def tile_mask_mod(feat_size: tuple[int, int], window: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod`` for the queries and keys of tile order: the key at ``kv_idx`` is seen if it is an
-    extra key, or a patch inside the map and inside the query's window on both axes (``window_rule``). ``device``:
-    where its ``tile_geometry`` lives, that of the attention's inputs. The positions are computed, not looked up: read
-    at ``q_idx`` and ``kv_idx`` from int32 tables of the slots' positions, they ran the CPU's kernel 1.3-1.5x faster,
-    but failed to build in inductor's CPU kernel when first compiled with symbolic sizes (torch 2.11 and 2.14;
-    ``bench/RESULTS.md``)."""
-    w, geometry = window, tile_geometry(feat_size, window, device)
+    extra key, or a patch inside the map and inside the query's window on both axes (``window_rule``). The map size
+    is a constant of the closure: the fused path compiles its kernel specialised to each map size
+    (``flex_attend(static_shapes=True)``), so every division of the positions' arithmetic is by a compile-time
+    constant."""
+    (H, W), w = feat_size, window
+    patches = tile_slots(feat_size, window)
 
     def window_2d(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        H, W, patches = geometry[0], geometry[1], geometry[2]
         (qy, qx), (ky, kx) = tile_position(q_idx, W, w), tile_position(kv_idx, W, w)
         in_window = window_rule(qy, ky, w, causal=False) & window_rule(qx, kx, w, causal=False)
         return (kv_idx >= patches) | (in_window & (ky < H) & (kx < W))
@@ -174,7 +160,7 @@ def tile_block_mask(
         full_kv_num_blocks,
         full_kv_indices,
         BLOCK_SIZE=(q_block, kv_block),
-        mask_mod=tile_mask_mod(feat_size, window, device),
+        mask_mod=tile_mask_mod(feat_size, window),
         seq_lengths=(patches, patches + extra),
     )
 

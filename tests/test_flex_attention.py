@@ -397,12 +397,13 @@ def test_backward_matches_sdpa_where_supported(device):
 
 
 def _dense_flex_attend(
-    query, key, value, block_mask, *, score_mod=None, scale=None, return_lse=False, tokens_first=False
+    query, key, value, block_mask, *, score_mod=None, scale=None, return_lse=False, tokens_first=False, **compiling
 ):
     """FlexAttention's result computed densely, which autograd differentiates on any device: the softmax over the keys
     that ``block_mask``'s mask_mod keeps (evaluated on every pair) of the scores through ``score_mod`` (called once on
     broadcast index tensors), 0 for a query that sees none; with ``return_lse`` the log-sum-exp of its kept scores
-    too (-inf for a query that sees none). ``tokens_first`` as ``flex_attend``'s."""
+    too (-inf for a query that sees none). ``tokens_first`` as ``flex_attend``'s; its settings of the compiled kernel
+    (``compiling``: ``static_shapes``) do not apply."""
     if tokens_first:
         out = _dense_flex_attend(
             *(x.transpose(1, 2) for x in (query, key, value)),

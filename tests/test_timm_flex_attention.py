@@ -55,8 +55,7 @@ def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
     """The package's compiled FlexAttention kernel (``compiled_flex_attention`` on ``COMPILED_DEVICES``, as CUDA runs
     it: the fused kernel, which skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32,
     tolerance scaled to the outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS
-    (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, so that the second compiles with symbolic
-    sizes."""
+    (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, each compiled specialised to its size."""
     monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", (device.type,))
     for shrink in (0, 3):
         H, W = case[0] - shrink, case[1] - shrink
@@ -122,6 +121,54 @@ def test_compiled_layer_matches_sdpa_and_is_shared(monkeypatch):
         assert results[name].keys() == results["eager"].keys()
         for key, expected in results["eager"].items():
             torch.testing.assert_close(results[name][key], expected, atol=1e-9, rtol=1e-7, msg=f"{name}: {key}")
+
+
+@pytest.mark.compiled
+def test_compiled_layer_is_specialised_to_each_map_size(monkeypatch):
+    """The fused 2-D path compiles with static shapes (the CPU standing in for CUDA, dynamo's eager backend, whose
+    graphs are the ones inductor gets): no graph, the layer's or the kernel's, has a symbolic size, so the tile
+    order's copies and the mask index with constants; a second map size compiles anew and a second module at the
+    first size compiles nothing; every output is the SDPA layouts'."""
+    from torch._dynamo.utils import counters
+
+    def symbolic(graph: torch.fx.GraphModule) -> bool:
+        values = [node.meta.get("example_value") for node in graph.graph.find_nodes(op="placeholder")]
+        sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))]
+        return any(isinstance(size, torch.SymInt) for size in sizes)
+
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(symbolic(graph))
+        return graph.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": recording}))
+    cached = (long_short_attention_2d.compiled_attention_layer_2d, long_short_blocks.compiled_flex_attention)
+    for compiled in cached:  # built with the recording backend here, and again with inductor after the test
+        compiled.cache_clear()
+    _compile_on_cpu(monkeypatch)
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
+    case = (20, 18, 16, 2, 4, 4, 1, {"window_bias": True})
+    new_graphs = []
+    try:
+        for seed, shrink in ((2, 0), (2, 3), (3, 0)):  # the third: another module, the first map size
+            H, W = case[0] - shrink, case[1] - shrink
+            module, x = built((H, W, *case[2:]), seed=seed, attn_implementation="eager")
+            with torch.no_grad():
+                expected = module(x, (H, W))
+                before = counters["stats"]["unique_graphs"]
+                module.attn_implementation = "sdpa"
+                out = module(x, (H, W))
+            new_graphs.append(counters["stats"]["unique_graphs"] - before)
+            assert_close(out, expected, atol=EXACT)
+    finally:
+        for compiled in cached:
+            compiled.cache_clear()
+        torch._dynamo.reset()
+    assert new_graphs[0] > 0 and new_graphs[1] > 0 and new_graphs[2] == 0
+    assert len(graphs) == new_graphs[0] + new_graphs[1] and not any(graphs)
 
 
 def test_compiled_layer_runs_where_it_can(monkeypatch):
