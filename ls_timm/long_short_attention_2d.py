@@ -609,11 +609,11 @@ class LongShortAttention2d(nn.Module):
 
 @functools.cache
 def compiled_attention_layer_2d() -> Callable:
-    """``LongShortAttention2d._layer`` compiled once per process (``ls_hf``'s ``compile_in_package``): the fused path's
-    layer, in compiled regions before and after its FlexAttention call, a compile boundary
-    (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the compilations. With
-    static shapes, as the kernel: each map size and batch size compiles code of its own, whose tile-order copies
-    index with constants (an image model meets few shapes; on the CPU taking CUDA's choices, ``cvt_ls_13`` at 224
-    ran 1.2x faster than with the sizes symbolic from the second stage on, and compiled in half the time:
-    ``bench/RESULTS.md``)."""
+    """``LongShortAttention2d._layer`` under one ``torch.compile`` wrapper per process (``ls_hf``'s
+    ``compile_in_package``): the fused path's layer, in compiled regions before and after its FlexAttention call, a
+    compile boundary (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the
+    compilations. With static shapes, as the kernel: each map size and batch size compiles code of its own, whose
+    tile-order copies index with constants (an image model meets few shapes; on the CPU taking CUDA's choices,
+    ``cvt_ls_13`` at 224 ran 1.2x faster than with the sizes symbolic from the second stage on, and compiled in half
+    the time: ``bench/RESULTS.md``)."""
     return compile_in_package(LongShortAttention2d._layer, static_shapes=True)
