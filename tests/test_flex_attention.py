@@ -4,6 +4,7 @@ oracle in test_attention.py), eager in float64 over a grid, one small compiled c
 Checked, never timed. Eager FlexAttention warns that it materialises the scores; that is expected at these sizes.
 """
 
+import contextlib
 import functools
 
 import pytest
@@ -225,6 +226,24 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     assert new_graphs[1::2] == [0, 0]  # the second layer reuses the first one's compilations
 
 
+@contextlib.contextmanager
+def package_compiled_with(monkeypatch, backend, *cached):
+    """While it is open, the package's compiled functions ``cached`` (their ``functools.cache``'d builders) are built
+    afresh with the ``torch.compile`` backend ``backend``, the CPU standing in for CUDA (``_compile_on_cpu``); built
+    again with inductor after it."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": backend}))
+    for compiled in cached:
+        compiled.cache_clear()
+    _compile_on_cpu(monkeypatch)
+    try:
+        yield
+    finally:
+        for compiled in cached:
+            compiled.cache_clear()
+        torch._dynamo.reset()
+
+
 def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> list[int]:
     """The graphs that the compiled layer (the CPU standing in for CUDA, dynamo's own eager backend, whose guards and
     graphs are the ones inductor gets) compiles for each of ``lengths`` in turn, forward only, ``padding`` 11 tokens
@@ -233,14 +252,9 @@ def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> li
 
     from ls_hf import long_short_attention, long_short_blocks
 
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
-    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
-    for compiled in cached:  # built with the eager backend here, and again with inductor after the test
-        compiled.cache_clear()
-    _compile_on_cpu(monkeypatch)
     new_graphs = []
-    try:
+    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
+    with package_compiled_with(monkeypatch, "eager", *cached):
         for n in lengths:
             x, _ = inputs(layer, 2, n)
             mask = make_mask(padding, 2, n, 11)
@@ -250,10 +264,6 @@ def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> li
                 out, _ = layer(x, mask)
                 new_graphs.append(counters["stats"]["unique_graphs"] - before)
             torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
-    finally:
-        for compiled in cached:
-            compiled.cache_clear()
-        torch._dynamo.reset()
     return new_graphs
 
 

@@ -15,7 +15,7 @@ from ls_hf import long_short_attention, long_short_blocks
 from ls_timm import long_short_attention_2d, long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.devices import assert_close
-from tests.test_flex_attention import _compile_on_cpu, _dense_flex_attend
+from tests.test_flex_attention import _compile_on_cpu, _dense_flex_attend, package_compiled_with
 from tests.test_timm_attention import CASES, _randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -142,17 +142,12 @@ def test_compiled_layer_is_specialised_to_each_map_size(monkeypatch):
         graphs.append(symbolic(graph))
         return graph.forward
 
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": recording}))
-    cached = (long_short_attention_2d.compiled_attention_layer_2d, long_short_blocks.compiled_flex_attention)
-    for compiled in cached:  # built with the recording backend here, and again with inductor after the test
-        compiled.cache_clear()
-    _compile_on_cpu(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     case = (20, 18, 16, 2, 4, 4, 1, {"window_bias": True})
     new_graphs = []
-    try:
+    cached = (long_short_attention_2d.compiled_attention_layer_2d, long_short_blocks.compiled_flex_attention)
+    with package_compiled_with(monkeypatch, recording, *cached):
         for seed, shrink in ((2, 0), (2, 3), (3, 0)):  # the third: another module, the first map size
             H, W = case[0] - shrink, case[1] - shrink
             module, x = built((H, W, *case[2:]), seed=seed, attn_implementation="eager")
@@ -163,10 +158,6 @@ def test_compiled_layer_is_specialised_to_each_map_size(monkeypatch):
                 out = module(x, (H, W))
             new_graphs.append(counters["stats"]["unique_graphs"] - before)
             assert_close(out, expected, atol=EXACT)
-    finally:
-        for compiled in cached:
-            compiled.cache_clear()
-        torch._dynamo.reset()
     assert new_graphs[0] > 0 and new_graphs[1] > 0 and new_graphs[2] == 0
     assert len(graphs) == new_graphs[0] + new_graphs[1] and not any(graphs)
 
