@@ -2,14 +2,15 @@
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo   runs the main job on built-in small data
 #   bash run.sh test   runs the test suite
-#   bash run.sh gpu-check [tests [float32|bfloat16]|bench]   on a CUDA machine, the tests within 270 s and the
-#                      bars within 480 s: the tests that take the device (tests/device_tests.txt) on CUDA in float32
-#                      and bfloat16 side by side (each outcome logged as it finishes in GPU_CHECK_LOG_DIR, default
-#                      bench/results/), then bench.gpu_bars (the GPU targets, one table with each ratio and whether
-#                      it is met; JSON in bench/results/ and in GPU_CHECK_LOG_DIR) and bench.profile_attention (where
-#                      the layer's time goes, into GPU_CHECK_LOG_DIR); 'tests' or 'bench' runs one half, 'tests
-#                      <dtype>' one precision. It first says which declared dependencies the environment (VENV, default
-#                      .venv) lacks, and refuses when the check needs one. Without a GPU it says so and exits 0
+#   bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]   on a CUDA machine, each part within 5 minutes:
+#                      'tests' runs the tests that take the device (tests/device_tests.txt) on CUDA in float32 and
+#                      bfloat16 side by side for at most 270 s (each outcome logged as it finishes in GPU_CHECK_LOG_DIR,
+#                      default bench/results/); 'bench' runs bench.gpu_bars, the GPU targets within its 270 s budget
+#                      (one table with each ratio and whether it is met; JSON in bench/results/ and in
+#                      GPU_CHECK_LOG_DIR); 'profile' runs bench.profile_attention (where the layer's time goes, at most
+#                      2 minutes, into GPU_CHECK_LOG_DIR); without a part, all three in turn; 'tests <dtype>' one
+#                      precision. It first says which declared dependencies the environment (VENV, default .venv)
+#                      lacks, and refuses when the check needs one. Without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in  # an unknown command is refused before anything is created or installed
@@ -18,8 +19,8 @@ case "${1:-}" in  # an unknown command is refused before anything is created or 
 esac
 if [ "$1" = gpu-check ]; then
     part="${2:-all}" dtypes="${3:-float32 bfloat16}"
-    usage="usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench] (all when omitted)"
-    if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ]; then
+    usage="usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile] (all when omitted)"
+    if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ] && [ "$part" != profile ]; then
         echo "$usage, got '$part'" >&2
         exit 2
     fi
@@ -62,7 +63,7 @@ case "${1:-}" in
         log_dir="${GPU_CHECK_LOG_DIR:-bench/results}" limit="${GPU_CHECK_TIME_LIMIT:-270}"
         mkdir -p "$log_dir"
         status=0
-        if [ "$part" != bench ]; then
+        if [ "$part" = all ] || [ "$part" = tests ]; then
             pids=()
             for dtype in $dtypes; do  # the precisions side by side: GPU_CHECK_WORKERS pytest workers each
                 log="$log_dir/gpu_check_tests_$dtype.log"
@@ -87,14 +88,19 @@ case "${1:-}" in
                     echo "  stopped after ${limit} s (GPU_CHECK_TIME_LIMIT): the tests the log does not name did not run"
                 fi
             done
-            [ "$part" = tests ] && exit "$status"
         fi
-        # the bars, within their own time budget; the table at the end, JSON in bench/results/ and in the log folder
-        "$VENV/bin/python" -m bench.gpu_bars --copy-to "$log_dir" || status=1
-        # where the attention layer's time goes at 4k tokens, batch 8, beside the window's kernel (at most 2 minutes)
-        timeout 120 "$VENV/bin/python" -m bench.profile_attention --n 4096 --batch 8 \
-            --out "$log_dir/profile_attention_cuda.txt" > "$log_dir/profile_attention.log" 2>&1 \
-            || echo "run.sh gpu-check: the profile did not finish (see its log)"
+        if [ "$part" = all ] || [ "$part" = bench ]; then
+            # the bars, compiling ahead included, within their budget; the table at the end, JSON in bench/results/
+            # and in the log folder
+            "$VENV/bin/python" -m bench.gpu_bars --copy-to "$log_dir" || status=1
+        fi
+        if [ "$part" = all ] || [ "$part" = profile ]; then
+            # where the attention layer's time goes at 4k tokens, batch 8, beside the window's kernel
+            echo "run.sh gpu-check: profiling the attention layer at 4k tokens, batch 8 (at most 2 minutes)"
+            timeout 120 "$VENV/bin/python" -m bench.profile_attention --n 4096 --batch 8 \
+                --out "$log_dir/profile_attention_cuda.txt" > "$log_dir/profile_attention.log" 2>&1 \
+                || { echo "run.sh gpu-check: the profile did not finish (see its log)"; status=1; }
+        fi
         exit "${status:-0}"
         ;;
 esac

@@ -249,3 +249,12 @@ def side_by_side(steps: dict[str, Callable[[], None]], device: str, repeats: int
     for peer, peer_times in times.items():
         results[peer] |= {"time_s": sorted(peer_times)[len(peer_times) // 2], "times_s": peer_times}
     return {peer: results[peer] for peer in steps}
+
+
+def take_cuda_choices_on_cpu() -> None:
+    """Let the CPU take CUDA's choices in this process: the fused path, its compiled kernel and compiled layer."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    long_short_attention.FUSED_DEVICES = (*long_short_attention.FUSED_DEVICES, "cpu")
+    long_short_attention.COMPILED_LAYER_DEVICES = (*long_short_attention.COMPILED_LAYER_DEVICES, "cpu")
+    long_short_blocks.COMPILED_DEVICES = (*long_short_blocks.COMPILED_DEVICES, "cpu")

@@ -1,8 +1,10 @@
 """The GPU bars: Long-Short against its peers on one GPU in bfloat16, every bar with its measured values, its ratio and
 PASS/MISS in one table at the end, all within a time budget that includes compilation.
 
-Each section measures its peers side by side in one process (``bench.common.side_by_side``: warm-up rounds, where
-compilation happens, each peer's peak memory over one step, then timed rounds taken in turn, the median kept):
+Each section measures its peers setting by setting (a length and batch, a context, a resolution), side by side in one
+process (``bench.common.side_by_side``: warm-up rounds, where compilation happens, each peer's peak memory over one
+step, then timed rounds taken in turn, the median kept), each setting from a fresh compilation state
+(``fresh_compilation``), as a process that trains at those shapes alone compiles them:
 
 * attention: ``bench.bench_attention``'s layer (hidden 768, 12 heads, w = 256, r = 64), forward + backward at 4,096,
   16,384 and 65,536 tokens (batch 1) and at 4,096 tokens (batch 8): Long-Short's default (on CUDA its fused
@@ -24,14 +26,21 @@ compilation happens, each peer's peak memory over one step, then timed rounds ta
 * LRA ListOps: ``recipes.lra``'s trainer (its float32 model, batch 32), Long-Short against full attention: seconds per
   step over the second half of a short run (the first half holds compilation).
 
-Each section has a share of ``--budget-s``; time a section leaves over passes to the next, and a section that runs out
-of its time is stopped where it is, its bars marked "not run". Times are never asserted anywhere.
+Compilation comes first, in parallel (``compile_ahead``): every peer that compiles, in each setting, runs that setting
+in a process of its own, ``--jobs`` at a time (half the cores, at most 8), for at most 40 % of ``--budget-s``; the
+code they compile stays in inductor's and Triton's caches on disk, where the measuring process finds it instead of
+compiling it, one setting after another. Nothing those processes do is measured. Then each section has a share of
+what is left; time a section leaves over passes to the next, and a section that runs out of its time is stopped where
+it is, its bars marked "not run". Times are never asserted anywhere.
 
-    python -m bench.gpu_bars                 # CUDA, bf16, within --budget-s (480 s) of measuring
+    python -m bench.gpu_bars                 # CUDA, bf16, compiling ahead and measuring within --budget-s (270 s)
     python -m bench.gpu_bars --sections attention --budget-s 150   # one section (or several) alone
+    python -m bench.gpu_bars --jobs 0        # no compiling ahead: each setting compiles as it is measured
     python -m bench.gpu_bars --smoke         # the same sections and bars on the CPU with tiny shapes (float32,
                                              # forward-only attention: FlexAttention has no CPU backward; the
                                              # smallest members of the timm families): checks the logic
+    python -m bench.gpu_bars --smoke --cpu-as-cuda --sections attention vision --jobs 2   # the CPU taking CUDA's
+                                             # choices, so that there is code to compile ahead
 
 Writes ``bench/results/gpu_bars_<device>.json`` and ``.md`` (``--smoke``: under ``bench/results/quick/``; ``--out``
 another path), and a copy of both into ``--copy-to``.
@@ -43,11 +52,14 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -55,7 +67,16 @@ from typing import NamedTuple
 import torch
 
 from bench import bench_attention, bench_models, bench_vision
-from bench.common import DTYPES, MEASUREMENT_ERRORS, failure, results_path, run_meta, side_by_side, write_json
+from bench.common import (
+    DTYPES,
+    MEASUREMENT_ERRORS,
+    failure,
+    results_path,
+    run_meta,
+    side_by_side,
+    take_cuda_choices_on_cpu,
+    write_json,
+)
 from recipes.lra import train as lra_train
 
 ATTENTION_PEERS = ("long-short", "sdpa", "flex-window")
@@ -75,6 +96,7 @@ VISION_MODELS = ("cvt_ls_13", "hf_cvt_13", "deit_small_patch16_224", "vil_ls_med
 # Long-Short vision models with ``attn_implementation="eager"``: the window tiles on SDPA, not the fused 2-D path
 VISION_EAGER = ("cvt_ls_13-eager",)
 LRA_ATTENTIONS = ("long_short", "full")
+DECODING_PEERS = ("cached", "uncached")  # in the order of Plan.decode_tokens
 
 
 @dataclass(frozen=True)
@@ -424,69 +446,100 @@ def table(rows: list[dict]) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- sections
-def attention_section(plan: Plan, record) -> None:
+class Setting(NamedTuple):
+    """One setting of a section: its ``peers``, measured side by side by ``run(peers, record)``, which hands each
+    peer's result to ``record(peer, result)``; the result's key is ``section/peer/label`` (``key``)."""
+
+    section: str
+    label: str
+    peers: tuple[str, ...]
+    run: Callable[[tuple[str, ...], Callable[[str, dict], None]], None]
+
+    def key(self, peer: str) -> str:
+        return f"{self.section}/{peer}/{self.label}"
+
+
+def attention_settings(plan: Plan) -> list[Setting]:
+    return [
+        Setting("attention", f"{label} x{batch}", peers, functools.partial(_measure_attention, plan, label, batch))
+        for label, batch, peers in ATTENTION_RUNS
+    ]
+
+
+def _measure_attention(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record) -> None:
     dtype = DTYPES[plan.dtype]
-    for label, batch, peers in ATTENTION_RUNS:
-        n, shape = plan.attention_lengths[label], dataclasses.replace(plan.attention, batch=batch)
-        modules = {peer: bench_attention.build_peer(peer, shape).to(plan.device, dtype) for peer in peers}
-        x, grad = bench_attention.inputs(n, plan.device, dtype, shape)
-        steps = {
-            peer: functools.partial(bench_attention.step, module, x, grad, plan.backward)
-            for peer, module in modules.items()
-        }
-        for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
-            record(_attention(peer, label, batch), result | {"n": n, "batch": batch})
-        del modules, x, grad, steps
+    n, shape = plan.attention_lengths[label], dataclasses.replace(plan.attention, batch=batch)
+    modules = {peer: bench_attention.build_peer(peer, shape).to(plan.device, dtype) for peer in peers}
+    x, grad = bench_attention.inputs(n, plan.device, dtype, shape)
+    steps = {
+        peer: functools.partial(bench_attention.step, module, x, grad, plan.backward)
+        for peer, module in modules.items()
+    }
+    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+        record(peer, result | {"n": n, "batch": batch})
 
 
-def mlm_section(plan: Plan, record) -> None:
-    for label, batch, peers in MLM_RUNS:
-        n = plan.mlm_lengths[label]
-        steps = {
-            peer: bench_models.training_step(
-                peer,
-                n,
-                plan.modernbert_layers if peer == "modernbert" else plan.mlm_layers,
-                plan.vocab,
-                device=plan.device,
-                dtype=plan.dtype,
-                batch=batch,
-                width=plan.mlm_width,
-                window=plan.attention.window,
-                rank=plan.attention.rank,
-            )
-            for peer in peers
-        }
-        for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
-            if result["status"] == "ok":
-                result["tokens_per_s"] = batch * n / result["time_s"]
-            if peer == "modernbert":
-                result["attn_implementation"] = bench_models.modernbert_attention(plan.device)
-            record(_mlm(peer, label), result | {"n": n, "batch": batch})
-        del steps
+def mlm_settings(plan: Plan) -> list[Setting]:
+    return [
+        Setting("masked LM", f"{label} x{batch}", peers, functools.partial(_measure_mlm, plan, label, batch))
+        for label, batch, peers in MLM_RUNS
+    ]
 
 
-def decoding_section(plan: Plan, record) -> None:
-    for label, context in plan.decode_contexts.items():
-        for use_cache, tokens in zip((True, False), plan.decode_tokens):
-            try:
-                result = {
-                    "status": "ok",
-                    **bench_models.measure_generation(
-                        context,
-                        tokens,
-                        use_cache,
-                        plan.decode_layers,
-                        plan.vocab,
-                        plan.device,
-                        plan.dtype,
-                        width=plan.mlm_width,
-                        window=plan.attention.window,
-                    ),
-                }
-            except MEASUREMENT_ERRORS as error:  # reported in the table, not raised
-                result = failure(error)
-            record(f"decoding/{'cached' if use_cache else 'uncached'}/{label}", result | {"context": context})
+def _measure_mlm(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record) -> None:
+    n = plan.mlm_lengths[label]
+    steps = {
+        peer: bench_models.training_step(
+            peer,
+            n,
+            plan.modernbert_layers if peer == "modernbert" else plan.mlm_layers,
+            plan.vocab,
+            device=plan.device,
+            dtype=plan.dtype,
+            batch=batch,
+            width=plan.mlm_width,
+            window=plan.attention.window,
+            rank=plan.attention.rank,
+        )
+        for peer in peers
+    }
+    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+        if result["status"] == "ok":
+            result["tokens_per_s"] = batch * n / result["time_s"]
+        if peer == "modernbert":
+            result["attn_implementation"] = bench_models.modernbert_attention(plan.device)
+        record(peer, result | {"n": n, "batch": batch})
+
+
+def decoding_settings(plan: Plan) -> list[Setting]:
+    return [
+        Setting("decoding", label, DECODING_PEERS, functools.partial(_measure_decoding, plan, context))
+        for label, context in plan.decode_contexts.items()
+    ]
+
+
+def _measure_decoding(plan: Plan, context: int, peers: tuple[str, ...], record) -> None:
+    for peer, tokens in zip(DECODING_PEERS, plan.decode_tokens):
+        if peer not in peers:
+            continue
+        try:
+            result = {
+                "status": "ok",
+                **bench_models.measure_generation(
+                    context,
+                    tokens,
+                    peer == "cached",
+                    plan.decode_layers,
+                    plan.vocab,
+                    plan.device,
+                    plan.dtype,
+                    width=plan.mlm_width,
+                    window=plan.attention.window,
+                ),
+            }
+        except MEASUREMENT_ERRORS as error:  # reported in the table, not raised
+            result = failure(error)
+        record(peer, result | {"context": context})
 
 
 def _infer(model: torch.nn.Module, images: torch.Tensor) -> None:
@@ -494,43 +547,48 @@ def _infer(model: torch.nn.Module, images: torch.Tensor) -> None:
         bench_vision.logits(model, images)
 
 
-def vision_section(plan: Plan, record) -> None:
+def vision_settings(plan: Plan) -> list[Setting]:
+    return [
+        Setting("vision", label, (*VISION_MODELS, *VISION_EAGER), functools.partial(_measure_vision, plan, resolution))
+        for label, resolution in plan.resolutions.items()
+    ]
+
+
+def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record) -> None:
     dtype = DTYPES[plan.dtype]
-    for label, resolution in plan.resolutions.items():
-        models = {
-            name: bench_vision.build(plan.vision_models[name], resolution).eval().to(plan.device, dtype)
-            for name in VISION_MODELS
-        }
-        for name in VISION_EAGER:
-            model = bench_vision.build(
-                plan.vision_models[name.removesuffix("-eager")], resolution, attn_implementation="eager"
-            )
-            models[name] = model.eval().to(plan.device, dtype)
-        images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
-        steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
-        for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
-            if result["status"] == "ok":
-                result["images_per_s"] = plan.image_batch / result["time_s"]
-            record(
-                f"vision/{name}/{label}",
-                result
-                | {
-                    "model": plan.vision_models[name.removesuffix("-eager")],
-                    "attn_implementation": "eager" if name in VISION_EAGER else None,
-                    "resolution": resolution,
-                    "batch": plan.image_batch,
-                },
-            )
-        del models, steps
+    models = {}
+    for name in peers:  # a name ending in -eager: its model with attn_implementation="eager"
+        model = plan.vision_models[name.removesuffix("-eager")]
+        eager = {"attn_implementation": "eager"} if name in VISION_EAGER else {}
+        models[name] = bench_vision.build(model, resolution, **eager).eval().to(plan.device, dtype)
+    images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
+    steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
+    for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+        if result["status"] == "ok":
+            result["images_per_s"] = plan.image_batch / result["time_s"]
+        record(
+            name,
+            result
+            | {
+                "model": plan.vision_models[name.removesuffix("-eager")],
+                "attn_implementation": "eager" if name in VISION_EAGER else None,
+                "resolution": resolution,
+                "batch": plan.image_batch,
+            },
+        )
 
 
-def lra_section(plan: Plan, record) -> None:
+def lra_settings(plan: Plan) -> list[Setting]:
+    return [Setting("LRA ListOps", "listops", LRA_ATTENTIONS, functools.partial(_measure_lra, plan))]
+
+
+def _measure_lra(plan: Plan, peers: tuple[str, ...], record) -> None:
     """``recipes.lra``'s trainer for 2 x ``lra_half_steps`` steps, scoring the dev split after each half; the step
     time is the second half's (the first holds compilation), from the trainer's own ``train_seconds``."""
     half = plan.lra_half_steps
     train, dev, test = plan.lra_examples
     with tempfile.TemporaryDirectory() as folder:
-        for attention in LRA_ATTENTIONS:
+        for attention in peers:
             argv = [
                 "--task",
                 "listops",
@@ -563,7 +621,7 @@ def lra_section(plan: Plan, record) -> None:
             results = lra_train.main(argv)
             first_half = results["history"][0]["train_seconds"]  # rounded to 0.1 s by the trainer
             record(
-                f"LRA ListOps/{attention}/listops",
+                attention,
                 {
                     "status": "ok",
                     "step_s": (results["train_seconds"] - first_half) / half,
@@ -575,15 +633,96 @@ def lra_section(plan: Plan, record) -> None:
             )
 
 
-# section name, function, share of the budget: after what each took on one H100 (bench/RESULTS.md), compilation
-# included: attention about 85 s, masked LM 50 s, decoding 35 s; vision and LRA more than the 114 s and 65 s they had
+class Section(NamedTuple):
+    name: str
+    settings: Callable[[Plan], list[Setting]]
+    share: float  # of the measuring budget
+    compiled: frozenset[str]  # the peers whose steps compile code (torch.compile): what ``compile_ahead`` runs
+
+
+# the shares after what each section took on one H100 (bench/RESULTS.md), compilation included: attention about 85 s,
+# masked LM 50 s, decoding 35 s; vision and LRA more than the 114 s and 65 s they had. The peers that compile: those on
+# the package's fused path (compiled on CUDA) and FlexAttention's window; RoBERTa, ModernBERT (Transformers 5 compiles
+# none of its layers), the timm and Transformers vision models and the SDPA paths run eagerly.
 SECTIONS = (
-    ("attention", attention_section, 0.18),
-    ("masked LM", mlm_section, 0.12),
-    ("decoding", decoding_section, 0.08),
-    ("vision", vision_section, 0.42),
-    ("LRA ListOps", lra_section, 0.20),
+    Section("attention", attention_settings, 0.18, frozenset({"long-short", "flex-window"})),
+    Section("masked LM", mlm_settings, 0.12, frozenset({"long-short"})),
+    Section("decoding", decoding_settings, 0.08, frozenset(DECODING_PEERS)),
+    Section("vision", vision_settings, 0.42, frozenset({"cvt_ls_13", "vil_ls_medium"})),
+    Section("LRA ListOps", lra_settings, 0.20, frozenset({"long_short"})),
 )
+
+
+# The default budget, compiling ahead and measuring: with Python's start, within 5 minutes
+BUDGET_S = 270.0
+# The most of the budget that compiling ahead takes; the sections share what it leaves
+COMPILE_AHEAD_SHARE = 0.4
+
+
+def fresh_compilation() -> None:
+    """Forget what this process compiled (``torch._dynamo.reset``): the next setting compiles as a process that runs
+    its shapes alone does, code specialised to them, and so finds in inductor's caches what ``compile_ahead``'s
+    processes compiled for it."""
+    torch._dynamo.reset()
+
+
+def compile_units(plan: Plan, names: list[str] | None = None) -> list[str]:
+    """The keys of the peers that compile, in every setting of the sections of ``names`` (default all), the sections
+    with the largest shares first (they compile the most)."""
+    sections = sorted((s for s in SECTIONS if names is None or s.name in names), key=lambda s: -s.share)
+    return [
+        setting.key(peer)
+        for section in sections
+        for setting in section.settings(plan)
+        for peer in setting.peers
+        if peer in section.compiled
+    ]
+
+
+def compile_ahead(units: list[str], flags: list[str], *, jobs: int, seconds: float) -> str:
+    """Run each unit (a measurement key: one peer in one setting) in a process of its own
+    (``python -m bench.gpu_bars --compile-only KEY`` with ``flags``), ``jobs`` at a time, for at most ``seconds``:
+    its steps compile what the measurement will run and leave it in inductor's and Triton's caches on disk, which the
+    measuring process (``fresh_compilation``) then reads instead of compiling, one setting after another. The
+    processes share the machine's cores (inductor's compile threads, ``TORCHINDUCTOR_COMPILE_THREADS``, split among
+    them); nothing they do is measured. Returns a note: how many finished, failed or were stopped, and in what time."""
+    began = time.perf_counter()
+    env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    pending, running, failed, took = list(units), {}, [], {}
+    with tempfile.TemporaryDirectory() as logs:
+        while pending or running:
+            while pending and len(running) < jobs:
+                key = pending.pop(0)
+                log = open(Path(logs) / f"{len(pending)}.log", "w+")  # noqa: SIM115  closed when its process ends
+                command = [sys.executable, "-m", "bench.gpu_bars", "--compile-only", key, *flags]
+                process = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+                running[key] = (process, log, time.perf_counter())
+            if time.perf_counter() - began > seconds:
+                break
+            time.sleep(0.1)
+            for key, (process, log, started) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                if process.returncode == 0:
+                    took[key] = time.perf_counter() - started
+                else:
+                    log.seek(0)
+                    failed.append(f"{key}: {log.read()[-300:].strip()}")
+                log.close()
+                del running[key]
+        for process, log, _ in running.values():  # out of time: stopped with their children (inductor's workers)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            log.close()
+    note = f"{len(took)} of {len(units)} compiled in {time.perf_counter() - began:.0f} s, {jobs} at a time"
+    if took:
+        longest = max(took, key=took.get)
+        note += f" (the longest {longest}: {took[longest]:.0f} s; all of them {sum(took.values()):.0f} s)"
+    if running:
+        note += f"; {len(running) + len(pending)} stopped or not started at the limit of {seconds:.0f} s"
+    return note + "".join(f"; failed {reason}" for reason in failed)
 
 
 class OutOfTime(BaseException):
@@ -610,32 +749,50 @@ def time_limit(seconds: float):
 
 def run_sections(plan: Plan, budget_s: float, names: list[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """Every section (or those of ``names``) within its time (``SECTIONS``: its share of ``budget_s``, the shares of
-    the sections run scaled to add up to 1, and what the earlier ones left); returns the measurements by key and a
-    note per section run (how long it ran, or why it stopped)."""
-    sections = [section for section in SECTIONS if names is None or section[0] in names]
-    total_share = sum(share for *_, share in sections)
+    the sections run scaled to add up to 1, and what the earlier ones left), each setting from a fresh compilation
+    state (``fresh_compilation``); returns the measurements by key and a note per section run (how long it ran, or
+    why it stopped)."""
+    sections = [section for section in SECTIONS if names is None or section.name in names]
+    total_share = sum(section.share for section in sections)
     measurements, notes, start, share_so_far = {}, {}, time.perf_counter(), 0.0
 
-    def record(key: str, result: dict) -> None:
+    def record(setting: Setting, peer: str, result: dict) -> None:
+        key = setting.key(peer)
         measurements[key] = result
         shown = " ".join(shown_value(result[quantity], quantity) for quantity in UNITS if quantity in result)
         print(f"  {key:<48} {result['status']:<6} {shown} {result.get('reason', '')}", flush=True)
 
-    for name, section, share in sections:
-        share_so_far += share / total_share
+    for section in sections:
+        share_so_far += section.share / total_share
         began = time.perf_counter()
         left = start + share_so_far * budget_s - began
-        print(f"{name}: up to {max(left, 0):.0f} s", flush=True)
+        print(f"{section.name}: up to {max(left, 0):.0f} s", flush=True)
         try:
             with time_limit(left):
-                section(plan, record)
-            notes[name] = f"ran in {time.perf_counter() - began:.0f} s"
+                for setting in section.settings(plan):
+                    fresh_compilation()
+                    setting.run(setting.peers, functools.partial(record, setting))
+            notes[section.name] = f"ran in {time.perf_counter() - began:.0f} s"
         except OutOfTime:
-            notes[name] = f"its time ran out ({max(left, 0):.0f} s of the {budget_s:g} s budget)"
+            notes[section.name] = f"its time ran out ({max(left, 0):.0f} s of the {budget_s:g} s budget)"
         except Exception as error:  # noqa: BLE001  a section that breaks, even on a bug, leaves the others to run
-            notes[name] = f"failed: {type(error).__name__}: {failure(error)['reason']}"
-        print(f"{name}: {notes[name]}", flush=True)
+            notes[section.name] = f"failed: {type(error).__name__}: {failure(error)['reason']}"
+        print(f"{section.name}: {notes[section.name]}", flush=True)
     return measurements, notes
+
+
+def compile_only(plan: Plan, key: str) -> None:
+    """The setting of ``key`` with its one peer, as the measurement runs it but for one timed round, its results
+    dropped: what it compiles stays in inductor's caches (``compile_ahead``). Exits 1 if the peer failed."""
+    section_name, peer, label = key.split("/", 2)
+    section = next(section for section in SECTIONS if section.name == section_name)
+    setting = next(setting for setting in section.settings(plan) if setting.label == label)
+
+    def check(peer: str, result: dict) -> None:
+        if result["status"] != "ok":
+            sys.exit(f"{key}: {result['status']}: {result.get('reason', '')}")
+
+    setting.run((peer,), check)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -645,7 +802,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--budget-s",
         type=float,
         default=None,
-        help="seconds for all sections, compilation included (default 480; --smoke: 600)",
+        help=f"seconds for compiling ahead and all sections (default {BUDGET_S:g}; --smoke: 600)",
     )
     parser.add_argument(
         "--out",
@@ -658,21 +815,56 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--sections",
         nargs="+",
         default=None,
-        choices=[name for name, *_ in SECTIONS],
+        choices=[section.name for section in SECTIONS],
         help="run these sections only, in their usual order, the budget shared among them (default: all)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes compiling ahead at once (compile_ahead; 0: none, each setting compiles as it is measured; "
+        "default: half the cores, at most 8; --smoke: 0)",
+    )
+    parser.add_argument(
+        "--cpu-as-cuda",
+        action="store_true",
+        help="with --smoke: the CPU takes CUDA's choices (the fused path compiled), so that there is code to compile",
+    )
+    parser.add_argument("--compile-only", metavar="KEY", default=None, help=argparse.SUPPRESS)  # compile_ahead's
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
-    budget_s = args.budget_s if args.budget_s is not None else 600.0 if args.smoke else 480.0
+    budget_s = args.budget_s if args.budget_s is not None else 600.0 if args.smoke else BUDGET_S
+    jobs = args.jobs if args.jobs is not None else 0 if args.smoke else min(8, max(1, (os.cpu_count() or 2) // 2))
     if budget_s < 0:
         parser.error(f"--budget-s must be >= 0, got {budget_s:g}")
+    if jobs < 0:
+        parser.error(f"--jobs must be >= 0 (0: no compiling ahead), got {jobs}")
+    if args.cpu_as_cuda and not args.smoke:
+        parser.error("--cpu-as-cuda goes with --smoke (the CPU plan); on a GPU, CUDA makes its own choices")
     if plan.device == "cuda" and not torch.cuda.is_available():
         parser.error("torch finds no CUDA device here; --smoke runs the same sections on the CPU with tiny shapes")
+    if args.compile_only is not None and args.compile_only not in compile_units(plan):
+        parser.error(
+            f"--compile-only takes section/peer/setting of a peer that compiles (compile_units), got "
+            f"{args.compile_only!r}"
+        )
     out = args.out or results_path(f"gpu_bars_{plan.device}", quick=args.smoke)
     if out.suffix != ".json":
         parser.error(f"--out must name a .json file, got {str(out)!r}")
+    if args.cpu_as_cuda:
+        take_cuda_choices_on_cpu()
+    if args.compile_only is not None:
+        compile_only(dataclasses.replace(plan, repeats=1), args.compile_only)
+        return []
 
-    measurements, notes = run_sections(plan, budget_s, args.sections)
+    began, compiled_ahead = time.perf_counter(), "none (--jobs 0)"
+    units = compile_units(plan, args.sections)
+    if jobs and units and budget_s:
+        flags = [flag for flag, on in (("--smoke", args.smoke), ("--cpu-as-cuda", args.cpu_as_cuda)) if on]
+        print(f"compiling ahead: {len(units)} peers' settings, {jobs} at a time", flush=True)
+        compiled_ahead = compile_ahead(units, flags, jobs=jobs, seconds=COMPILE_AHEAD_SHARE * budget_s)
+        print(f"compiling ahead: {compiled_ahead}", flush=True)
+    measurements, notes = run_sections(plan, budget_s - (time.perf_counter() - began), args.sections)
     rows = bar_rows(measurements, notes, sections=args.sections)
     meta = run_meta(
         "gpu_bars",
@@ -682,6 +874,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         budget_s=budget_s,
         plan=asdict(plan),
         sections=notes,
+        compiled_ahead=compiled_ahead,
         time=f"median of {plan.repeats} steps after {plan.warmups} warm-up rounds, the peers of one "
         "setting stepped in turn in one process (LRA: the trainer's seconds over its second half)",
         memory="peak tensor memory over one step above what was held before it "
@@ -692,6 +885,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{meta['date']}, {meta.get('gpu', meta['cpu'])}, torch {meta['torch']}, {plan.device} {plan.dtype}"
             + (" (smoke: tiny shapes)" if args.smoke else ""),
             f"command: `{meta['command']}`; time: {meta['time']}; memory: {meta['memory']}.",
+            f"compiled ahead: {compiled_ahead}.",
             "sections: " + "; ".join(f"{name} {note}" for name, note in notes.items()) + ".",
             "",
             table(rows),

@@ -41,8 +41,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers.models.cvt.modeling_cvt import CvtSelfAttention
 
 from bench import bench_attention, bench_vision
-from bench.common import DTYPES, RESULTS, run_meta, sync
-from ls_hf import long_short_attention, long_short_blocks
+from bench.common import DTYPES, RESULTS, run_meta, sync, take_cuda_choices_on_cpu
+from ls_hf import long_short_blocks
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 
 
@@ -211,13 +211,6 @@ def profiled(step: Callable[[], None], device: str, warmups: int, steps: int, ro
         counts += f"\nattention layers by input shape, per step ({kind} time, the layer's kernels included):\n"
         counts += "\n".join(layers)
     return f"{events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)}\n{counts}"
-
-
-def take_cuda_choices_on_cpu() -> None:
-    """Let the CPU take CUDA's choices in this process: the fused path, its compiled kernel and compiled layer."""
-    long_short_attention.FUSED_DEVICES = (*long_short_attention.FUSED_DEVICES, "cpu")
-    long_short_attention.COMPILED_LAYER_DEVICES = (*long_short_attention.COMPILED_LAYER_DEVICES, "cpu")
-    long_short_blocks.COMPILED_DEVICES = (*long_short_blocks.COMPILED_DEVICES, "cpu")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
-"""bench.gpu_bars: the verdicts and ratios from given numbers, every bar's row, the time guard, and the whole script on
-the CPU with tiny shapes (``--smoke``). Times are measured there, never asserted."""
+"""bench.gpu_bars: the verdicts and ratios from given numbers, every bar's row, the time guard, compiling ahead in
+processes of their own (what they compile is what the measurement runs), and the whole script on the CPU with tiny
+shapes (``--smoke``). Times are measured there, never asserted."""
 
 import json
 import signal
 import time
+from collections import Counter
 
 import pytest
 import timm
@@ -12,7 +14,8 @@ import torch
 import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
 from bench import gpu_bars
 from bench.common import side_by_side
-from bench.gpu_bars import BARS, UNITS, bar_rows, table, time_limit, verdict
+from bench.gpu_bars import BARS, UNITS, bar_rows, compile_ahead, compile_units, table, time_limit, verdict
+from ls_hf import long_short_attention, long_short_blocks
 
 
 def test_verdict_on_made_up_numbers():
@@ -102,6 +105,63 @@ def test_both_plans_build_models_that_exist():
     assert all(timm.is_model(name) for name in {*gpu.values(), *smoke.values()} - {"hf_cvt_13"})
 
 
+def test_compile_units_are_the_compiling_peers_of_every_setting():
+    """One unit per setting and peer that compiles, each a measurement key a setting records, vision's first (the
+    largest share of the budget: it compiles the most)."""
+    units = compile_units(gpu_bars.GPU)
+    keys = {
+        setting.key(peer): section
+        for section in gpu_bars.SECTIONS
+        for setting in section.settings(gpu_bars.GPU)
+        for peer in setting.peers
+    }
+    assert set(units) <= set(keys) and len(set(units)) == len(units)
+    assert {key for key, section in keys.items() if key.split("/")[1] in section.compiled} == set(units)
+    assert units[0].startswith("vision/") and Counter(key.split("/")[0] for key in units) == {
+        "attention": 7,  # Long-Short in 4 settings, FlexAttention's window in 3
+        "masked LM": 3,
+        "decoding": 4,
+        "vision": 4,
+        "LRA ListOps": 1,
+    }
+    assert compile_units(gpu_bars.GPU, ["decoding"]) == [key for key in units if key.startswith("decoding/")]
+
+
+def test_compiling_ahead_reports_failures_and_stops_at_its_limit():
+    note = compile_ahead(["attention/no-such-peer/4k x1"], ["--smoke"], jobs=1, seconds=120)
+    assert note.startswith("0 of 1 compiled") and "failed attention/no-such-peer/4k x1" in note
+    assert "--compile-only takes section/peer/setting" in note  # the child's own error, from its log
+    began = time.perf_counter()
+    note = compile_ahead(compile_units(gpu_bars.SMOKE)[:3], ["--smoke"], jobs=2, seconds=0)
+    assert note.startswith("0 of 3") and "3 stopped or not started at the limit of 0 s" in note
+    assert time.perf_counter() - began < 30  # stopped, not waited for
+
+
+def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path):
+    """A unit compiled in a process of its own (the CPU taking CUDA's choices there and here, an empty inductor cache):
+    the same setting measured here after ``fresh_compilation`` finds every graph in the cache and compiles none."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    unit = "attention/long-short/4k x1"
+    note = compile_ahead([unit], ["--smoke", "--cpu-as-cuda"], jobs=1, seconds=600)
+    assert note.startswith("1 of 1 compiled"), note
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cuda", "cpu"))
+    setting = next(
+        setting for setting in gpu_bars.attention_settings(gpu_bars.SMOKE) if setting.key("long-short") == unit
+    )
+    results = {}
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    gpu_bars.fresh_compilation()
+    try:
+        setting.run(("long-short",), results.__setitem__)
+    finally:
+        gpu_bars.fresh_compilation()
+    assert results["long-short"]["status"] == "ok"
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 2 and counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # FlexAttention's window, on the CPU
 def test_smoke_run_measures_every_bar_on_the_cpu(tmp_path, capsys):
     """The whole script on the CPU with tiny shapes: every section runs, every bar gets a ratio and a verdict, the JSON
@@ -140,6 +200,9 @@ def test_no_time_left_marks_every_bar_not_run(tmp_path):
     [
         (["--smoke", "--budget-s", "-1"], "--budget-s must be >= 0"),
         (["--smoke", "--out", "bars.txt"], "--out must name a .json file"),
+        (["--smoke", "--jobs", "-1"], "--jobs must be >= 0"),
+        (["--cpu-as-cuda"], "--cpu-as-cuda goes with --smoke"),
+        (["--smoke", "--compile-only", "attention/sdpa/4k x1"], "--compile-only takes section/peer/setting"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys, tmp_path, monkeypatch):

@@ -52,3 +52,27 @@ def test_installation_shows_pips_progress(tmp_path):
     install = next(call for call in calls if call.startswith("pip install"))
     assert "--progress-bar on" in install and " -q" not in install and "-e .[test,bench]" in install
     assert calls[-1] == "python -m recipes.demo --output-dir out"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["gpu-check", "benches"], "got 'benches'"),
+        (["gpu-check", "bench", "float32"], "a precision follows 'tests'"),
+        (["gpu-check", "tests", "float16"], "is float32 or bfloat16, got 'tests float16'"),
+    ],
+)
+def test_gpu_check_refuses_an_unknown_part_before_any_work(args, message, tmp_path):
+    venv = tmp_path / "venv"
+    done = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "VENV": str(venv)},
+        timeout=60,
+    )
+    assert (
+        done.returncode == 2 and "usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]" in done.stderr
+    )
+    assert message in done.stderr and not venv.exists() and not done.stdout
