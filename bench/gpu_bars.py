@@ -690,7 +690,7 @@ def compile_ahead(units: list[str], flags: list[str], *, jobs: int, seconds: flo
     env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     pending, running, failed, took = list(units), {}, [], {}
     with tempfile.TemporaryDirectory() as logs:
-        while pending or running:
+        while (pending or running) and time.perf_counter() - began < seconds:
             while pending and len(running) < jobs:
                 key = pending.pop(0)
                 log = open(Path(logs) / f"{len(pending)}.log", "w+")  # noqa: SIM115  closed when its process ends
@@ -699,8 +699,6 @@ def compile_ahead(units: list[str], flags: list[str], *, jobs: int, seconds: flo
                     command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
                 running[key] = (process, log, time.perf_counter())
-            if time.perf_counter() - began > seconds:
-                break
             time.sleep(0.1)
             for key, (process, log, started) in list(running.items()):
                 if process.poll() is None:
@@ -720,7 +718,7 @@ def compile_ahead(units: list[str], flags: list[str], *, jobs: int, seconds: flo
     if took:
         longest = max(took, key=took.get)
         note += f" (the longest {longest}: {took[longest]:.0f} s; all of them {sum(took.values()):.0f} s)"
-    if running:
+    if running or pending:
         note += f"; {len(running) + len(pending)} stopped or not started at the limit of {seconds:.0f} s"
     return note + "".join(f"; failed {reason}" for reason in failed)
 

@@ -132,9 +132,10 @@ def test_compiling_ahead_reports_failures_and_stops_at_its_limit():
     assert note.startswith("0 of 1 compiled") and "failed attention/no-such-peer/4k x1" in note
     assert "--compile-only takes section/peer/setting" in note  # the child's own error, from its log
     began = time.perf_counter()
-    note = compile_ahead(compile_units(gpu_bars.SMOKE)[:3], ["--smoke"], jobs=2, seconds=0)
-    assert note.startswith("0 of 3") and "3 stopped or not started at the limit of 0 s" in note
+    note = compile_ahead(compile_units(gpu_bars.SMOKE)[:3], ["--smoke"], jobs=2, seconds=2)  # 2 start, 1 waits
+    assert note.startswith("0 of 3") and "3 stopped or not started at the limit of 2 s" in note
     assert time.perf_counter() - began < 30  # stopped, not waited for
+    assert compile_ahead(["decoding/cached/512"], ["--smoke"], jobs=1, seconds=0).startswith("0 of 1 compiled in 0 s")
 
 
 def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path):

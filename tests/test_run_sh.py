@@ -10,8 +10,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("args", [["tests"], ["demos", "--output-dir", "x"], []])
-def test_unknown_command_is_refused_before_the_environment_is_made(args, tmp_path):
+GPU_CHECK_USAGE = "usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tests"], "usage: bash run.sh demo|test|gpu-check [args], got 'tests'"),
+        (["demos", "--output-dir", "x"], "got 'demos'"),
+        ([], "usage: bash run.sh demo|test|gpu-check [args]\n"),
+        (["gpu-check", "benches"], f"{GPU_CHECK_USAGE} (all when omitted), got 'benches'"),
+        (["gpu-check", "bench", "float32"], f"{GPU_CHECK_USAGE} (all when omitted): a precision follows 'tests'"),
+        (["gpu-check", "tests", "float16"], "is float32 or bfloat16, got 'tests float16'"),
+    ],
+)
+def test_unknown_command_is_refused_before_the_environment_is_made(args, message, tmp_path):
+    """Before anything is created or installed, and before gpu-check looks for a GPU."""
     venv = tmp_path / "venv"
     done = subprocess.run(
         ["bash", str(ROOT / "run.sh"), *args],
@@ -21,8 +35,7 @@ def test_unknown_command_is_refused_before_the_environment_is_made(args, tmp_pat
         env={**os.environ, "VENV": str(venv)},
         timeout=60,
     )
-    assert done.returncode == 2 and "usage: bash run.sh demo|test|gpu-check" in done.stderr
-    assert (f"got '{args[0]}'" in done.stderr) if args else "got" not in done.stderr
+    assert done.returncode == 2 and message in done.stderr
     assert not venv.exists() and not done.stdout
 
 
@@ -52,27 +65,3 @@ def test_installation_shows_pips_progress(tmp_path):
     install = next(call for call in calls if call.startswith("pip install"))
     assert "--progress-bar on" in install and " -q" not in install and "-e .[test,bench]" in install
     assert calls[-1] == "python -m recipes.demo --output-dir out"
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["gpu-check", "benches"], "got 'benches'"),
-        (["gpu-check", "bench", "float32"], "a precision follows 'tests'"),
-        (["gpu-check", "tests", "float16"], "is float32 or bfloat16, got 'tests float16'"),
-    ],
-)
-def test_gpu_check_refuses_an_unknown_part_before_any_work(args, message, tmp_path):
-    venv = tmp_path / "venv"
-    done = subprocess.run(
-        ["bash", str(ROOT / "run.sh"), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "VENV": str(venv)},
-        timeout=60,
-    )
-    assert (
-        done.returncode == 2 and "usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]" in done.stderr
-    )
-    assert message in done.stderr and not venv.exists() and not done.stdout
