@@ -181,9 +181,11 @@ def test_smoke_run_measures_every_bar_on_the_cpu(tmp_path, capsys):
 
 
 def test_chosen_sections_run_alone(tmp_path):
-    """``--sections``: those sections run, with the whole budget between them, and the table holds their bars only."""
-    rows = gpu_bars.main(["--smoke", "--sections", "decoding", "--out", str(tmp_path / "bars.json")])
+    """``--sections``: those sections run, with the whole budget between them, and the table holds their bars only;
+    with ``--jobs``, after their peers that compile ran in processes of their own (on the CPU they compile nothing)."""
+    rows = gpu_bars.main(["--smoke", "--sections", "decoding", "--jobs", "2", "--out", str(tmp_path / "bars.json")])
     saved = json.loads((tmp_path / "bars.json").read_text())
+    assert saved["meta"]["compiled_ahead"].startswith("4 of 4 compiled")
     assert [row["bar"] for row in rows] == [bar.what for bar in BARS if bar.section == "decoding"]
     assert all(row["verdict"] in ("PASS", "MISS") for row in rows)
     assert list(saved["meta"]["sections"]) == ["decoding"]
