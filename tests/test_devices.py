@@ -41,7 +41,7 @@ def test_gpu_check_without_a_gpu_says_so_and_succeeds():
     assert not Path("/nonexistent").exists()
 
 
-@pytest.mark.parametrize("args", [["benchmarks"], ["tests", "float16"], ["bench", "bfloat16"]])
+@pytest.mark.parametrize("args", [["benchmarks"], ["tests", "float16"], ["bench", "bfloat16"], ["profile", "float32"]])
 def test_gpu_check_refuses_unknown_arguments_before_anything_runs(args):
     """An unknown part, an unknown precision, or a precision after anything but 'tests': usage error, exit 2."""
     env = {**os.environ, "VENV": "/nonexistent"}
@@ -54,7 +54,7 @@ def test_gpu_check_refuses_unknown_arguments_before_anything_runs(args):
         timeout=60,
     )
     assert done.returncode == 2
-    assert "gpu-check [tests [float32|bfloat16]|bench]" in done.stderr and f"'{' '.join(args)}'" in done.stderr
+    assert "gpu-check [tests [float32|bfloat16]|bench|profile]" in done.stderr and f"'{' '.join(args)}'" in done.stderr
     assert not Path("/nonexistent").exists()
 
 

@@ -10,22 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-GPU_CHECK_USAGE = "usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]"
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["tests"], "usage: bash run.sh demo|test|gpu-check [args], got 'tests'"),
-        (["demos", "--output-dir", "x"], "got 'demos'"),
-        ([], "usage: bash run.sh demo|test|gpu-check [args]\n"),
-        (["gpu-check", "benches"], f"{GPU_CHECK_USAGE} (all when omitted), got 'benches'"),
-        (["gpu-check", "bench", "float32"], f"{GPU_CHECK_USAGE} (all when omitted): a precision follows 'tests'"),
-        (["gpu-check", "tests", "float16"], "is float32 or bfloat16, got 'tests float16'"),
-    ],
-)
-def test_unknown_command_is_refused_before_the_environment_is_made(args, message, tmp_path):
-    """Before anything is created or installed, and before gpu-check looks for a GPU."""
+@pytest.mark.parametrize("args", [["tests"], ["demos", "--output-dir", "x"], []])
+def test_unknown_command_is_refused_before_the_environment_is_made(args, tmp_path):
     venv = tmp_path / "venv"
     done = subprocess.run(
         ["bash", str(ROOT / "run.sh"), *args],
@@ -35,7 +21,8 @@ def test_unknown_command_is_refused_before_the_environment_is_made(args, message
         env={**os.environ, "VENV": str(venv)},
         timeout=60,
     )
-    assert done.returncode == 2 and message in done.stderr
+    assert done.returncode == 2 and "usage: bash run.sh demo|test|gpu-check" in done.stderr
+    assert (f"got '{args[0]}'" in done.stderr) if args else "got" not in done.stderr
     assert not venv.exists() and not done.stdout
 
 
