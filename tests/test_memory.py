@@ -12,8 +12,8 @@ from recipes.lra.train import main as lra_main
 from recipes.memory import CALIBRATED, AttentionLayer, TrainingStep, long_short_layers
 from recipes.tiny import IMDB_TRAIN, tiny_long_short
 
-# Small models, one of each kind the recipes train: each step measured twice, in fresh processes (peak RSS growth over three
-# Trainer steps, as bench/memory_calibration.py measures), a few seconds each.
+# Small models, one of each kind the recipes train: each step measured twice, in fresh processes (peak RSS growth over
+# three Trainer steps, as bench/memory_calibration.py measures), a few seconds each.
 SMALL = {
     "classifier, attention dropout": {
         "family": "hf",
