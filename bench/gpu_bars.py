@@ -855,7 +855,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         compile_only(dataclasses.replace(plan, repeats=1), args.compile_only)
         return []
 
-    began, compiled_ahead = time.perf_counter(), "none (--jobs 0)"
+    began, compiled_ahead = time.perf_counter(), "none" if jobs else "none (--jobs 0)"
     units = compile_units(plan, args.sections)
     if jobs and units and budget_s:
         flags = [flag for flag, on in (("--smoke", args.smoke), ("--cpu-as-cuda", args.cpu_as_cuda)) if on]
