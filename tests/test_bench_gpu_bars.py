@@ -15,7 +15,7 @@ import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
 from bench import gpu_bars
 from bench.common import side_by_side
 from bench.gpu_bars import BARS, UNITS, bar_rows, compile_ahead, compile_units, table, time_limit, verdict
-from ls_hf import long_short_attention, long_short_blocks
+from tests.test_flex_attention import _compile_on_cpu
 
 
 def test_verdict_on_made_up_numbers():
@@ -145,9 +145,7 @@ def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path)
     unit = "attention/long-short/4k x1"
     note = compile_ahead([unit], ["--smoke", "--cpu-as-cuda"], jobs=1, seconds=600)
     assert note.startswith("1 of 1 compiled"), note
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cuda", "cpu"))
+    _compile_on_cpu(monkeypatch)
     setting = next(
         setting for setting in gpu_bars.attention_settings(gpu_bars.SMOKE) if setting.key("long-short") == unit
     )
