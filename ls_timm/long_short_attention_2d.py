@@ -68,6 +68,7 @@ from .long_short_blocks_2d import (
     tile_slots,
     to_tile_order,
 )
+from .window_kernel_2d import has_window_kernel, window_attention_2d
 
 __all__ = [
     "LongShortAttention2d",
@@ -269,6 +270,10 @@ class LongShortAttention2d(nn.Module):
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
     chunk_bytes: int = 4 << 20
     accelerator_chunk_bytes: int = 1 << 30
+    # Where inference on the fused path (autograd off) runs the Triton window kernel (``window_kernel_2d``: the patches
+    # read in raster order, no tile order, no block mask) instead of FlexAttention: nowhere by default, as it is not yet
+    # measured on a GPU; ("cuda",), for the class or one module, turns it on there.
+    window_kernel_devices: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -499,13 +504,37 @@ class LongShortAttention2d(nn.Module):
 
         return window_bias
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether this call runs the fused path (``_attend_flex``): with ``"flex_attention"``, and with ``"sdpa"``
-        where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout)."""
+    def _attend_window_kernel(
+        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+    ) -> Tensor:
+        """``_attend_blocked`` (same arguments) in one call of the Triton window kernel (``window_attention_2d``): the
+        patches read in raster order, each query's window and the extra keys in one softmax, the ViL-LS window bias
+        added to the patch keys' scores. Forward only."""
+        return window_attention_2d(
+            q,
+            keys[0],
+            values[0],
+            keys[1],
+            values[1],
+            *feat_size,
+            self.window_size,
+            self.num_heads,
+            self.relative_position_bias_table,
+        )
+
+    def _path(self, x: Tensor) -> str:
+        """The attention this call runs: ``"flex"``, the fused path (``_attend_flex``), with ``"flex_attention"``, and
+        with ``"sdpa"`` where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout);
+        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices`` with autograd off
+        (inference); else ``"sdpa"``, the strip or blocked layouts."""
         if self.attn_implementation == "flex_attention":
-            return True
+            return "flex"
         dropout = self.training and self.attn_drop > 0
-        return self.attn_implementation == "sdpa" and long_short_attention.fused_by_default(x, dropout=dropout)
+        if self.attn_implementation != "sdpa" or not long_short_attention.fused_by_default(x, dropout=dropout):
+            return "sdpa"
+        if x.device.type in self.window_kernel_devices and not torch.is_grad_enabled() and has_window_kernel():
+            return "window_kernel"
+        return "flex"
 
     def _in_strips(self, feat_size: tuple[int, int]) -> bool:
         """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
@@ -554,12 +583,12 @@ class LongShortAttention2d(nn.Module):
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        The fused path (``_fused``) makes one FlexAttention call; otherwise maps of at most ``strip_max_tokens``
+        The fused path (``_path``) makes one FlexAttention call, or one window kernel call; otherwise maps of at most ``strip_max_tokens``
         patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout, larger ones the blocked
         layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
         global tokens].
         """
-        fused = self._fused(x)
+        path = self._path(x)
         if self.attn_implementation == "flex_attention":
             check_flex_call(
                 x,
@@ -569,14 +598,14 @@ class LongShortAttention2d(nn.Module):
                 dropout_name="attn_drop",
                 dropout_setting="attn_drop_rate",
             )
-        compiled = fused and long_short_attention.compiles_layer(x, compile_attention=self.compile_attention)
+        compiled = path != "sdpa" and long_short_attention.compiles_layer(x, compile_attention=self.compile_attention)
         layer = compiled_attention_layer_2d() if compiled else LongShortAttention2d._layer
-        return layer(self, x, tuple(feat_size), fused=fused)
+        return layer(self, x, tuple(feat_size), path=path)
 
-    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, fused: bool) -> Tensor:
-        """The layer after ``forward``'s checks and choice of path: the projections, the attention (the fused path's
-        FlexAttention call, or the strip or blocked SDPA layout) and the output projection (as
-        ``compiled_attention_layer_2d`` runs it)."""
+    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, path: str) -> Tensor:
+        """The layer after ``forward``'s checks and choice of ``path`` (``_path``): the projections, the attention
+        (the fused path's FlexAttention or window kernel call, or the strip or blocked SDPA layout) and the output
+        projection (as ``compiled_attention_layer_2d`` runs it)."""
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
@@ -594,8 +623,10 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        if fused:
+        if path == "flex":
             attend = self._attend_flex
+        elif path == "window_kernel":
+            attend = self._attend_window_kernel
         else:
             attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
         out = attend(q, (k, extra_k), (v, extra_v), feat_size)

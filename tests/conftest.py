@@ -12,9 +12,17 @@ CPU exactly as they do without it, so they are deselected; so are, in a precisio
 fewer examples on a GPU (``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the
 rest of the attention layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the
 others run the kernel alone compiled, which the marked tests check the compiled layer against.
+
+On the CPU, Triton's kernels (``ls_timm.window_kernel_2d``) run in Triton's interpreter: ``TRITON_INTERPRET=1`` is
+set here, before anything imports Triton.
 """
 
-import pytest
+import os
+
+if os.environ.get("LS_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from tests.devices import device_selection, needed_fixtures, test_device, test_dtype
 

@@ -1,0 +1,184 @@
+"""The 2-D Long-Short attention of inference (Zhu et al., "Long-Short Transformer", NeurIPS 2021, Sec. 3.2-3.3, 4.3,
+Eq. 6) in one Triton kernel that reads the patches where the layer wrote them, in raster order.
+
+Each program takes a rectangle of the map's queries (``query_rectangle``: whole w x w query blocks, or rows of one)
+for one image and head, and runs one online softmax over the keys of the rectangle's windows, read straight from
+the patch rows (the window's rows and columns, clipped to the map), then over the extra keys (projected rows, global
+tokens) that every query sees. A key is seen where the window rule (``window_bounds`` on each axis) holds; with the
+ViL-LS bias, its table row (``_vil_bias_row``) is added to the score. No tile order, no gathered copies, no
+block mask: the work is the rectangle's windows and the extra keys.
+
+Forward only (inference: ``LongShortAttention2d`` calls it where autograd records nothing). Triton compiles it for
+CUDA; with ``TRITON_INTERPRET=1`` set before Triton is imported it runs in Triton's interpreter, on the CPU too, which
+is how the tests check it against the SDPA layouts. This file imports nothing from Transformers or timm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ls_hf.long_short_rules import window_extent
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernel is not available
+    triton = tl = None
+
+__all__ = ["has_window_kernel", "query_rectangle", "window_attention_2d"]
+
+# Queries a program takes at most (its rectangle of the map), and keys per step of its loop.
+RECTANGLE_QUERIES = 64
+KEY_BLOCK = 64
+
+
+def has_window_kernel() -> bool:
+    """Whether Triton is installed, so that ``window_attention_2d`` can run."""
+    return triton is not None
+
+
+def query_rectangle(window: int) -> tuple[int, int]:
+    """(rows, columns) of the map rectangle whose queries one program takes: as many whole w x w query blocks as fit
+    in ``RECTANGLE_QUERIES`` queries, in a square, or as many rows of one block where a block holds more."""
+    if window * window >= RECTANGLE_QUERIES:
+        return max(1, RECTANGLE_QUERIES // window), window
+    side = math.isqrt(RECTANGLE_QUERIES // (window * window)) * window
+    return side, side
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@(triton.jit if triton is not None else lambda fn: fn)
+def _window_attention_2d_kernel(
+    Q, K, V, ExtraK, ExtraV, Table, Out,
+    q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row, out_batch, out_row,
+    num_heads, map_h, map_w, num_extra, rects_per_row, qk_scale,
+    WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr,
+    HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """One (rectangle, image x head) program; scores in base 2 (``qk_scale`` holds log2(e))."""
+    rect, image, head = tl.program_id(0), tl.program_id(1) // num_heads, tl.program_id(1) % num_heads
+    top, left = rect // rects_per_row * RECT_H, rect % rects_per_row * RECT_W
+    lane = tl.arange(0, BLOCK_Q)
+    qy, qx = top + lane // RECT_W, left + lane % RECT_W
+    q_ok = (lane < RECT_H * RECT_W) & (qy < map_h) & (qx < map_w)
+    # each query's window, [lo, lo + w + 2e) on each axis (window_bounds), and the rectangle's: their union in the map
+    y_lo, x_lo = qy // WINDOW * WINDOW - EXTENT, qx // WINDOW * WINDOW - EXTENT
+    key_top, key_left = tl.maximum(top // WINDOW * WINDOW - EXTENT, 0), tl.maximum(left // WINDOW * WINDOW - EXTENT, 0)
+    last_y, last_x = tl.minimum(top + RECT_H, map_h) - 1, tl.minimum(left + RECT_W, map_w) - 1
+    key_bottom = tl.minimum(last_y // WINDOW * WINDOW + WINDOW + EXTENT, map_h)
+    region_w = tl.minimum(last_x // WINDOW * WINDOW + WINDOW + EXTENT, map_w) - key_left
+    window_steps = tl.cdiv((key_bottom - key_top) * region_w, BLOCK_K)
+
+    d_qk, d_v, k_lane = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V), tl.arange(0, BLOCK_K)
+    image = image.to(tl.int64)
+    q_rows = (qy * map_w + qx).to(tl.int64)
+    q = tl.load(
+        Q + image * q_batch + q_rows[:, None] * q_row + head * HEAD_QK + d_qk[None, :],
+        mask=q_ok[:, None] & (d_qk < HEAD_QK)[None, :],
+        other=0.0,
+    )
+    m = tl.full([BLOCK_Q], -1.0e30, ACC)  # finite: a row that has seen nothing yet keeps exp2(m - m_new) = 1
+    total = tl.zeros([BLOCK_Q], ACC)
+    acc = tl.zeros([BLOCK_Q, BLOCK_V], ACC)
+    for step in range(window_steps + tl.cdiv(num_extra, BLOCK_K)):
+        if step < window_steps:  # patch keys of the region, row by row
+            j = step * BLOCK_K + k_lane
+            ky, kx = key_top + j // region_w, key_left + j % region_w
+            k_ok = j < (key_bottom - key_top) * region_w
+            rows = (ky * map_w + kx).to(tl.int64)
+            k_ptr = K + image * k_batch + rows[:, None] * k_row + head * HEAD_QK + d_qk[None, :]
+            v_ptr = V + image * v_batch + rows[:, None] * v_row + head * HEAD_V + d_v[None, :]
+            seen = (
+                k_ok[None, :]
+                & (ky[None, :] >= y_lo[:, None])
+                & (ky[None, :] < y_lo[:, None] + WINDOW + 2 * EXTENT)
+                & (kx[None, :] >= x_lo[:, None])
+                & (kx[None, :] < x_lo[:, None] + WINDOW + 2 * EXTENT)
+            )
+            bias = tl.zeros([BLOCK_Q, BLOCK_K], ACC)
+            if HAS_BIAS:  # _vil_bias_row of the query-minus-key offsets (EXTENT = w // 2 where the table exists)
+                row = (qy[:, None] - ky[None, :] + EXTENT + WINDOW - 1) * (2 * EXTENT + WINDOW) + (
+                    qx[:, None] - kx[None, :] + EXTENT + WINDOW - 1
+                )
+                bias = tl.load(Table + row * num_heads + head, mask=seen, other=0.0).to(ACC) * 1.4426950408889634
+        else:  # the extra keys, which every query sees
+            j = (step - window_steps) * BLOCK_K + k_lane
+            k_ok = j < num_extra
+            k_ptr = ExtraK + image * xk_batch + j[:, None] * xk_row + head * HEAD_QK + d_qk[None, :]
+            v_ptr = ExtraV + image * xv_batch + j[:, None] * xv_row + head * HEAD_V + d_v[None, :]
+            seen = k_ok[None, :] & (lane >= 0)[:, None]
+            bias = tl.zeros([BLOCK_Q, BLOCK_K], ACC)
+        k = tl.load(k_ptr, mask=k_ok[:, None] & (d_qk < HEAD_QK)[None, :], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC)
+        else:
+            scores = tl.dot(q, tl.trans(k)).to(ACC)
+        scores = tl.where(seen, scores * qk_scale + bias, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        scale = tl.exp2(m - m_new)
+        v = tl.load(v_ptr, mask=k_ok[:, None] & (d_v < HEAD_V)[None, :], other=0.0)
+        if IEEE:
+            acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
+        else:
+            acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v).to(ACC)
+        total = total * scale + tl.sum(p, 1)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        Out + image * out_batch + q_rows[:, None] * out_row + head * HEAD_V + d_v[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=q_ok[:, None] & (d_v < HEAD_V)[None, :],
+    )
+
+
+@torch.library.custom_op("transformer_ls::window_attention_2d", mutates_args=())
+def window_attention_2d(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra_k: Tensor,
+    extra_v: Tensor,
+    map_height: int,
+    map_width: int,
+    window: int,
+    num_heads: int,
+    bias_table: Tensor | None,
+) -> Tensor:
+    """Every patch query against its window's keys and the extra keys, in one softmax per query (Eq. 6).
+
+    q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
+    extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
+    bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    B, HW, qk_width = q.shape
+    d_qk, d_v = qk_width // num_heads, v.shape[-1] // num_heads
+    extra_k, extra_v = extra_k.to(q.dtype), extra_v.to(q.dtype)
+    q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
+    out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
+    rect_h, rect_w = query_rectangle(window)
+    rects_per_row = -(-map_width // rect_w)
+    grid = (-(-map_height // rect_h) * rects_per_row, B * num_heads)
+    high_precision = q.dtype in (torch.float32, torch.float64)
+    _window_attention_2d_kernel[grid](
+        q, k, v, extra_k, extra_v, q if bias_table is None else bias_table.contiguous(), out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
+        num_heads, map_height, map_width, extra_k.shape[1], rects_per_row, d_qk**-0.5 * math.log2(math.e),
+        WINDOW=window, EXTENT=window_extent(window), RECT_H=rect_h, RECT_W=rect_w,
+        HEAD_QK=d_qk, HEAD_V=d_v, BLOCK_QK=max(16, _next_power_of_2(d_qk)), BLOCK_V=max(16, _next_power_of_2(d_v)),
+        BLOCK_Q=max(16, _next_power_of_2(rect_h * rect_w)), BLOCK_K=KEY_BLOCK, HAS_BIAS=bias_table is not None,
+        IEEE=high_precision, ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
+    )  # fmt: skip
+    return out
+
+
+@window_attention_2d.register_fake
+def _(q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table):
+    return v.new_empty(*q.shape[:2], v.shape[-1])

@@ -1,0 +1,155 @@
+"""The Triton window kernel of 2-D inference (``ls_timm.window_kernel_2d``) against the SDPA layouts (themselves
+checked against the per-query reference in test_timm_attention.py) on the test device, where ``LongShortAttention2d``
+calls it, inside the compiled layer, and as a custom operator. On the CPU it runs in Triton's interpreter
+(``tests/conftest.py`` sets ``TRITON_INTERPRET=1``); on CUDA, compiled by Triton.
+
+Checked, never timed.
+"""
+
+import pytest
+import timm
+import torch
+
+from ls_hf import long_short_attention
+from ls_timm import long_short_attention_2d
+from ls_timm.long_short_attention_2d import LongShortAttention2d
+from ls_timm.window_kernel_2d import has_window_kernel, query_rectangle, window_attention_2d
+from tests.devices import assert_close
+from tests.test_flex_attention import _compile_on_cpu
+from tests.test_timm_attention import CASES, _randomise
+
+pytestmark = pytest.mark.skipif(not has_window_kernel(), reason="Triton is not installed")
+EXACT = 1e-10  # float64: the paths differ only in summation order
+# Geometries of the kernel's own: a CvT stage-1 block of 64 queries, a block wider than a program's 64 queries (its
+# rows in turn), a map smaller than one window, w = 16 with the bias table and partial blocks.
+RECTANGLE_CASES = [
+    (16, 16, 32, 1, 8, 4, 0, {}),
+    (13, 25, 16, 2, 12, 0, 0, {}),
+    (3, 5, 16, 2, 8, 2, 0, {}),
+    (20, 18, 16, 2, 16, 2, 1, {"window_bias": True}),
+]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The calls of ``window_attention_2d`` that ``LongShortAttention2d`` makes while the test runs."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[5:7])  # the map size
+        return window_attention_2d(*args)
+
+    monkeypatch.setattr(long_short_attention_2d, "window_attention_2d", counted)
+    return calls
+
+
+def _fused_on(monkeypatch, device, dtype):
+    """The fused path where the test runs (CUDA and its dtypes take it anyway; the CPU and float64 stand in)."""
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+
+
+@pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES + RECTANGLE_CASES)
+def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_calls, device, dtype, monkeypatch):
+    """Odd and even sizes and windows, partial blocks, the ViL-LS bias table, global tokens, CvT projections, LMSA,
+    no projection, and the kernel's own rectangles (``RECTANGLE_CASES``); in inference, against the blocked layout."""
+    _fused_on(monkeypatch, device, dtype)
+    sdpa = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs, attn_implementation="eager").eval()
+    _randomise(sdpa)
+    sdpa.strip_max_tokens = 0
+    kernel = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs, compile_attention=False).eval()
+    kernel.load_state_dict(sdpa.state_dict())
+    kernel.window_kernel_devices = (device.type,)
+    x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    sdpa, kernel, x = sdpa.to(device, dtype), kernel.to(device, dtype), x.to(device, dtype)
+    with torch.no_grad():
+        assert_close(kernel(x, (H, W)), sdpa(x, (H, W)), atol=EXACT)
+    assert kernel_calls == [(H, W)]
+
+
+def test_window_kernel_only_in_inference_where_asked(monkeypatch):
+    """``_path`` takes the kernel on ``window_kernel_devices`` (none by default), on the fused path, with autograd
+    off; with autograd on, FlexAttention (which has a backward pass); ``"flex_attention"`` always FlexAttention,
+    ``"eager"`` and the CPU by default the SDPA layouts."""
+    _fused_on(monkeypatch, torch.device("cpu"), torch.float32)
+    module = LongShortAttention2d(16, 2, 4, 2)
+    x = torch.randn(1, 36, 16)
+    with torch.no_grad():
+        assert module._path(x) == "flex"  # no devices by default
+        module.window_kernel_devices = ("cpu",)
+        assert module._path(x) == "window_kernel"
+        assert module._path(x.double()) == "sdpa"  # not a fused dtype
+        module.attn_implementation = "flex_attention"
+        assert module._path(x) == "flex"
+        module.attn_implementation = "eager"
+        assert module._path(x) == "sdpa"
+    module.attn_implementation = "sdpa"
+    assert module._path(x) == "flex"  # autograd on
+    with torch.inference_mode():
+        assert module._path(x) == "window_kernel"
+
+
+def test_query_rectangle_holds_whole_blocks_or_rows_of_one():
+    """A program's queries: whole w x w blocks up to 64 queries, or rows of one larger block; never more than 64."""
+    assert [query_rectangle(w) for w in (1, 2, 3, 4, 7, 8, 12, 16)] == [
+        (8, 8),
+        (8, 8),
+        (6, 6),
+        (8, 8),
+        (7, 7),
+        (8, 8),
+        (5, 12),
+        (4, 16),
+    ]
+
+
+def test_timm_model_inference_takes_the_kernel(kernel_calls, monkeypatch):
+    """A whole timm model (ViL-LS: a cls token, the bias table, one Long-Short stage per map) in inference with the
+    kernel on: every Long-Short layer calls it, and the logits are those of the SDPA layouts."""
+    _fused_on(monkeypatch, torch.device("cpu"), torch.float64)
+    kwargs = {"depths": (1, 1, 1, 1), "img_size": 64, "compile_attention": False}
+    model = timm.create_model("vil_ls_small", **kwargs).double().eval()
+    _randomise(model)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        expected = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager").double().eval()
+        expected.load_state_dict(model.state_dict())
+        monkeypatch.setattr(LongShortAttention2d, "window_kernel_devices", ("cpu",))
+        assert_close(model(x), expected(x), atol=EXACT)
+    assert kernel_calls == [(16, 16), (8, 8)]  # the two Long-Short stages (the last two are full attention)
+
+
+@pytest.mark.compiled
+def test_compiled_layer_calls_the_kernel(monkeypatch):
+    """The fused path's compiled layer (``compiled_attention_layer_2d``, static shapes) with the kernel inside, as an
+    operator of its graph (the profiler sees the operator run), float32: the SDPA layouts' output, tolerance scaled to
+    its magnitude."""
+    _compile_on_cpu(monkeypatch)
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float32,))
+    long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
+    sdpa = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, attn_implementation="eager")
+    _randomise(sdpa)
+    compiled = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True)
+    compiled.load_state_dict(sdpa.state_dict())
+    compiled.window_kernel_devices = ("cpu",)
+    x = torch.randn(2, 1 + 9 * 11, 16, generator=torch.Generator().manual_seed(2))
+    try:
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            expected = sdpa.eval()(x, (9, 11))
+            out = compiled.eval()(x, (9, 11))
+    finally:
+        long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    ran = [event.name for event in profile.events() if event.name.startswith(("transformer_ls::", "Torch-Compiled"))]
+    assert "transformer_ls::window_attention_2d" in ran and any(name.startswith("Torch-Compiled") for name in ran)
+
+
+def test_operator_passes_torch_library_checks():
+    """``torch.library.opcheck``: the schema, the fake (meta) implementation that compiled graphs trace with, and the
+    operator under ``make_fx`` and AOT dispatch, with and without the bias table."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 30, 8, generator=generator) for _ in range(3))
+    extra_k, extra_v = (torch.randn(2, 3, 8, generator=generator) for _ in range(2))
+    table = torch.randn(31, 2, generator=generator)  # w = 3: 2 (w + p - 1)(2p + w + 1) + 1 rows
+    for bias in (None, table):
+        torch.library.opcheck(window_attention_2d, (q, k, v, extra_k, extra_v, 5, 6, 3, 2, bias))
