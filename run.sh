@@ -98,7 +98,7 @@ case "${1:-}" in
         if [ "$part" = all ] || [ "$part" = profile ]; then
             # where the time goes: the attention layer at 4k tokens, batch 8, beside the window's kernel; cvt_ls_13
             # beside Transformers' CvT-13 at 224, batch 32, each stage's attention layers timed
-            profiles=("attention --n 4096 --batch 8" "vision --vision cvt_ls_13 hf_cvt_13 --resolution 224 --batch 32")
+            profiles=("attention --n 4096 --batch 8" "vision --vision cvt_ls_13 cvt_ls_13-triton hf_cvt_13 --resolution 224 --batch 32")
             for profile in "${profiles[@]}"; do  # a name, then bench.profile_attention's arguments
                 name="${profile%% *}"
                 echo "run.sh gpu-check: profiling $name (at most 2 minutes): $log_dir/profile_${name}_cuda.txt"

@@ -82,6 +82,32 @@ def build(name: str, resolution: int, reparam: bool = False, **kwargs) -> torch.
     return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
 
 
+# Long-Short vision models built another way, by the suffix of a peer's name: "-eager", ``attn_implementation="eager"``
+# (the window tiles on SDPA, not the fused 2-D path); "-kernel", the layers' ``compile_attention=False`` (the attention
+# kernel alone compiled); "-triton", inference on the Triton window kernel instead of FlexAttention
+# (``LongShortAttention2d.window_kernel_devices``).
+VARIANTS = ("-eager", "-kernel", "-triton")
+
+
+def split_variant(peer: str) -> tuple[str, str]:
+    """(model name, ``VARIANTS`` suffix or "") of a peer name such as ``cvt_ls_13-eager``."""
+    suffix = next((suffix for suffix in VARIANTS if peer.endswith(suffix)), "")
+    return peer.removesuffix(suffix), suffix
+
+
+def build_peer(peer: str, resolution: int, model: str | None = None) -> torch.nn.Module:
+    """``build`` of a peer's model in its variant (``split_variant``), for inference; ``model``: the model built under
+    the peer's name (a smaller one standing in, say)."""
+    name, variant = split_variant(peer)
+    net = build(model or name, resolution, **({"attn_implementation": "eager"} if variant == "-eager" else {}))
+    for layer in net.modules():
+        if isinstance(layer, ls_timm.LongShortAttention2d):
+            layer.compile_attention = variant != "-kernel"
+            if variant == "-triton":
+                layer.window_kernel_devices = ("cpu", "cuda")
+    return net.eval()
+
+
 def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     out = model(images)
     return out if isinstance(out, torch.Tensor) else out.logits

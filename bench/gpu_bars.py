@@ -93,8 +93,9 @@ MLM_RUNS = (
     ("8k", 4, ("long-short", "roberta-sdpa", "modernbert")),
 )
 VISION_MODELS = ("cvt_ls_13", "hf_cvt_13", "deit_small_patch16_224", "vil_ls_medium", "swin_small_patch4_window7_224")
-# Long-Short vision models with ``attn_implementation="eager"``: the window tiles on SDPA, not the fused 2-D path
-VISION_EAGER = ("cvt_ls_13-eager",)
+# Long-Short vision models run another way (``bench.bench_vision.VARIANTS``): with ``attn_implementation="eager"``, the
+# window tiles on SDPA instead of the fused 2-D path; inference on the Triton window kernel instead of FlexAttention
+VISION_VARIANTS = ("cvt_ls_13-eager", "cvt_ls_13-triton", "vil_ls_medium-triton")
 LRA_ATTENTIONS = ("long_short", "full")
 DECODING_PEERS = ("cached", "uncached")  # in the order of Plan.decode_tokens
 
@@ -351,6 +352,27 @@ BARS = (
     ),
     *(
         Bar(
+            f"vision {r}, batch 32: {model} with the Triton window kernel / with FlexAttention, images/s",
+            "vision",
+            "images_per_s",
+            f"vision/{model}-triton/{r}",
+            f"vision/{model}/{r}",
+        )
+        for model in ("cvt_ls_13", "vil_ls_medium")
+        for r in ("224", "448")
+    ),
+    *(
+        Bar(
+            f"vision {r}, batch 32: cvt_ls_13 with the Triton window kernel / CvT-13 (Transformers), images/s",
+            "vision",
+            "images_per_s",
+            f"vision/cvt_ls_13-triton/{r}",
+            f"vision/hf_cvt_13/{r}",
+        )
+        for r in ("224", "448")
+    ),
+    *(
+        Bar(
             f"vision {r}, batch 32: vil_ls_medium / Swin-S (timm), images/s",
             "vision",
             "images_per_s",
@@ -549,7 +571,9 @@ def _infer(model: torch.nn.Module, images: torch.Tensor) -> None:
 
 def vision_settings(plan: Plan) -> list[Setting]:
     return [
-        Setting("vision", label, (*VISION_MODELS, *VISION_EAGER), functools.partial(_measure_vision, plan, resolution))
+        Setting(
+            "vision", label, (*VISION_MODELS, *VISION_VARIANTS), functools.partial(_measure_vision, plan, resolution)
+        )
         for label, resolution in plan.resolutions.items()
     ]
 
@@ -557,10 +581,9 @@ def vision_settings(plan: Plan) -> list[Setting]:
 def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record) -> None:
     dtype = DTYPES[plan.dtype]
     models = {}
-    for name in peers:  # a name ending in -eager: its model with attn_implementation="eager"
-        model = plan.vision_models[name.removesuffix("-eager")]
-        eager = {"attn_implementation": "eager"} if name in VISION_EAGER else {}
-        models[name] = bench_vision.build(model, resolution, **eager).eval().to(plan.device, dtype)
+    for name in peers:  # a name ending in a variant's suffix: its model run that way (bench_vision.build_peer)
+        model = plan.vision_models[bench_vision.split_variant(name)[0]]
+        models[name] = bench_vision.build_peer(name, resolution, model).to(plan.device, dtype)
     images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
     steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
     for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
@@ -570,8 +593,8 @@ def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record)
             name,
             result
             | {
-                "model": plan.vision_models[name.removesuffix("-eager")],
-                "attn_implementation": "eager" if name in VISION_EAGER else None,
+                "model": plan.vision_models[bench_vision.split_variant(name)[0]],
+                "variant": bench_vision.split_variant(name)[1] or None,
                 "resolution": resolution,
                 "batch": plan.image_batch,
             },
@@ -648,7 +671,12 @@ SECTIONS = (
     Section("attention", attention_settings, 0.18, frozenset({"long-short", "flex-window"})),
     Section("masked LM", mlm_settings, 0.12, frozenset({"long-short"})),
     Section("decoding", decoding_settings, 0.08, frozenset(DECODING_PEERS)),
-    Section("vision", vision_settings, 0.42, frozenset({"cvt_ls_13", "vil_ls_medium"})),
+    Section(
+        "vision",
+        vision_settings,
+        0.42,
+        frozenset({"cvt_ls_13", "vil_ls_medium", "cvt_ls_13-triton", "vil_ls_medium-triton"}),
+    ),
     Section("LRA ListOps", lra_settings, 0.20, frozenset({"long_short"})),
 )
 

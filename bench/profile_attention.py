@@ -15,8 +15,9 @@ device kernels and compiled graphs run per step, and writes them to ``bench/resu
 the layer compiled around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the
 layer removes.
 ``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
-``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled). Below each table,
-the time of the attention layers of each input shape (each stage), their kernels included.
+``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled), ``cvt_ls_13-triton``
+its inference on the Triton window kernel instead of FlexAttention. Below each table, the time of the attention layers
+of each input shape (each stage), their kernels included.
 
 ``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
 parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
@@ -135,12 +136,9 @@ def profile_vision(
     peer: str, resolution: int, batch: int, device: str, dtype: torch.dtype, warmups: int, steps: int, rows: int
 ) -> str:
     """``profile_peer`` for inference of a ``bench.bench_vision`` model (random weights) on ``batch`` images of
-    ``resolution``; a peer name ending in ``-kernel`` builds its Long-Short layers with ``compile_attention=False``."""
-    name = peer.removesuffix("-kernel")
-    model = bench_vision.build(name, resolution).eval().to(device=device, dtype=dtype)
-    for layer in model.modules():
-        if isinstance(layer, LongShortAttention2d):
-            layer.compile_attention = peer == name
+    ``resolution``; a peer name ending in one of ``bench_vision.VARIANTS`` builds that variant (``-kernel``: its
+    Long-Short layers with ``compile_attention=False``; ``-triton``: their inference on the Triton window kernel)."""
+    model = bench_vision.build_peer(peer, resolution).to(device=device, dtype=dtype)
     images = torch.randn(batch, 3, resolution, resolution, device=device, dtype=dtype)
 
     def step():
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=None,
         help="instead of the attention peers, inference of these bench.bench_vision models (a name ending in -kernel: "
-        "compile_attention=False), at --resolution and --batch",
+        "compile_attention=False; in -triton: the Triton window kernel), at --resolution and --batch",
     )
     parser.add_argument("--resolution", type=int, default=224)
     parser.add_argument("--batch", type=int, default=None, help="sequences or images (default 1; --vision: 32)")

@@ -25,8 +25,9 @@ from ls_hf.long_short_rules import window_extent
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernel is not available
-    triton = tl = None
+    triton = tl = InterpretedFunction = None
 
 __all__ = ["has_window_kernel", "query_rectangle", "window_attention_2d"]
 
@@ -157,6 +158,11 @@ def window_attention_2d(
     q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
     extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
     bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    if q.device.type == "cpu" and not isinstance(_window_attention_2d_kernel, InterpretedFunction):
+        raise RuntimeError(
+            "window_attention_2d got CPU tensors: its Triton kernel runs on the CPU only in Triton's interpreter; set "
+            "TRITON_INTERPRET=1 before anything imports triton, or run it on CUDA."
+        )
     B, HW, qk_width = q.shape
     d_qk, d_v = qk_width // num_heads, v.shape[-1] // num_heads
     extra_k, extra_v = extra_k.to(q.dtype), extra_v.to(q.dtype)

@@ -22,7 +22,7 @@ import os
 if os.environ.get("LS_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 from tests.devices import device_selection, needed_fixtures, test_device, test_dtype
 

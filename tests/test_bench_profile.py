@@ -85,7 +85,8 @@ def test_saved_counts_what_the_forward_pass_keeps(tmp_path, device_choices_resto
 
 def test_vision_profiles_whole_models(tmp_path, monkeypatch):
     """``--vision``: inference of whole ``bench.bench_vision`` models; a ``-kernel`` peer is the model with its
-    Long-Short layers' ``compile_attention=False``. ``--saved`` does not take it."""
+    Long-Short layers' ``compile_attention=False``, a ``-triton`` peer with their inference on the Triton window kernel
+    (on the devices that take the fused path). ``--saved`` does not take it."""
     from bench import bench_vision
     from ls_timm.long_short_attention_2d import LongShortAttention2d
 
@@ -94,19 +95,20 @@ def test_vision_profiles_whole_models(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_vision, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
     out = tmp_path / "profile.txt"
     arguments = ["--device", "cpu", "--dtype", "fp32", "--steps", "1", "--warmups", "0", "--rows", "2"]
-    vision = ["--vision", "cvt_ls_13", "cvt_ls_13-kernel", "--resolution", "64", "--batch", "1"]
+    vision = ["--vision", "cvt_ls_13", "cvt_ls_13-kernel", "cvt_ls_13-triton", "--resolution", "64", "--batch", "1"]
     profile_attention.main([*arguments, *vision, "--out", str(out)])
     report = out.read_text()
     assert "== cvt_ls_13, 64 x 64, batch 1" in report and "== cvt_ls_13-kernel, 64 x 64, batch 1" in report
-    assert report.count("per step: ") == 2 and "== long-short" not in report
+    assert report.count("per step: ") == 3 and "== long-short" not in report
     # each stage's attention layers apart: cvt_ls_13's maps of 16 x 16, 8 x 8 and 4 x 4 (and its cls) at 64 pixels
     for tokens, calls in ((256, 1), (64, 2), (17, 10)):
         line = f"  LongShortAttention2d (1, {tokens}, "
-        assert report.count(line) == 2  # both peers
+        assert report.count(line) == 3  # every peer
         assert re.search(rf"{re.escape(line)}\d+\): {calls} calls, \d+\.\d+ ms", report)
     settings = [
-        {m.compile_attention for m in model.modules() if isinstance(m, LongShortAttention2d)} for model in built
+        {(m.compile_attention, m.window_kernel_devices) for m in model.modules() if isinstance(m, LongShortAttention2d)}
+        for model in built
     ]
-    assert settings == [{True}, {False}]
+    assert settings == [{(True, ())}, {(False, ())}, {(True, ("cpu", "cuda"))}]
     with pytest.raises(SystemExit):
         profile_attention.main([*arguments, *vision, "--saved"])
