@@ -43,11 +43,24 @@ def has_window_kernel() -> bool:
 
 def query_rectangle(window: int) -> tuple[int, int]:
     """(rows, columns) of the map rectangle whose queries one program takes: as many whole w x w query blocks as fit
-    in ``RECTANGLE_QUERIES`` queries, in a square, or as many rows of one block where a block holds more."""
+    in ``RECTANGLE_QUERIES`` queries, in a square, or where a block holds more, as many of its rows as fit and divide
+    w (a rectangle within one block)."""
     if window * window >= RECTANGLE_QUERIES:
-        return max(1, RECTANGLE_QUERIES // window), window
+        rows = [d for d in range(1, window + 1) if window % d == 0 and d * window <= RECTANGLE_QUERIES]
+        return max(rows, default=1), window
     side = math.isqrt(RECTANGLE_QUERIES // (window * window)) * window
     return side, side
+
+
+def _most_keys_per_axis(length: int, rectangle: int, window: int) -> int:
+    """The most positions along one axis of ``length`` that the windows of a rectangle's ``rectangle`` queries span,
+    inside the map, over the rectangles (as the kernel bounds them: ``window_bounds`` of its first and last query)."""
+    e = window_extent(window)
+    return max(
+        min((min(start + rectangle, length) - 1) // window * window + window + e, length)
+        - max(start // window * window - e, 0)
+        for start in range(0, length, rectangle)
+    )
 
 
 def _next_power_of_2(n: int) -> int:
@@ -58,12 +71,14 @@ def _next_power_of_2(n: int) -> int:
 def _window_attention_2d_kernel(
     Q, K, V, ExtraK, ExtraV, Table, Out,
     q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row, out_batch, out_row,
-    num_heads, map_h, map_w, num_extra, rects_per_row, qk_scale,
+    num_heads, map_h, map_w, num_extra, rects_per_row, qk_scale, STEPS: tl.constexpr,
     WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr,
     HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """One (rectangle, image x head) program; scores in base 2 (``qk_scale`` holds log2(e))."""
+    """One (rectangle, image x head) program; scores in base 2 (``qk_scale`` holds log2(e)). ``STEPS``: the most key
+    blocks a program visits (its window's, then the extra keys'); a program whose window holds fewer runs its last
+    steps on no key (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
     rect, image, head = tl.program_id(0), tl.program_id(1) // num_heads, tl.program_id(1) % num_heads
     top, left = rect // rects_per_row * RECT_H, rect % rects_per_row * RECT_W
     lane = tl.arange(0, BLOCK_Q)
@@ -88,7 +103,7 @@ def _window_attention_2d_kernel(
     m = tl.full([BLOCK_Q], -1.0e30, ACC)  # finite: a row that has seen nothing yet keeps exp2(m - m_new) = 1
     total = tl.zeros([BLOCK_Q], ACC)
     acc = tl.zeros([BLOCK_Q, BLOCK_V], ACC)
-    for step in range(window_steps + tl.cdiv(num_extra, BLOCK_K)):
+    for step in range(STEPS):
         if step < window_steps:  # patch keys of the region, row by row
             j = step * BLOCK_K + k_lane
             ky, kx = key_top + j // region_w, key_left + j % region_w
@@ -109,7 +124,7 @@ def _window_attention_2d_kernel(
                     qx[:, None] - kx[None, :] + EXTENT + WINDOW - 1
                 )
                 bias = tl.load(Table + row * num_heads + head, mask=seen, other=0.0).to(ACC) * 1.4426950408889634
-        else:  # the extra keys, which every query sees
+        else:  # the extra keys, which every query sees (none past them)
             j = (step - window_steps) * BLOCK_K + k_lane
             k_ok = j < num_extra
             k_ptr = ExtraK + image * xk_batch + j[:, None] * xk_row + head * HEAD_QK + d_qk[None, :]
@@ -170,6 +185,7 @@ def window_attention_2d(
     out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
     rect_h, rect_w = query_rectangle(window)
     rects_per_row = -(-map_width // rect_w)
+    window_keys = _most_keys_per_axis(map_height, rect_h, window) * _most_keys_per_axis(map_width, rect_w, window)
     grid = (-(-map_height // rect_h) * rects_per_row, B * num_heads)
     high_precision = q.dtype in (torch.float32, torch.float64)
     _window_attention_2d_kernel[grid](
@@ -177,6 +193,7 @@ def window_attention_2d(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
         num_heads, map_height, map_width, extra_k.shape[1], rects_per_row, d_qk**-0.5 * math.log2(math.e),
+        STEPS=-(-window_keys // KEY_BLOCK) - (-extra_k.shape[1] // KEY_BLOCK),
         WINDOW=window, EXTENT=window_extent(window), RECT_H=rect_h, RECT_W=rect_w,
         HEAD_QK=d_qk, HEAD_V=d_v, BLOCK_QK=max(16, _next_power_of_2(d_qk)), BLOCK_V=max(16, _next_power_of_2(d_v)),
         BLOCK_Q=max(16, _next_power_of_2(rect_h * rect_w)), BLOCK_K=KEY_BLOCK, HAS_BIAS=bias_table is not None,
