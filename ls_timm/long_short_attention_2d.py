@@ -34,7 +34,10 @@ block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks
 extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled on CUDA with
 static shapes (code specialised to each map and batch size, its index arithmetic constant), and a compile boundary.
 There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output projection) is compiled around it
-too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``.
+too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``. In inference on the devices of
+``window_kernel_devices`` (none by default) the fused path runs the Triton window kernel instead
+(``_attend_window_kernel``, ``window_kernel_2d``): the patches read in raster order, no tile order and no block mask,
+an operator of the compiled layer's graph.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -522,7 +525,7 @@ class LongShortAttention2d(nn.Module):
             self.relative_position_bias_table,
         )
 
-    def _path(self, x: Tensor) -> str:
+    def _backend(self, x: Tensor) -> str:
         """The attention this call runs: ``"flex"``, the fused path (``_attend_flex``), with ``"flex_attention"``, and
         with ``"sdpa"`` where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout);
         there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices`` with autograd off
@@ -583,12 +586,12 @@ class LongShortAttention2d(nn.Module):
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        The fused path (``_path``) makes one FlexAttention call, or one window kernel call; otherwise maps of at most ``strip_max_tokens``
+        The fused path (``_backend``) makes one FlexAttention call, or one window kernel call; otherwise maps of at most ``strip_max_tokens``
         patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout, larger ones the blocked
         layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
         global tokens].
         """
-        path = self._path(x)
+        backend = self._backend(x)
         if self.attn_implementation == "flex_attention":
             check_flex_call(
                 x,
@@ -598,12 +601,14 @@ class LongShortAttention2d(nn.Module):
                 dropout_name="attn_drop",
                 dropout_setting="attn_drop_rate",
             )
-        compiled = path != "sdpa" and long_short_attention.compiles_layer(x, compile_attention=self.compile_attention)
+        compiled = backend != "sdpa" and long_short_attention.compiles_layer(
+            x, compile_attention=self.compile_attention
+        )
         layer = compiled_attention_layer_2d() if compiled else LongShortAttention2d._layer
-        return layer(self, x, tuple(feat_size), path=path)
+        return layer(self, x, tuple(feat_size), backend=backend)
 
-    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, path: str) -> Tensor:
-        """The layer after ``forward``'s checks and choice of ``path`` (``_path``): the projections, the attention
+    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, backend: str) -> Tensor:
+        """The layer after ``forward``'s checks and choice of ``backend`` (``_backend``): the projections, the attention
         (the fused path's FlexAttention or window kernel call, or the strip or blocked SDPA layout) and the output
         projection (as ``compiled_attention_layer_2d`` runs it)."""
         B, _, C = x.shape
@@ -623,9 +628,9 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        if path == "flex":
+        if backend == "flex":
             attend = self._attend_flex
-        elif path == "window_kernel":
+        elif backend == "window_kernel":
             attend = self._attend_window_kernel
         else:
             attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked

@@ -68,25 +68,25 @@ def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_ca
 
 
 def test_window_kernel_only_in_inference_where_asked(monkeypatch):
-    """``_path`` takes the kernel on ``window_kernel_devices`` (none by default), on the fused path, with autograd
+    """``_backend`` takes the kernel on ``window_kernel_devices`` (none by default), on the fused path, with autograd
     off; with autograd on, FlexAttention (which has a backward pass); ``"flex_attention"`` always FlexAttention,
     ``"eager"`` and the CPU by default the SDPA layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float32)
     module = LongShortAttention2d(16, 2, 4, 2)
     x = torch.randn(1, 36, 16)
     with torch.no_grad():
-        assert module._path(x) == "flex"  # no devices by default
+        assert module._backend(x) == "flex"  # no devices by default
         module.window_kernel_devices = ("cpu",)
-        assert module._path(x) == "window_kernel"
-        assert module._path(x.double()) == "sdpa"  # not a fused dtype
+        assert module._backend(x) == "window_kernel"
+        assert module._backend(x.double()) == "sdpa"  # not a fused dtype
         module.attn_implementation = "flex_attention"
-        assert module._path(x) == "flex"
+        assert module._backend(x) == "flex"
         module.attn_implementation = "eager"
-        assert module._path(x) == "sdpa"
+        assert module._backend(x) == "sdpa"
     module.attn_implementation = "sdpa"
-    assert module._path(x) == "flex"  # autograd on
+    assert module._backend(x) == "flex"  # autograd on
     with torch.inference_mode():
-        assert module._path(x) == "window_kernel"
+        assert module._backend(x) == "window_kernel"
 
 
 def test_query_rectangle_holds_whole_blocks_or_rows_of_one():
