@@ -1,4 +1,5 @@
-"""How block-sparse the 2-D Long-Short window is for FlexAttention, in raster order and in window-tile order.
+"""How block-sparse the 2-D Long-Short window is for FlexAttention, in raster order and in window-tile order, and how
+much the Triton window kernel computes instead.
 
 For every Long-Short stage of the given timm models at the given input sides (its map size, window w and extra keys,
 read from the layers' inputs in one forward pass), the visibility of every patch query is evaluated on every key, one
@@ -10,8 +11,9 @@ block of queries at a time, with the SDPA path's rule (``window_keep_2d``), in t
 
 Per (order, stage) it reports the fraction of (query block, key block) pairs a FlexAttention kernel visits (partial or
 full), the fraction of those that are full (no mask_mod call), and the score entries computed (visited blocks x block
-size^2) per entry the window rule keeps; per (order, model, side), the blocks visited by all its Long-Short layers.
-Hardware-independent: blocks are counted, nothing is timed.
+size^2) per entry the window rule keeps; the same for the window kernel (``ls_timm.window_kernel_2d``: its programs x
+their key steps x query lanes x keys per step, from its ``launch_geometry``); per (order, model, side), the scores
+computed by all its Long-Short layers. Hardware-independent: blocks are counted, nothing is timed.
 
     python -m bench.blocks_2d                                      # cvt_ls_13 and vil_ls_medium at 224 and 448
 
@@ -29,6 +31,7 @@ import ls_timm  # noqa: F401  (registers the models)
 from bench.common import results_path, run_meta, write_json
 from ls_timm.long_short_attention_2d import LongShortAttention2d, window_keep_2d
 from ls_timm.long_short_blocks_2d import tile_block_mask, tile_position, tile_slots
+from ls_timm.window_kernel_2d import KEY_BLOCK, launch_geometry
 
 
 def stage_shapes(name: str, side: int) -> dict[tuple[tuple[int, int], int, int], int]:
@@ -88,7 +91,7 @@ def block_classes(mask) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def measure(feat_size: tuple[int, int], window: int, extra: int, block: int) -> dict:
-    """Both orders' block counts for one stage (this module's docstring)."""
+    """Both orders' block counts and the window kernel's work for one stage (this module's docstring)."""
     H, W = feat_size
     raster = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij"), -1).view(-1, 2)
     tile = torch.stack(tile_position(torch.arange(tile_slots(feat_size, window)), W, window), -1)
@@ -108,8 +111,18 @@ def measure(feat_size: tuple[int, int], window: int, extra: int, block: int) -> 
             "full": int(full.sum()),
             "visited_fraction": visited / partial.numel(),
             "full_fraction_of_visited": int(full.sum()) / visited,
+            "computed": visited * block * block,
             "computed_per_kept": visited * block * block / kept,
         }
+    geometry = launch_geometry(feat_size, window, extra)
+    computed = geometry.programs * geometry.steps * geometry.block_q * KEY_BLOCK
+    rows["window kernel"] = {
+        "slots": H * W,
+        "programs": geometry.programs,
+        "steps": geometry.steps,
+        "computed": computed,
+        "computed_per_kept": computed / kept,
+    }
     return rows
 
 
@@ -128,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     totals = []
     for name in args.models:
         for side in args.sides:
-            total = {"model": name, "side": side, "raster": 0, "tile": 0}
+            total = {"model": name, "side": side, "raster": 0, "tile": 0, "window kernel": 0}
             for (feat_size, window, extra), layers in stage_shapes(name, side).items():
                 for order, row in measure(feat_size, window, extra, args.block).items():
-                    total[order] += layers * row["visited"]
+                    total[order] += layers * row["computed"]
                     results["rows"].append(
                         {
                             "model": name,
@@ -144,19 +157,28 @@ def main(argv: list[str] | None = None) -> None:
                             **row,
                         }
                     )
+                    if order == "window kernel":
+                        visited = f"{row['programs']} programs x {row['steps']} steps | - | -"
+                    else:
+                        visited = (
+                            f"{row['visited']} / {row['query_blocks'] * row['key_blocks']} | "
+                            f"{row['visited_fraction']:.0%} | {row['full_fraction_of_visited']:.0%}"
+                        )
                     print(
                         f"| `{name}` | {side} | {feat_size[0]} x {feat_size[1]} | {window} | {extra} | {layers} | "
-                        f"{order} | {row['slots']} | {row['visited']} / {row['query_blocks'] * row['key_blocks']} | "
-                        f"{row['visited_fraction']:.0%} | {row['full_fraction_of_visited']:.0%} | "
-                        f"{row['computed_per_kept']:.1f}x |"
+                        f"{order} | {row['slots']} | {visited} | {row['computed_per_kept']:.1f}x |"
                     )
             totals.append(total)
-    print("\n| model | side | blocks visited by all Long-Short layers, raster | tile | tile / raster |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| model | side | scores computed by all Long-Short layers (millions), raster | tile | window kernel "
+        "| tile / raster | window kernel / tile |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for total in totals:
         print(
-            f"| `{total['model']}` | {total['side']} | {total['raster']} | {total['tile']} | "
-            f"{total['tile'] / total['raster']:.2f} |"
+            f"| `{total['model']}` | {total['side']} | {total['raster'] / 1e6:.1f} | {total['tile'] / 1e6:.1f} | "
+            f"{total['window kernel'] / 1e6:.1f} | {total['tile'] / total['raster']:.2f} | "
+            f"{total['window kernel'] / total['tile']:.2f} |"
         )
     results["totals"] = totals
     write_json(results_path("blocks_2d", False), results)

@@ -16,6 +16,7 @@ is how the tests check it against the SDPA layouts. This file imports nothing fr
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ try:
 except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernel is not available
     triton = tl = InterpretedFunction = None
 
-__all__ = ["has_window_kernel", "query_rectangle", "window_attention_2d"]
+__all__ = ["LaunchGeometry", "has_window_kernel", "launch_geometry", "query_rectangle", "window_attention_2d"]
 
 # Queries a program takes at most (its rectangle of the map), and keys per step of its loop.
 RECTANGLE_QUERIES = 64
@@ -65,6 +66,32 @@ def _most_keys_per_axis(length: int, rectangle: int, window: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+class LaunchGeometry(NamedTuple):
+    """How the kernel covers an (H, W) map: programs of ``rectangle`` queries (``query_rectangle``), ``block_q`` lanes
+    each, ``rects_per_row`` across the map, ``programs`` per image and head, each running ``steps`` blocks of
+    ``KEY_BLOCK`` keys (the most any rectangle's window needs, then the extra keys')."""
+
+    rectangle: tuple[int, int]
+    block_q: int
+    rects_per_row: int
+    programs: int
+    steps: int
+
+
+def launch_geometry(feat_size: tuple[int, int], window: int, extra: int) -> LaunchGeometry:
+    """The ``LaunchGeometry`` of an (H, W) map with ``extra`` keys."""
+    (H, W), (rect_h, rect_w) = feat_size, query_rectangle(window)
+    rects_per_row = -(-W // rect_w)
+    window_keys = _most_keys_per_axis(H, rect_h, window) * _most_keys_per_axis(W, rect_w, window)
+    return LaunchGeometry(
+        (rect_h, rect_w),
+        max(16, _next_power_of_2(rect_h * rect_w)),
+        rects_per_row,
+        -(-H // rect_h) * rects_per_row,
+        -(-window_keys // KEY_BLOCK) - (-extra // KEY_BLOCK),
+    )
 
 
 @(triton.jit if triton is not None else lambda fn: fn)
@@ -183,20 +210,18 @@ def window_attention_2d(
     extra_k, extra_v = extra_k.to(q.dtype), extra_v.to(q.dtype)
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
     out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
-    rect_h, rect_w = query_rectangle(window)
-    rects_per_row = -(-map_width // rect_w)
-    window_keys = _most_keys_per_axis(map_height, rect_h, window) * _most_keys_per_axis(map_width, rect_w, window)
-    grid = (-(-map_height // rect_h) * rects_per_row, B * num_heads)
+    geometry = launch_geometry((map_height, map_width), window, extra_k.shape[1])
+    (rect_h, rect_w), grid = geometry.rectangle, (geometry.programs, B * num_heads)
     high_precision = q.dtype in (torch.float32, torch.float64)
     _window_attention_2d_kernel[grid](
         q, k, v, extra_k, extra_v, q if bias_table is None else bias_table.contiguous(), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
-        num_heads, map_height, map_width, extra_k.shape[1], rects_per_row, d_qk**-0.5 * math.log2(math.e),
-        STEPS=-(-window_keys // KEY_BLOCK) - (-extra_k.shape[1] // KEY_BLOCK),
+        num_heads, map_height, map_width, extra_k.shape[1], geometry.rects_per_row, d_qk**-0.5 * math.log2(math.e),
+        STEPS=geometry.steps,
         WINDOW=window, EXTENT=window_extent(window), RECT_H=rect_h, RECT_W=rect_w,
         HEAD_QK=d_qk, HEAD_V=d_v, BLOCK_QK=max(16, _next_power_of_2(d_qk)), BLOCK_V=max(16, _next_power_of_2(d_v)),
-        BLOCK_Q=max(16, _next_power_of_2(rect_h * rect_w)), BLOCK_K=KEY_BLOCK, HAS_BIAS=bias_table is not None,
+        BLOCK_Q=geometry.block_q, BLOCK_K=KEY_BLOCK, HAS_BIAS=bias_table is not None,
         IEEE=high_precision, ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
     )  # fmt: skip
     return out

@@ -13,7 +13,13 @@ import torch
 from ls_hf import long_short_attention
 from ls_timm import long_short_attention_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
-from ls_timm.window_kernel_2d import has_window_kernel, query_rectangle, window_attention_2d
+from ls_timm.window_kernel_2d import (
+    LaunchGeometry,
+    has_window_kernel,
+    launch_geometry,
+    query_rectangle,
+    window_attention_2d,
+)
 from tests.devices import assert_close
 from tests.test_flex_attention import _compile_on_cpu
 from tests.test_timm_attention import CASES, _randomise
@@ -47,6 +53,16 @@ def _fused_on(monkeypatch, device, dtype):
     """The fused path where the test runs (CUDA and its dtypes take it anyway; the CPU and float64 stand in)."""
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+
+
+def test_launch_geometry_of_cvt_ls_13_at_224():
+    """Programs and key steps of the three stages, counted by hand: 56 x 56, w = 8, 64 extra keys: 7 x 7 rectangles of
+    one block, a 16 x 16 window (4 steps of 64 keys) and the extra keys (1); 28 x 28, w = 4: 4 x 4 rectangles of 2 x 2
+    blocks, at most 12 x 12 window keys (3 steps) and 16 extra keys (1); 14 x 14, w = 2: 2 x 2 rectangles of 4 x 4
+    blocks, at most 9 x 9 window keys (2 steps) and 5 extra keys (1)."""
+    assert launch_geometry((56, 56), 8, 64) == LaunchGeometry((8, 8), 64, 7, 49, 5)
+    assert launch_geometry((28, 28), 4, 16) == LaunchGeometry((8, 8), 64, 4, 16, 4)
+    assert launch_geometry((14, 14), 2, 5) == LaunchGeometry((8, 8), 64, 2, 4, 3)
 
 
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES + RECTANGLE_CASES)
