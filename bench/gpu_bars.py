@@ -19,7 +19,8 @@ step, then timed rounds taken in turn, the median kept), each setting from a fre
 * decoding: ``bench.bench_models.measure_generation``, ms per token after 512 and 8,192 tokens of context, with and
   without the cache (2 layers, w = 256, l = 16, r = 1, as the earlier GPU measurement);
 * vision: inference at 224 and 448, batch 32: ``cvt_ls_13`` (also with ``attn_implementation="eager"``, its window
-  tiles on SDPA instead of the fused 2-D path) and ``vil_ls_medium`` against Transformers' CvT-13
+  tiles on SDPA instead of the fused 2-D path) and ``vil_ls_medium``, both also on the Triton window kernel instead of
+  FlexAttention (``-triton``: ``LongShortAttention2d.window_kernel_devices``), against Transformers' CvT-13
   (``hf_cvt_13``) and timm's nearest peers by parameters and MACs, ``deit_small_patch16_224`` (DeiT-S: 22 M
   parameters, 4.6 GMACs, beside CvT*-LS-13's 20 M) and ``swin_small_patch4_window7_224`` (Swin-S: 50 M, 8.7 GMACs, as
   ViL-LS-Medium);
