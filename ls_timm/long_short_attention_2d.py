@@ -519,10 +519,11 @@ class LongShortAttention2d(nn.Module):
             values[0],
             keys[1],
             values[1],
-            *feat_size,
-            self.window_size,
-            self.num_heads,
-            self.relative_position_bias_table,
+            map_height=feat_size[0],
+            map_width=feat_size[1],
+            window=self.window_size,
+            num_heads=self.num_heads,
+            bias_table=self.relative_position_bias_table,
         )
 
     def _backend(self, x: Tensor) -> str:
@@ -586,9 +587,9 @@ class LongShortAttention2d(nn.Module):
     def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        The fused path (``_backend``) makes one FlexAttention call, or one window kernel call; otherwise maps of at most ``strip_max_tokens``
-        patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout, larger ones the blocked
-        layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
+        The fused path (``_backend``) makes one FlexAttention call, or one window kernel call; otherwise maps of at
+        most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout,
+        larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
         global tokens].
         """
         backend = self._backend(x)

@@ -41,9 +41,9 @@ def kernel_calls(monkeypatch):
     """The calls of ``window_attention_2d`` that ``LongShortAttention2d`` makes while the test runs."""
     calls = []
 
-    def counted(*args):
-        calls.append(args[5:7])  # the map size
-        return window_attention_2d(*args)
+    def counted(*args, **kwargs):
+        calls.append((kwargs["map_height"], kwargs["map_width"]))
+        return window_attention_2d(*args, **kwargs)
 
     monkeypatch.setattr(long_short_attention_2d, "window_attention_2d", counted)
     return calls
