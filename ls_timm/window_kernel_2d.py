@@ -98,15 +98,17 @@ def launch_geometry(feat_size: tuple[int, int], window: int, extra: int) -> Laun
 def _window_attention_2d_kernel(
     Q, K, V, ExtraK, ExtraV, Table, Out,
     q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row, out_batch, out_row,
-    num_heads, map_h, map_w, num_extra, rects_per_row, qk_scale, STEPS: tl.constexpr,
+    num_heads, map_h, map_w, num_extra, rects_per_row, programs, qk_scale, STEPS: tl.constexpr,
     WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr,
     HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """One (rectangle, image x head) program; scores in base 2 (``qk_scale`` holds log2(e)). ``STEPS``: the most key
-    blocks a program visits (its window's, then the extra keys'); a program whose window holds fewer runs its last
-    steps on no key (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
-    rect, image, head = tl.program_id(0), tl.program_id(1) // num_heads, tl.program_id(1) % num_heads
+    """One program per (image x head, rectangle), the grid flat (no axis limit of 65,535), neighbouring rectangles
+    next to each other (they share keys in the cache); scores in base 2 (``qk_scale`` holds log2(e)). ``STEPS``: the
+    most key blocks a program visits (its window's, then the extra keys'); a program whose window holds fewer runs its
+    last steps on no key (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
+    rect, image_head = tl.program_id(0) % programs, tl.program_id(0) // programs
+    image, head = image_head // num_heads, image_head % num_heads
     top, left = rect // rects_per_row * RECT_H, rect % rects_per_row * RECT_W
     lane = tl.arange(0, BLOCK_Q)
     qy, qx = top + lane // RECT_W, left + lane % RECT_W
@@ -211,13 +213,14 @@ def window_attention_2d(
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
     out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
     geometry = launch_geometry((map_height, map_width), window, extra_k.shape[1])
-    (rect_h, rect_w), grid = geometry.rectangle, (geometry.programs, B * num_heads)
+    (rect_h, rect_w), grid = geometry.rectangle, (geometry.programs * B * num_heads,)
     high_precision = q.dtype in (torch.float32, torch.float64)
     _window_attention_2d_kernel[grid](
         q, k, v, extra_k, extra_v, q if bias_table is None else bias_table.contiguous(), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
-        num_heads, map_height, map_width, extra_k.shape[1], geometry.rects_per_row, d_qk**-0.5 * math.log2(math.e),
+        num_heads, map_height, map_width, extra_k.shape[1], geometry.rects_per_row, geometry.programs,
+        d_qk**-0.5 * math.log2(math.e),
         STEPS=geometry.steps,
         WINDOW=window, EXTENT=window_extent(window), RECT_H=rect_h, RECT_W=rect_w,
         HEAD_QK=d_qk, HEAD_V=d_v, BLOCK_QK=max(16, _next_power_of_2(d_qk)), BLOCK_V=max(16, _next_power_of_2(d_v)),
