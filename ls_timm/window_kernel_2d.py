@@ -202,6 +202,11 @@ def window_attention_2d(
     q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
     extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
     bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    if not has_window_kernel():
+        raise RuntimeError(
+            "window_attention_2d needs Triton, which this torch build lacks (CUDA builds of torch on Linux install it); "
+            "leave LongShortAttention2d.window_kernel_devices empty to use FlexAttention or the SDPA layouts."
+        )
     if q.device.type == "cpu" and not isinstance(_window_attention_2d_kernel, InterpretedFunction):
         raise RuntimeError(
             "window_attention_2d got CPU tensors: its Triton kernel runs on the CPU only in Triton's interpreter; set "

@@ -173,3 +173,18 @@ def test_operator_passes_torch_library_checks():
     table = torch.randn(31, 2, generator=generator)  # w = 3: 2 (w + p - 1)(2p + w + 1) + 1 rows
     for bias in (None, table):
         torch.library.opcheck(window_attention_2d, (q, k, v, extra_k, extra_v, 5, 6, 3, 2, bias))
+
+
+def test_operator_names_what_it_lacks(monkeypatch):
+    """Called where it cannot run, the operator says why and what to do, before any work: CPU tensors outside Triton's
+    interpreter, and a torch build without Triton."""
+    from ls_timm import window_kernel_2d
+
+    q = torch.zeros(1, 4, 8)
+    args = (q, q, q, q[:, :0], q[:, :0], 2, 2, 2, 1, None)
+    monkeypatch.setattr(window_kernel_2d, "_window_attention_2d_kernel", object())  # as compiled for a GPU
+    with pytest.raises(RuntimeError, match="only in Triton's interpreter; set TRITON_INTERPRET=1"):
+        window_attention_2d(*args)
+    monkeypatch.setattr(window_kernel_2d, "triton", None)
+    with pytest.raises(RuntimeError, match="needs Triton.*window_kernel_devices empty"):
+        window_attention_2d(*args)
