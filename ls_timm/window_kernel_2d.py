@@ -30,7 +30,14 @@ try:
 except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernel is not available
     triton = tl = InterpretedFunction = None
 
-__all__ = ["LaunchGeometry", "has_window_kernel", "launch_geometry", "query_rectangle", "window_attention_2d"]
+__all__ = [
+    "LaunchGeometry",
+    "has_window_kernel",
+    "kernel_constants",
+    "launch_geometry",
+    "query_rectangle",
+    "window_attention_2d",
+]
 
 # Queries a program takes at most (its rectangle of the map), and keys per step of its loop.
 RECTANGLE_QUERIES = 64
@@ -184,6 +191,31 @@ def _window_attention_2d_kernel(
     )
 
 
+def kernel_constants(
+    geometry: LaunchGeometry, window: int, head_dims: tuple[int, int], dtype: torch.dtype, *, bias: bool
+) -> dict:
+    """The kernel's compile-time constants for a launch of ``geometry`` (``launch_geometry``): the window, the query
+    and value head dims and their blocks (at least 16, a power of 2), the bias table's presence and the precision
+    (IEEE dot products and their accumulators in float64 for float64, IEEE in float32 for float32)."""
+    d_qk, d_v = head_dims
+    return {
+        "STEPS": geometry.steps,
+        "WINDOW": window,
+        "EXTENT": window_extent(window),
+        "RECT_H": geometry.rectangle[0],
+        "RECT_W": geometry.rectangle[1],
+        "HEAD_QK": d_qk,
+        "HEAD_V": d_v,
+        "BLOCK_QK": max(16, _next_power_of_2(d_qk)),
+        "BLOCK_V": max(16, _next_power_of_2(d_v)),
+        "BLOCK_Q": geometry.block_q,
+        "BLOCK_K": KEY_BLOCK,
+        "HAS_BIAS": bias,
+        "IEEE": dtype in (torch.float32, torch.float64),
+        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+    }
+
+
 @torch.library.custom_op("transformer_ls::window_attention_2d", mutates_args=())
 def window_attention_2d(
     q: Tensor,
@@ -218,19 +250,13 @@ def window_attention_2d(
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
     out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
     geometry = launch_geometry((map_height, map_width), window, extra_k.shape[1])
-    (rect_h, rect_w), grid = geometry.rectangle, (geometry.programs * B * num_heads,)
-    high_precision = q.dtype in (torch.float32, torch.float64)
-    _window_attention_2d_kernel[grid](
+    _window_attention_2d_kernel[(geometry.programs * B * num_heads,)](
         q, k, v, extra_k, extra_v, q if bias_table is None else bias_table.contiguous(), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
         num_heads, map_height, map_width, extra_k.shape[1], geometry.rects_per_row, geometry.programs,
         d_qk**-0.5 * math.log2(math.e),
-        STEPS=geometry.steps,
-        WINDOW=window, EXTENT=window_extent(window), RECT_H=rect_h, RECT_W=rect_w,
-        HEAD_QK=d_qk, HEAD_V=d_v, BLOCK_QK=max(16, _next_power_of_2(d_qk)), BLOCK_V=max(16, _next_power_of_2(d_v)),
-        BLOCK_Q=geometry.block_q, BLOCK_K=KEY_BLOCK, HAS_BIAS=bias_table is not None,
-        IEEE=high_precision, ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
+        **kernel_constants(geometry, window, (d_qk, d_v), q.dtype, bias=bias_table is not None),
     )  # fmt: skip
     return out
 

@@ -6,6 +6,12 @@ calls it, inside the compiled layer, and as a custom operator. On the CPU it run
 Checked, never timed.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -27,6 +33,43 @@ from tests.test_timm_attention import CASES, _randomise
 pytestmark = pytest.mark.skipif(not has_window_kernel(), reason="Triton is not installed")
 EXACT = 1e-10  # float64: the paths differ only in summation order
 INTERPRETER_BF16 = "Triton's interpreter computes bfloat16 on its raw bits (numpy has none); the GPU check runs it"
+# Triton's compiler, run for a GPU target on any machine (no GPU needed): the kernel's cubin for each case, (arch,
+# dtype, map, window, extra keys, (query/key, value) head dims, bias table, one head), one head making ``num_heads`` a
+# constant as Triton's launcher specialises an argument of 1.
+COMPILE = """
+import inspect, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ls_timm import window_kernel_2d as wk
+
+kernel = wk._window_attention_2d_kernel
+names = list(inspect.signature(kernel.fn).parameters)
+for arch, dtype, feat_size, window, extra, head_dims, bias, one_head in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    geometry = wk.launch_geometry(tuple(feat_size), window, extra)
+    constants = wk.kernel_constants(geometry, window, tuple(head_dims), dtype, bias=bias)
+    constants |= {"num_heads": 1} if one_head else {}
+    pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    signature = {
+        name: "constexpr" if name in constants else pointer if name[0].isupper() else "fp32" if name == "qk_scale"
+        else "i32"
+        for name in names
+    }
+    source = ASTSource(kernel, signature, {(names.index(name),): value for name, value in constants.items()})
+    print(len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"]))
+"""
+GPU_CASES = [
+    (90, "bfloat16", (56, 56), 8, 64, (64, 64), False, True),  # cvt_ls_13 at 224 on an H100 / H200: stage 1
+    (90, "bfloat16", (14, 14), 2, 5, (64, 64), False, False),  # its stage 3
+    (90, "bfloat16", (112, 112), 16, 128, (64, 64), False, True),  # stage 1 at 448
+    (90, "bfloat16", (56, 56), 7, 9, (32, 32), True, False),  # vil_ls_medium, stage 1
+    (90, "float16", (28, 28), 4, 16, (64, 64), False, False),
+    (90, "float32", (9, 10), 3, 2, (8, 8), True, False),  # IEEE dot products, head dims below 16
+    (90, "bfloat16", (9, 10), 4, 0, (4, 8), False, False),  # LMSA, no extra keys
+    (80, "bfloat16", (56, 56), 8, 64, (64, 64), False, True),  # an A100
+    (80, "float32", (28, 28), 4, 16, (64, 64), False, False),
+]
 # Geometries of the kernel's own: a CvT stage-1 block of 64 queries, a block wider than a program's 64 queries (its
 # rows in turn), a map smaller than one window, w = 16 with the bias table and partial blocks.
 RECTANGLE_CASES = [
@@ -188,3 +231,24 @@ def test_operator_names_what_it_lacks(monkeypatch):
     monkeypatch.setattr(window_kernel_2d, "triton", None)
     with pytest.raises(RuntimeError, match="needs Triton.*window_kernel_devices empty"):
         window_attention_2d(*args)
+
+
+@pytest.mark.compiled
+def test_triton_compiles_the_kernel_for_gpus(tmp_path):
+    """Triton's compiler builds the kernel's cubin for Hopper (the H100 and H200 of the GPU checks) and Ampere in the
+    dtypes and shapes the models meet (``GPU_CASES``), on this machine, GPU or not: what the interpreter, which runs the
+    kernel's Python, does not check (types across the loop's branches, the dot products' shapes and dtypes). In a
+    process without ``TRITON_INTERPRET``, so that Triton compiles."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, json.dumps(GPU_CASES)],
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env | {"TRITON_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sizes = [int(line) for line in done.stdout.split()]
+    assert len(sizes) == len(GPU_CASES) and min(sizes) > 0
