@@ -108,7 +108,8 @@ def _window_attention_2d_kernel(
     num_heads, map_h, map_w, num_extra, rects_per_row, programs, qk_scale, STEPS: tl.constexpr,
     WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr,
     HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     """One program per (image x head, rectangle), the grid flat (no axis limit of 65,535), neighbouring rectangles
     next to each other (they share keys in the cache); scores in base 2 (``qk_scale`` holds log2(e)). ``STEPS``: the
@@ -168,19 +169,13 @@ def _window_attention_2d_kernel(
             seen = k_ok[None, :] & (lane >= 0)[:, None]
             bias = tl.zeros([BLOCK_Q, BLOCK_K], ACC)
         k = tl.load(k_ptr, mask=k_ok[:, None] & (d_qk < HEAD_QK)[None, :], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC)
-        else:
-            scores = tl.dot(q, tl.trans(k)).to(ACC)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC)
         scores = tl.where(seen, scores * qk_scale + bias, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         scale = tl.exp2(m - m_new)
         v = tl.load(v_ptr, mask=k_ok[:, None] & (d_v < HEAD_V)[None, :], other=0.0)
-        if IEEE:
-            acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
-        else:
-            acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v).to(ACC)
+        acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC)
         total = total * scale + tl.sum(p, 1)
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -196,7 +191,8 @@ def kernel_constants(
 ) -> dict:
     """The kernel's compile-time constants for a launch of ``geometry`` (``launch_geometry``): the window, the query
     and value head dims and their blocks (at least 16, a power of 2), the bias table's presence and the precision
-    (IEEE dot products and their accumulators in float64 for float64, IEEE in float32 for float32)."""
+    (IEEE dot products for float32 and float64, whose accumulators are float64; Triton's default, TF32, which only
+    float32 inputs would feel, for the half-precision dtypes)."""
     d_qk, d_v = head_dims
     return {
         "STEPS": geometry.steps,
@@ -211,7 +207,7 @@ def kernel_constants(
         "BLOCK_Q": geometry.block_q,
         "BLOCK_K": KEY_BLOCK,
         "HAS_BIAS": bias,
-        "IEEE": dtype in (torch.float32, torch.float64),
+        "DOT_PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
         "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
     }
 
