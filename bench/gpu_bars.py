@@ -582,9 +582,9 @@ def vision_settings(plan: Plan) -> list[Setting]:
 def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record) -> None:
     dtype = DTYPES[plan.dtype]
     models = {}
-    for name in peers:  # a name ending in a variant's suffix: its model run that way (bench_vision.build_peer)
-        model = plan.vision_models[bench_vision.split_variant(name)[0]]
-        models[name] = bench_vision.build_peer(name, resolution, model).to(plan.device, dtype)
+    variants = {name: bench_vision.split_variant(name) for name in peers}  # e.g. cvt_ls_13-eager: cvt_ls_13, -eager
+    for name, (model, _) in variants.items():  # built in its variant's way (bench_vision.build_peer)
+        models[name] = bench_vision.build_peer(name, resolution, plan.vision_models[model]).to(plan.device, dtype)
     images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
     steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
     for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
@@ -594,8 +594,8 @@ def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record)
             name,
             result
             | {
-                "model": plan.vision_models[bench_vision.split_variant(name)[0]],
-                "variant": bench_vision.split_variant(name)[1] or None,
+                "model": plan.vision_models[variants[name][0]],
+                "variant": variants[name][1] or None,
                 "resolution": resolution,
                 "batch": plan.image_batch,
             },

@@ -589,8 +589,8 @@ class LongShortAttention2d(nn.Module):
 
         The fused path (``_backend``) makes one FlexAttention call, or one window kernel call; otherwise maps of at
         most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout,
-        larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the extra rows [projected rows;
-        global tokens].
+        larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the
+        extra rows [projected rows; global tokens].
         """
         backend = self._backend(x)
         if self.attn_implementation == "flex_attention":

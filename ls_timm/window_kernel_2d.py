@@ -232,8 +232,8 @@ def window_attention_2d(
     bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
     if not has_window_kernel():
         raise RuntimeError(
-            "window_attention_2d needs Triton, which this torch build lacks (CUDA builds of torch on Linux install it); "
-            "leave LongShortAttention2d.window_kernel_devices empty to use FlexAttention or the SDPA layouts."
+            "window_attention_2d needs Triton, which this torch build lacks (CUDA builds of torch on Linux install "
+            "it); leave LongShortAttention2d.window_kernel_devices empty to use FlexAttention or the SDPA layouts."
         )
     if q.device.type == "cpu" and not isinstance(_window_attention_2d_kernel, InterpretedFunction):
         raise RuntimeError(
