@@ -71,8 +71,10 @@ def _most_keys_per_axis(length: int, rectangle: int, window: int) -> int:
     )
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _dot_block(n: int) -> int:
+    """The block that holds ``n`` rows or columns of a dot product: the least power of 2 >= n, at least 16 (the least
+    dimension of Triton's ``tl.dot``)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 class LaunchGeometry(NamedTuple):
@@ -94,7 +96,7 @@ def launch_geometry(feat_size: tuple[int, int], window: int, extra: int) -> Laun
     window_keys = _most_keys_per_axis(H, rect_h, window) * _most_keys_per_axis(W, rect_w, window)
     return LaunchGeometry(
         (rect_h, rect_w),
-        max(16, _next_power_of_2(rect_h * rect_w)),
+        _dot_block(rect_h * rect_w),
         rects_per_row,
         -(-H // rect_h) * rects_per_row,
         -(-window_keys // KEY_BLOCK) - (-extra // KEY_BLOCK),
@@ -202,8 +204,8 @@ def kernel_constants(
         "RECT_W": geometry.rectangle[1],
         "HEAD_QK": d_qk,
         "HEAD_V": d_v,
-        "BLOCK_QK": max(16, _next_power_of_2(d_qk)),
-        "BLOCK_V": max(16, _next_power_of_2(d_v)),
+        "BLOCK_QK": _dot_block(d_qk),
+        "BLOCK_V": _dot_block(d_v),
         "BLOCK_Q": geometry.block_q,
         "BLOCK_K": KEY_BLOCK,
         "HAS_BIAS": bias,
