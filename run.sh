@@ -8,8 +8,8 @@
 #                      default bench/results/); 'bench' runs bench.gpu_bars, the GPU targets within its 270 s budget
 #                      (one table with each ratio and whether it is met; JSON in bench/results/ and in
 #                      GPU_CHECK_LOG_DIR); 'profile' runs bench.profile_attention (where the time goes: the 1-D layer
-#                      and cvt_ls_13, at most 2 minutes each, into GPU_CHECK_LOG_DIR); without a part, all three in
-#                      turn; 'tests <dtype>' one precision. It first says which declared dependencies the environment
+#                      and cvt_ls_13's inference and training, at most 100 s each, into GPU_CHECK_LOG_DIR); without a
+#                      part, all three in turn; 'tests <dtype>' one precision. It first says which declared dependencies the environment
 #                      (VENV, default .venv) lacks, and refuses when the check needs one. Without a GPU it says so and
 #                      exits 0
 set -euo pipefail
@@ -97,13 +97,16 @@ case "${1:-}" in
         fi
         if [ "$part" = all ] || [ "$part" = profile ]; then
             # where the time goes: the attention layer at 4k tokens, batch 8, beside the window's kernel; cvt_ls_13
-            # beside Transformers' CvT-13 at 224, batch 32, each stage's attention layers timed
-            profiles=("attention --n 4096 --batch 8" "vision --vision cvt_ls_13 cvt_ls_13-triton hf_cvt_13 --resolution 224 --batch 32")
+            # beside Transformers' CvT-13 at 224, batch 32, each stage's attention layers timed; its training steps on
+            # FlexAttention and on the Triton window kernels
+            profiles=("attention --n 4096 --batch 8"
+                "vision --vision cvt_ls_13 cvt_ls_13-triton hf_cvt_13 --resolution 224 --batch 32"
+                "vision-train --vision cvt_ls_13 cvt_ls_13-triton --train --resolution 224 --batch 32")
             for profile in "${profiles[@]}"; do  # a name, then bench.profile_attention's arguments
                 name="${profile%% *}"
-                echo "run.sh gpu-check: profiling $name (at most 2 minutes): $log_dir/profile_${name}_cuda.txt"
+                echo "run.sh gpu-check: profiling $name (at most 100 s): $log_dir/profile_${name}_cuda.txt"
                 # shellcheck disable=SC2086
-                timeout 120 "$VENV/bin/python" -m bench.profile_attention ${profile#* } \
+                timeout 100 "$VENV/bin/python" -m bench.profile_attention ${profile#* } \
                     --out "$log_dir/profile_${name}_cuda.txt" > "$log_dir/profile_$name.log" 2>&1 \
                     || { echo "run.sh gpu-check: the $name profile did not finish (see its log)"; status=1; }
             done

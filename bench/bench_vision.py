@@ -96,7 +96,7 @@ def split_variant(peer: str) -> tuple[str, str]:
 
 
 def build_peer(peer: str, resolution: int, model: str | None = None) -> torch.nn.Module:
-    """``build`` of a peer's model in its variant (``split_variant``), for inference; ``model``: the model built under
+    """``build`` of a peer's model in its variant (``split_variant``), in eval mode; ``model``: the model built under
     the peer's name (a smaller one standing in, say)."""
     name, variant = split_variant(peer)
     net = build(model or name, resolution, **({"attn_implementation": "eager"} if variant == "-eager" else {}))

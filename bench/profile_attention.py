@@ -8,16 +8,18 @@ there), with the operators that take the most device time listed per peer.
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --peers long-short long-short-kernel
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
     python -m bench.profile_attention --vision cvt_ls_13 cvt_ls_13-kernel hf_cvt_13 --resolution 224 --batch 32
+    python -m bench.profile_attention --vision cvt_ls_13 cvt_ls_13-triton --train --resolution 224 --batch 32
 
 Prints each peer's table (the operators by self device time, or by self CPU time on the CPU) and its operator calls,
 device kernels and compiled graphs run per step, and writes them to ``bench/results/profile_attention_<device>.txt``
 (``--out``: another file). ``--cpu-as-cuda``: the CPU takes CUDA's choices (the fused path, its compiled kernel and
 the layer compiled around it), forward only (FlexAttention has no backward on the CPU); it counts what compiling the
 layer removes.
-``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s); ``cvt_ls_13-kernel`` is
-``cvt_ls_13`` with its Long-Short layers' ``compile_attention=False`` (the kernel alone compiled), ``cvt_ls_13-triton``
-its inference on the Triton window kernel instead of FlexAttention. Below each table, the time of the attention layers
-of each input shape (each stage), their kernels included.
+``--vision``: instead, inference of whole vision models (``bench.bench_vision``'s), or with ``--train`` training steps
+(forward and backward of the cross-entropy loss); ``cvt_ls_13-kernel`` is ``cvt_ls_13`` with its Long-Short layers'
+``compile_attention=False`` (the kernel alone compiled), ``cvt_ls_13-triton`` it on the Triton window kernels instead
+of FlexAttention. Below each table, the time of the attention layers of each input shape (each stage), their kernels
+included (in training, their forward passes).
 
 ``--saved``: instead, what one forward pass keeps for the backward pass, the distinct storages autograd saves (the
 parameters and the input left out), in units of one (n, hidden) tensor, with their shapes: the part of training's
@@ -133,15 +135,29 @@ def profile_peer(
 
 
 def profile_vision(
-    peer: str, resolution: int, batch: int, device: str, dtype: torch.dtype, warmups: int, steps: int, rows: int
+    peer: str,
+    resolution: int,
+    batch: int,
+    device: str,
+    dtype: torch.dtype,
+    warmups: int,
+    steps: int,
+    rows: int,
+    train: bool = False,
 ) -> str:
-    """``profile_peer`` for inference of a ``bench.bench_vision`` model (random weights) on ``batch`` images of
-    ``resolution``; a peer name ending in one of ``bench_vision.VARIANTS`` builds that variant (``-kernel``: its
-    Long-Short layers with ``compile_attention=False``; ``-triton``: their inference on the Triton window kernel)."""
-    model = bench_vision.build_peer(peer, resolution).to(device=device, dtype=dtype)
+    """``profile_peer`` for inference (``train``: a training step, forward and backward of the cross-entropy loss)
+    of a ``bench.bench_vision`` model (random weights) on ``batch`` images of ``resolution``; a peer name ending in
+    one of ``bench_vision.VARIANTS`` builds that variant (``-kernel``: its Long-Short layers with
+    ``compile_attention=False``; ``-triton``: on the Triton window kernels)."""
+    model = bench_vision.build_peer(peer, resolution).to(device=device, dtype=dtype).train(train)
     images = torch.randn(batch, 3, resolution, resolution, device=device, dtype=dtype)
+    labels = torch.zeros(batch, dtype=torch.long, device=device)
 
     def step():
+        if train:
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(bench_vision.logits(model, images), labels).backward()
+            return
         with torch.no_grad():
             bench_vision.logits(model, images)
 
@@ -228,11 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=None,
         help="instead of the attention peers, inference of these bench.bench_vision models (a name ending in -kernel: "
-        "compile_attention=False; in -triton: the Triton window kernel), at --resolution and --batch",
+        "compile_attention=False; in -triton: the Triton window kernels), at --resolution and --batch",
     )
     parser.add_argument("--resolution", type=int, default=224)
+    parser.add_argument("--train", action="store_true", help="--vision: training steps (forward + backward)")
     parser.add_argument("--batch", type=int, default=None, help="sequences or images (default 1; --vision: 32)")
     args = parser.parse_args(argv)
+    if args.train and not args.vision:
+        parser.error("--train profiles vision models' training steps; it needs --vision (the attention peers train)")
     if args.vision and args.saved:
         parser.error("--saved counts the attention peers' training memory; it does not take --vision")
     if args.cpu_as_cuda and args.device != "cpu":
@@ -254,10 +273,19 @@ def main(argv: list[str] | None = None) -> None:
     report = [f"{meta}\n"]
     for peer in args.vision or ():
         table = profile_vision(
-            peer, args.resolution, args.batch, args.device, DTYPES[args.dtype], args.warmups, args.steps, args.rows
+            peer,
+            args.resolution,
+            args.batch,
+            args.device,
+            DTYPES[args.dtype],
+            args.warmups,
+            args.steps,
+            args.rows,
+            train=args.train,
         )
+        kind = "training (forward + backward)" if args.train else "forward"
         report.append(
-            f"== {peer}, {args.resolution} x {args.resolution}, batch {args.batch}, {args.steps} forward steps\n{table}"
+            f"== {peer}, {args.resolution} x {args.resolution}, batch {args.batch}, {args.steps} {kind} steps\n{table}"
         )
         print(report[-1], flush=True)
     for peer in () if args.vision else args.peers:

@@ -34,10 +34,10 @@ block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks
 extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled on CUDA with
 static shapes (code specialised to each map and batch size, its index arithmetic constant), and a compile boundary.
 There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output projection) is compiled around it
-too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``. In inference on the devices of
-``window_kernel_devices`` (none by default) the fused path runs the Triton window kernel instead
-(``_attend_window_kernel``, ``window_kernel_2d``): the patches read in raster order, no tile order and no block mask,
-an operator of the compiled layer's graph.
+too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``. On the devices of
+``window_kernel_devices`` (none by default) the fused path runs the Triton window kernels instead
+(``_attend_window_kernel``, ``window_kernel_2d``, forward and backward): the patches read in raster order, no tile
+order and no block mask, operators of the compiled layer's graph.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -71,7 +71,7 @@ from .long_short_blocks_2d import (
     tile_slots,
     to_tile_order,
 )
-from .window_kernel_2d import has_window_kernel, window_attention_2d
+from .window_kernel_2d import bias_table_rows, has_window_kernel, window_attention_2d
 
 __all__ = [
     "LongShortAttention2d",
@@ -273,9 +273,9 @@ class LongShortAttention2d(nn.Module):
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
     chunk_bytes: int = 4 << 20
     accelerator_chunk_bytes: int = 1 << 30
-    # Where inference on the fused path (autograd off) runs the Triton window kernel (``window_kernel_2d``: the patches
-    # read in raster order, no tile order, no block mask) instead of FlexAttention: nowhere by default, as it is not yet
-    # measured on a GPU; ("cuda",), for the class or one module, turns it on there.
+    # Where the fused path runs the Triton window kernels (``window_kernel_2d``: the patches read in raster order, no
+    # tile order, no block mask; forward and backward) instead of FlexAttention: nowhere by default, as they are not
+    # yet measured on a GPU; ("cuda",), for the class or one module, turns them on there.
     window_kernel_devices: tuple[str, ...] = ()
 
     def __init__(
@@ -353,8 +353,7 @@ class LongShortAttention2d(nn.Module):
         if window_bias:
             if window_size < 2:
                 raise ValueError(f"window_bias needs window_size >= 2 (the official table), got {window_size}.")
-            pad = window_size // 2
-            rows = 2 * (window_size + pad - 1) * (2 * pad + window_size + 1) + 1
+            rows = bias_table_rows(window_size)
             self.relative_position_bias_table = nn.Parameter(torch.zeros(rows, num_heads, **dd))
         else:
             self.relative_position_bias_table = None
@@ -512,7 +511,7 @@ class LongShortAttention2d(nn.Module):
     ) -> Tensor:
         """``_attend_blocked`` (same arguments) in one call of the Triton window kernel (``window_attention_2d``): the
         patches read in raster order, each query's window and the extra keys in one softmax, the ViL-LS window bias
-        added to the patch keys' scores. Forward only."""
+        added to the patch keys' scores; its backward pass in one call of the backward kernel."""
         return window_attention_2d(
             q,
             keys[0],
@@ -529,14 +528,14 @@ class LongShortAttention2d(nn.Module):
     def _backend(self, x: Tensor) -> str:
         """The attention this call runs: ``"flex"``, the fused path (``_attend_flex``), with ``"flex_attention"``, and
         with ``"sdpa"`` where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout);
-        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices`` with autograd off
-        (inference); else ``"sdpa"``, the strip or blocked layouts."""
+        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices``; else ``"sdpa"``,
+        the strip or blocked layouts."""
         if self.attn_implementation == "flex_attention":
             return "flex"
         dropout = self.training and self.attn_drop > 0
         if self.attn_implementation != "sdpa" or not long_short_attention.fused_by_default(x, dropout=dropout):
             return "sdpa"
-        if x.device.type in self.window_kernel_devices and not torch.is_grad_enabled() and has_window_kernel():
+        if x.device.type in self.window_kernel_devices and has_window_kernel():
             return "window_kernel"
         return "flex"
 

@@ -1,5 +1,5 @@
-"""The 2-D Long-Short attention of inference (Zhu et al., "Long-Short Transformer", NeurIPS 2021, Sec. 3.2-3.3, 4.3,
-Eq. 6) in one Triton kernel that reads the patches where the layer wrote them, in raster order.
+"""The 2-D Long-Short attention (Zhu et al., "Long-Short Transformer", NeurIPS 2021, Sec. 3.2-3.3, 4.3, Eq. 6) in
+Triton kernels that read the patches where the layer wrote them, in raster order: a forward kernel and its backward.
 
 Each program takes a rectangle of the map's queries (``query_rectangle``: whole w x w query blocks, or rows of one)
 for one image and head, and runs one online softmax over the keys of the rectangle's windows, read straight from
@@ -8,9 +8,15 @@ tokens) that every query sees. A key is seen where the window rule (``window_bou
 ViL-LS bias, its table row (``_vil_bias_row``) is added to the score. No tile order, no gathered copies, no
 block mask: the work is the rectangle's windows and the extra keys.
 
-Forward only (inference: ``LongShortAttention2d`` calls it where autograd records nothing). Triton compiles it for
-CUDA; with ``TRITON_INTERPRET=1`` set before Triton is imported it runs in Triton's interpreter, on the CPU too, which
-is how the tests check it against the SDPA layouts. This file imports nothing from Transformers or timm.
+The backward kernel runs the same programs over the same keys (FlashAttention-2's backward pass, from the forward's
+log-sum-exp per query): a program writes its queries' gradient and adds its share of the keys', values' and bias
+table's gradients with atomic additions (float32; float64 for float64), as a key is seen by the queries of several
+rectangles. ``window_attention_2d`` is differentiable (``torch.library`` custom operators with an autograd formula and
+fake implementations, so a compiled graph holds them as operators of its own).
+
+Triton compiles the kernels for CUDA; with ``TRITON_INTERPRET=1`` set before Triton is imported they run in Triton's
+interpreter, on the CPU too, which is how the tests check them against the SDPA layouts. This file imports nothing
+from Transformers or timm.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ try:
     import triton
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernel is not available
+except ImportError:  # torch builds without Triton (macOS, CPU-only wheels): the kernels are not available
     triton = tl = InterpretedFunction = None
 
 __all__ = [
     "LaunchGeometry",
+    "bias_table_rows",
     "has_window_kernel",
     "kernel_constants",
     "launch_geometry",
@@ -42,6 +49,7 @@ __all__ = [
 # Queries a program takes at most (its rectangle of the map), and keys per step of its loop.
 RECTANGLE_QUERIES = 64
 KEY_BLOCK = 64
+LOG2_E = math.log2(math.e)
 
 
 def has_window_kernel() -> bool:
@@ -78,15 +86,21 @@ def _dot_block(n: int) -> int:
 
 
 class LaunchGeometry(NamedTuple):
-    """How the kernel covers an (H, W) map: programs of ``rectangle`` queries (``query_rectangle``), ``block_q`` lanes
-    each, ``rects_per_row`` across the map, ``programs`` per image and head, each running ``steps`` blocks of
-    ``KEY_BLOCK`` keys (the most any rectangle's window needs, then the extra keys')."""
+    """How the kernels cover an (H, W) map: programs of ``rectangle`` queries (``query_rectangle``), ``block_q`` lanes
+    each, ``rects_per_row`` across the map, ``programs`` per image and head, each running ``window_steps`` blocks of
+    ``KEY_BLOCK`` patch keys (the most any rectangle's window needs) and ``extra_steps`` of extra keys."""
 
     rectangle: tuple[int, int]
     block_q: int
     rects_per_row: int
     programs: int
-    steps: int
+    window_steps: int
+    extra_steps: int
+
+    @property
+    def steps(self) -> int:
+        """Key blocks a program runs: its window's, then the extra keys'."""
+        return self.window_steps + self.extra_steps
 
 
 def launch_geometry(feat_size: tuple[int, int], window: int, extra: int) -> LaunchGeometry:
@@ -99,105 +113,262 @@ def launch_geometry(feat_size: tuple[int, int], window: int, extra: int) -> Laun
         _dot_block(rect_h * rect_w),
         rects_per_row,
         -(-H // rect_h) * rects_per_row,
-        -(-window_keys // KEY_BLOCK) - (-extra // KEY_BLOCK),
+        -(-window_keys // KEY_BLOCK),
+        -(-extra // KEY_BLOCK),
     )
 
 
-@(triton.jit if triton is not None else lambda fn: fn)
-def _window_attention_2d_kernel(
-    Q, K, V, ExtraK, ExtraV, Table, Out,
-    q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row, out_batch, out_row,
-    num_heads, map_h, map_w, num_extra, rects_per_row, programs, qk_scale, STEPS: tl.constexpr,
-    WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr,
-    HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+def _jit(fn):
+    """``triton.jit`` where Triton is installed (the functions are never called without it)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _rectangle(
+    num_heads, map_h, map_w, rects_per_row, programs,
+    WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program per (image x head, rectangle), the grid flat (no axis limit of 65,535), neighbouring rectangles
-    next to each other (they share keys in the cache); scores in base 2 (``qk_scale`` holds log2(e)). ``STEPS``: the
-    most key blocks a program visits (its window's, then the extra keys'); a program whose window holds fewer runs its
-    last steps on no key (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
+    """The program's image and head, its rectangle's queries (map row and column per lane, whether inside the map),
+    each query's window start on each axis ([lo, lo + w + 2e), ``window_bounds``), and the region of patch keys the
+    rectangle's windows span in the map: its top row, left column, rows up to ``key_bottom``, ``region_w`` columns,
+    ``window_steps`` blocks of keys. One program per (image x head, rectangle), the grid flat (no axis limit of
+    65,535), neighbouring rectangles next to each other (they share keys in the cache)."""
     rect, image_head = tl.program_id(0) % programs, tl.program_id(0) // programs
     image, head = image_head // num_heads, image_head % num_heads
     top, left = rect // rects_per_row * RECT_H, rect % rects_per_row * RECT_W
     lane = tl.arange(0, BLOCK_Q)
     qy, qx = top + lane // RECT_W, left + lane % RECT_W
     q_ok = (lane < RECT_H * RECT_W) & (qy < map_h) & (qx < map_w)
-    # each query's window, [lo, lo + w + 2e) on each axis (window_bounds), and the rectangle's: their union in the map
     y_lo, x_lo = qy // WINDOW * WINDOW - EXTENT, qx // WINDOW * WINDOW - EXTENT
     key_top, key_left = tl.maximum(top // WINDOW * WINDOW - EXTENT, 0), tl.maximum(left // WINDOW * WINDOW - EXTENT, 0)
     last_y, last_x = tl.minimum(top + RECT_H, map_h) - 1, tl.minimum(left + RECT_W, map_w) - 1
     key_bottom = tl.minimum(last_y // WINDOW * WINDOW + WINDOW + EXTENT, map_h)
     region_w = tl.minimum(last_x // WINDOW * WINDOW + WINDOW + EXTENT, map_w) - key_left
     window_steps = tl.cdiv((key_bottom - key_top) * region_w, BLOCK_K)
+    return image.to(tl.int64), head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps
 
-    d_qk, d_v, k_lane = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V), tl.arange(0, BLOCK_K)
-    image = image.to(tl.int64)
-    q_rows = (qy * map_w + qx).to(tl.int64)
-    q = tl.load(
-        Q + image * q_batch + q_rows[:, None] * q_row + head * HEAD_QK + d_qk[None, :],
-        mask=q_ok[:, None] & (d_qk < HEAD_QK)[None, :],
-        other=0.0,
+
+@_jit
+def _window_keys(
+    step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w,
+    WINDOW: tl.constexpr, EXTENT: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Block ``step`` of the region's patch keys, row by row: their rows in raster order, which exist, which each
+    query sees (the window rule) and each (query, key)'s ViL-LS bias row (``_vil_bias_row`` of the query-minus-key
+    offsets; EXTENT = w // 2 where the table exists)."""
+    j = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    ky, kx = key_top + j // region_w, key_left + j % region_w
+    k_ok = j < (key_bottom - key_top) * region_w
+    seen = (
+        (q_ok[:, None] & k_ok[None, :])
+        & (ky[None, :] >= y_lo[:, None])
+        & (ky[None, :] < y_lo[:, None] + WINDOW + 2 * EXTENT)
+        & (kx[None, :] >= x_lo[:, None])
+        & (kx[None, :] < x_lo[:, None] + WINDOW + 2 * EXTENT)
     )
+    bias_row = (qy[:, None] - ky[None, :] + EXTENT + WINDOW - 1) * (2 * EXTENT + WINDOW) + (
+        qx[:, None] - kx[None, :] + EXTENT + WINDOW - 1
+    )
+    return ky * map_w + kx, k_ok, seen, bias_row
+
+
+@_jit
+def _extra_keys(step, q_ok, num_extra, BLOCK_K: tl.constexpr):
+    """Block ``step`` of the extra keys, which every query sees: their rows, which exist, which each query sees."""
+    j = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = j < num_extra
+    return j, k_ok, q_ok[:, None] & k_ok[None, :]
+
+
+@_jit
+def _tile(Base, image, batch, rows, row, head, ok, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Pointers to one head's ``HEAD`` columns (``BLOCK`` lanes) of ``rows`` of one image, and which exist."""
+    d = tl.arange(0, BLOCK)
+    return Base + image * batch + rows[:, None] * row + head * HEAD + d[None, :], ok[:, None] & (d < HEAD)[None, :]
+
+
+@_jit
+def _load(Base, image, batch, rows, row, head, ok, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One head's columns of ``rows`` of one image (``_tile``), zeros where none are."""
+    pointers, exist = _tile(Base, image, batch, rows, row, head, ok, HEAD, BLOCK)
+    return tl.load(pointers, mask=exist, other=0.0)
+
+
+@_jit
+def _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """The ViL-LS window bias of each seen (query, key) from its table row, or 0 without the table."""
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(Table + bias_row * num_heads + head, mask=seen, other=0.0).to(ACC)
+    return bias
+
+
+@_jit
+def _scores(q, k, seen, bias, sm_scale, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """The queries' scores against a key block in base 2 (``q k^T / sqrt(d) + bias``, times log2(e)), -inf where
+    unseen."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC) * sm_scale + bias
+    return tl.where(seen, scores * 1.4426950408889634, float("-inf"))
+
+
+@_jit
+def _softmax_step(scores, v, m, total, acc, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """One key block of the online softmax: the running maximum, sum of exponentials and weighted values."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    scale = tl.exp2(m - m_new)
+    acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC)
+    return m_new, total * scale + tl.sum(p, 1), acc
+
+
+@_jit
+def _window_attention_2d_kernel(
+    Q, K, V, ExtraK, ExtraV, Table, Out, Lse,
+    q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row,
+    num_heads, map_h, map_w, num_extra, rects_per_row, programs, sm_scale,
+    WINDOW_STEPS: tl.constexpr, EXTRA_STEPS: tl.constexpr, WINDOW: tl.constexpr, EXTENT: tl.constexpr,
+    RECT_H: tl.constexpr, RECT_W: tl.constexpr, HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The forward pass: each query's output (``Out``, contiguous) and log-sum-exp of its scores in base 2 (``Lse``,
+    (B, HW, heads)). ``WINDOW_STEPS``: the most key blocks a rectangle's window needs; a program whose window holds
+    fewer skips its last steps (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
+    image, head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps = _rectangle(
+        num_heads, map_h, map_w, rects_per_row, programs, WINDOW, EXTENT, RECT_H, RECT_W, BLOCK_Q, BLOCK_K
+    )
+    q_rows = qy * map_w + qx
+    q = _load(Q, image, q_batch, q_rows, q_row, head, q_ok, HEAD_QK, BLOCK_QK)
     m = tl.full([BLOCK_Q], -1.0e30, ACC)  # finite: a row that has seen nothing yet keeps exp2(m - m_new) = 1
     total = tl.zeros([BLOCK_Q], ACC)
     acc = tl.zeros([BLOCK_Q, BLOCK_V], ACC)
-    for step in range(STEPS):
-        if step < window_steps:  # patch keys of the region, row by row
-            j = step * BLOCK_K + k_lane
-            ky, kx = key_top + j // region_w, key_left + j % region_w
-            k_ok = j < (key_bottom - key_top) * region_w
-            rows = (ky * map_w + kx).to(tl.int64)
-            k_ptr = K + image * k_batch + rows[:, None] * k_row + head * HEAD_QK + d_qk[None, :]
-            v_ptr = V + image * v_batch + rows[:, None] * v_row + head * HEAD_V + d_v[None, :]
-            seen = (
-                k_ok[None, :]
-                & (ky[None, :] >= y_lo[:, None])
-                & (ky[None, :] < y_lo[:, None] + WINDOW + 2 * EXTENT)
-                & (kx[None, :] >= x_lo[:, None])
-                & (kx[None, :] < x_lo[:, None] + WINDOW + 2 * EXTENT)
+    for step in range(WINDOW_STEPS):
+        if step < window_steps:
+            rows, k_ok, seen, bias_row = _window_keys(
+                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, WINDOW, EXTENT, BLOCK_K
             )
-            bias = tl.zeros([BLOCK_Q, BLOCK_K], ACC)
-            if HAS_BIAS:  # _vil_bias_row of the query-minus-key offsets (EXTENT = w // 2 where the table exists)
-                row = (qy[:, None] - ky[None, :] + EXTENT + WINDOW - 1) * (2 * EXTENT + WINDOW) + (
-                    qx[:, None] - kx[None, :] + EXTENT + WINDOW - 1
-                )
-                bias = tl.load(Table + row * num_heads + head, mask=seen, other=0.0).to(ACC) * 1.4426950408889634
-        else:  # the extra keys, which every query sees (none past them)
-            j = (step - window_steps) * BLOCK_K + k_lane
-            k_ok = j < num_extra
-            k_ptr = ExtraK + image * xk_batch + j[:, None] * xk_row + head * HEAD_QK + d_qk[None, :]
-            v_ptr = ExtraV + image * xv_batch + j[:, None] * xv_row + head * HEAD_V + d_v[None, :]
-            seen = k_ok[None, :] & (lane >= 0)[:, None]
-            bias = tl.zeros([BLOCK_Q, BLOCK_K], ACC)
-        k = tl.load(k_ptr, mask=k_ok[:, None] & (d_qk < HEAD_QK)[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC)
-        scores = tl.where(seen, scores * qk_scale + bias, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        scale = tl.exp2(m - m_new)
-        v = tl.load(v_ptr, mask=k_ok[:, None] & (d_v < HEAD_V)[None, :], other=0.0)
-        acc = acc * scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC)
-        total = total * scale + tl.sum(p, 1)
-        m = m_new
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(
-        Out + image * out_batch + q_rows[:, None] * out_row + head * HEAD_V + d_v[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=q_ok[:, None] & (d_v < HEAD_V)[None, :],
+            k = _load(K, image, k_batch, rows, k_row, head, k_ok, HEAD_QK, BLOCK_QK)
+            bias = _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS, ACC)
+            scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
+            v = _load(V, image, v_batch, rows, v_row, head, k_ok, HEAD_V, BLOCK_V)
+            m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
+    for step in range(EXTRA_STEPS):
+        rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
+        k = _load(ExtraK, image, xk_batch, rows, xk_row, head, k_ok, HEAD_QK, BLOCK_QK)
+        scores = _scores(q, k, seen, 0.0, sm_scale, DOT_PRECISION, ACC)
+        v = _load(ExtraV, image, xv_batch, rows, xv_row, head, k_ok, HEAD_V, BLOCK_V)
+        m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
+    out_row = num_heads * HEAD_V
+    pointers, exist = _tile(Out, image, map_h * map_w * out_row, q_rows, out_row, head, q_ok, HEAD_V, BLOCK_V)
+    tl.store(pointers, (acc / tl.where(total > 0, total, 1.0)[:, None]).to(Out.dtype.element_ty), mask=exist)
+    lse = m + tl.log2(tl.where(total > 0, total, 1.0))
+    tl.store(Lse + (image * map_h * map_w + q_rows) * num_heads + head, lse, mask=q_ok)
+
+
+@_jit
+def _key_gradients(
+    GradK, GradV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, keys, num_heads,
+    HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Adds a key block's share of its gradients from the program's queries to ``GradK`` and ``GradV`` (contiguous
+    (B, keys, heads * d)): ``dS^T q / sqrt(d)`` and ``P^T dO``."""
+    grad_k = tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=DOT_PRECISION) * sm_scale
+    pointers, exist = _tile(
+        GradK, image, keys * num_heads * HEAD_QK, rows, num_heads * HEAD_QK, head, k_ok, HEAD_QK, BLOCK_QK
     )
+    tl.atomic_add(pointers, grad_k, mask=exist, sem="relaxed")
+    grad_v = tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out, input_precision=DOT_PRECISION)
+    pointers, exist = _tile(
+        GradV, image, keys * num_heads * HEAD_V, rows, num_heads * HEAD_V, head, k_ok, HEAD_V, BLOCK_V
+    )
+    tl.atomic_add(pointers, grad_v, mask=exist, sem="relaxed")
+
+
+@_jit
+def _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """The probabilities of a key block (from the forward's log-sum-exp) and the gradient of the natural scores,
+    ``dS = P * (dO v^T - delta)``, delta the row sums of ``dO * O``."""
+    p = tl.exp2(scores - lse[:, None])
+    grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION).to(ACC)
+    return p, p * (grad_p - delta[:, None])
+
+
+@_jit
+def _window_attention_2d_backward_kernel(
+    Q, K, V, ExtraK, ExtraV, Table, GradOut, Lse, Delta, GradQ, GradK, GradV, GradExtraK, GradExtraV, GradTable,
+    q_batch, q_row, k_batch, k_row, v_batch, v_row, xk_batch, xk_row, xv_batch, xv_row,
+    num_heads, map_h, map_w, num_extra, rects_per_row, programs, sm_scale,
+    WINDOW_STEPS: tl.constexpr, EXTRA_STEPS: tl.constexpr, WINDOW: tl.constexpr, EXTENT: tl.constexpr,
+    RECT_H: tl.constexpr, RECT_W: tl.constexpr, HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The backward pass over the forward's programs and keys: the queries' gradient (``GradQ``, written), and the
+    shares of the keys', values' (``GradK`` ... ``GradExtraV``) and bias table's gradients (``GradTable``), added.
+    ``GradOut``, ``GradQ`` and the added gradients contiguous; ``Lse`` and ``Delta`` (B, HW, heads)."""
+    image, head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps = _rectangle(
+        num_heads, map_h, map_w, rects_per_row, programs, WINDOW, EXTENT, RECT_H, RECT_W, BLOCK_Q, BLOCK_K
+    )
+    HW = map_h * map_w
+    q_rows = qy * map_w + qx
+    q = _load(Q, image, q_batch, q_rows, q_row, head, q_ok, HEAD_QK, BLOCK_QK)
+    out_row = num_heads * HEAD_V
+    grad_out = _load(GradOut, image, HW * out_row, q_rows, out_row, head, q_ok, HEAD_V, BLOCK_V)
+    lse = tl.load(Lse + (image * HW + q_rows) * num_heads + head, mask=q_ok, other=0.0)
+    delta = tl.load(Delta + (image * HW + q_rows) * num_heads + head, mask=q_ok, other=0.0)
+    grad_q = tl.zeros([BLOCK_Q, BLOCK_QK], ACC)
+    for step in range(WINDOW_STEPS):
+        if step < window_steps:
+            rows, k_ok, seen, bias_row = _window_keys(
+                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, WINDOW, EXTENT, BLOCK_K
+            )
+            k = _load(K, image, k_batch, rows, k_row, head, k_ok, HEAD_QK, BLOCK_QK)
+            bias = _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS, ACC)
+            scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
+            v = _load(V, image, v_batch, rows, v_row, head, k_ok, HEAD_V, BLOCK_V)
+            p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
+            grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
+            _key_gradients(
+                GradK, GradV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, HW, num_heads,
+                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION,
+            )  # fmt: skip
+            if HAS_BIAS:
+                tl.atomic_add(GradTable + bias_row * num_heads + head, grad_scores, mask=seen, sem="relaxed")
+    for step in range(EXTRA_STEPS):
+        rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
+        k = _load(ExtraK, image, xk_batch, rows, xk_row, head, k_ok, HEAD_QK, BLOCK_QK)
+        scores = _scores(q, k, seen, 0.0, sm_scale, DOT_PRECISION, ACC)
+        v = _load(ExtraV, image, xv_batch, rows, xv_row, head, k_ok, HEAD_V, BLOCK_V)
+        p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
+        grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
+        _key_gradients(
+            GradExtraK, GradExtraV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, num_extra,
+            num_heads, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION,
+        )  # fmt: skip
+    q_width = num_heads * HEAD_QK
+    pointers, exist = _tile(GradQ, image, HW * q_width, q_rows, q_width, head, q_ok, HEAD_QK, BLOCK_QK)
+    tl.store(pointers, (grad_q * sm_scale).to(GradQ.dtype.element_ty), mask=exist)
+
+
+# Warps per program of each kernel. Hopper builds (ptxas, bfloat16: cvt_ls_13's stages 1 and 3, vil_ls_medium's first)
+# at 4 and 8 warps: the forward kernel uses 168-232 registers a thread, spilling none for cvt_ls_13's first stage at 4
+# (56-136 bytes on the others); the backward kernel spills 180-480 bytes at 4 warps, 16-40 at 8.
+WARPS = {"_window_attention_2d_kernel": 4, "_window_attention_2d_backward_kernel": 8}
 
 
 def kernel_constants(
     geometry: LaunchGeometry, window: int, head_dims: tuple[int, int], dtype: torch.dtype, *, bias: bool
 ) -> dict:
-    """The kernel's compile-time constants for a launch of ``geometry`` (``launch_geometry``): the window, the query
-    and value head dims and their blocks (at least 16, a power of 2), the bias table's presence and the precision
-    (IEEE dot products for float32 and float64, whose accumulators are float64; Triton's default, TF32, which only
-    float32 inputs would feel, for the half-precision dtypes)."""
+    """The kernels' compile-time constants for a launch of ``geometry`` (``launch_geometry``): the key steps, the
+    window, the query and value head dims and their blocks (at least 16, a power of 2), the bias table's presence and
+    the precision (IEEE dot products for float32 and float64, whose accumulators are float64; Triton's default, TF32,
+    which only float32 inputs would feel, for the half-precision dtypes)."""
     d_qk, d_v = head_dims
     return {
-        "STEPS": geometry.steps,
+        "WINDOW_STEPS": geometry.window_steps,
+        "EXTRA_STEPS": geometry.extra_steps,
         "WINDOW": window,
         "EXTENT": window_extent(window),
         "RECT_H": geometry.rectangle[0],
@@ -214,24 +385,13 @@ def kernel_constants(
     }
 
 
-@torch.library.custom_op("transformer_ls::window_attention_2d", mutates_args=())
-def window_attention_2d(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    extra_k: Tensor,
-    extra_v: Tensor,
-    map_height: int,
-    map_width: int,
-    window: int,
-    num_heads: int,
-    bias_table: Tensor | None,
-) -> Tensor:
-    """Every patch query against its window's keys and the extra keys, in one softmax per query (Eq. 6).
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' accumulators, log-sum-exps and added gradients (``kernel_constants``' ``ACC``)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
-    extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
-    bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+
+def _check_runnable(q: Tensor) -> None:
+    """Raises where the kernels cannot run: a torch build without Triton, or CPU tensors outside the interpreter."""
     if not has_window_kernel():
         raise RuntimeError(
             "window_attention_2d needs Triton, which this torch build lacks (CUDA builds of torch on Linux install "
@@ -242,23 +402,173 @@ def window_attention_2d(
             "window_attention_2d got CPU tensors: its Triton kernel runs on the CPU only in Triton's interpreter; set "
             "TRITON_INTERPRET=1 before anything imports triton, or run it on CUDA."
         )
-    B, HW, qk_width = q.shape
+
+
+def _launch(kernel, q, k, v, extra_k, extra_v, bias_table, tensors, feat_size, window, num_heads) -> None:
+    """Runs ``kernel`` over the programs of an (H, W) map in its ``WARPS``: ``tensors`` its pointers between the bias
+    table and the strides, then the strides of q, k, v and the extra keys and values (their last dim contiguous), the
+    sizes and ``kernel_constants``."""
+    B, _, qk_width = q.shape
     d_qk, d_v = qk_width // num_heads, v.shape[-1] // num_heads
+    geometry = launch_geometry(feat_size, window, extra_k.shape[1])
+    kernel[(geometry.programs * B * num_heads,)](
+        q, k, v, extra_k, extra_v, q if bias_table is None else bias_table, *tensors,
+        *(stride for t in (q, k, v, extra_k, extra_v) for stride in t.stride()[:2]),
+        num_heads, *feat_size, extra_k.shape[1], geometry.rects_per_row, geometry.programs, d_qk**-0.5,
+        **kernel_constants(geometry, window, (d_qk, d_v), q.dtype, bias=bias_table is not None),
+        num_warps=WARPS[kernel.__name__],
+    )  # fmt: skip
+
+
+def bias_table_rows(window: int) -> int:
+    """Rows of the official ViL-LS window bias table (w >= 2): one per query-minus-key offset (dy, dx) of a window,
+    both in [-(w - 1 + e), w - 1 + e], at the row ``_vil_bias_row`` gives it (``2 (w + e - 1)(2e + w + 1) + 1``)."""
+    span = 2 * (window - 1 + window_extent(window))
+    return span * (2 * window_extent(window) + window) + span + 1
+
+
+def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
+    """The kernels' inputs: the extra keys and values in q's dtype, every last dim contiguous, the table contiguous.
+    Refused: images whose rows 32-bit offsets cannot address, a table of another shape than (``bias_table_rows``,
+    heads) (the kernels would read and write past it)."""
+    if max(t.shape[1] * t.stride(1) for t in (q, k, v, extra_k, extra_v)) >= 2**31:
+        raise ValueError(
+            "window_attention_2d addresses the rows of an image with 32-bit offsets, and an image of q, k, v or the "
+            f"extra keys spans 2**31 elements or more (shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}); "
+            "leave LongShortAttention2d.window_kernel_devices empty for such maps."
+        )
+    if bias_table is not None and bias_table.shape != (bias_table_rows(window), num_heads):
+        raise ValueError(
+            f"bias_table must have shape ({bias_table_rows(window)}, {num_heads}) for window={window} and "
+            f"num_heads={num_heads} (one row per query-minus-key offset), got {tuple(bias_table.shape)}."
+        )
     extra_k, extra_v = extra_k.to(q.dtype), extra_v.to(q.dtype)
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
+    return q, k, v, extra_k, extra_v, None if bias_table is None else bias_table.contiguous()
+
+
+@torch.library.custom_op("transformer_ls::window_attention_2d", mutates_args=())
+def _window_attention_2d_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra_k: Tensor,
+    extra_v: Tensor,
+    map_height: int,
+    map_width: int,
+    window: int,
+    num_heads: int,
+    bias_table: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``window_attention_2d``'s output, and each query's log-sum-exp of its scores in base 2 (B, HW, heads), which
+    the backward pass needs."""
+    _check_runnable(q)
+    B, HW, _ = q.shape
+    inputs = _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads)
     out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
-    geometry = launch_geometry((map_height, map_width), window, extra_k.shape[1])
-    _window_attention_2d_kernel[(geometry.programs * B * num_heads,)](
-        q, k, v, extra_k, extra_v, q if bias_table is None else bias_table.contiguous(), out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1), out.stride(0), out.stride(1),
-        num_heads, map_height, map_width, extra_k.shape[1], geometry.rects_per_row, geometry.programs,
-        d_qk**-0.5 * math.log2(math.e),
-        **kernel_constants(geometry, window, (d_qk, d_v), q.dtype, bias=bias_table is not None),
-    )  # fmt: skip
-    return out
+    lse = torch.empty(B, HW, num_heads, device=v.device, dtype=_accumulator_dtype(q.dtype))
+    _launch(_window_attention_2d_kernel, *inputs, (out, lse), (map_height, map_width), window, num_heads)
+    return out, lse
 
 
-@window_attention_2d.register_fake
+@_window_attention_2d_forward.register_fake
 def _(q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table):
-    return v.new_empty(*q.shape[:2], v.shape[-1])
+    B, HW, _ = q.shape
+    return v.new_empty(B, HW, v.shape[-1]), q.new_empty(B, HW, num_heads, dtype=_accumulator_dtype(q.dtype))
+
+
+@torch.library.custom_op("transformer_ls::window_attention_2d_backward", mutates_args=())
+def _window_attention_2d_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra_k: Tensor,
+    extra_v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    map_height: int,
+    map_width: int,
+    window: int,
+    num_heads: int,
+    bias_table: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of q, k, v, extra_k, extra_v and the bias table (an empty tensor without one), in their dtypes,
+    contiguous."""
+    _check_runnable(q)
+    B, HW, _ = q.shape
+    acc = _accumulator_dtype(q.dtype)
+    inputs = _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads)
+    delta = (grad_out.to(acc) * out.to(acc)).view(B, HW, num_heads, -1).sum(-1)
+    grads = [torch.zeros(t.shape, device=q.device, dtype=acc) for t in inputs[1:5]]
+    table_grad = torch.zeros(() if bias_table is None else bias_table.shape, device=q.device, dtype=acc)
+    grad_q = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    tensors = (grad_out.contiguous(), lse, delta, grad_q, *grads, table_grad)
+    _launch(_window_attention_2d_backward_kernel, *inputs, tensors, (map_height, map_width), window, num_heads)
+    grad_k, grad_v, grad_extra_k, grad_extra_v = (
+        grad.to(t.dtype) for grad, t in zip(grads, (k, v, extra_k, extra_v), strict=True)
+    )
+    table_grad = q.new_empty(0) if bias_table is None else table_grad.to(bias_table.dtype)
+    return grad_q, grad_k, grad_v, grad_extra_k, grad_extra_v, table_grad
+
+
+@_window_attention_2d_backward.register_fake
+def _(grad_out, q, k, v, extra_k, extra_v, out, lse, map_height, map_width, window, num_heads, bias_table):
+    return (
+        *(t.new_empty(t.shape) for t in (q, k, v, extra_k, extra_v)),
+        q.new_empty(0) if bias_table is None else bias_table.new_empty(bias_table.shape),
+    )
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table = inputs
+    ctx.save_for_backward(q, k, v, extra_k, extra_v, bias_table, *output)
+    ctx.layout = (map_height, map_width, window, num_heads)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, extra_k, extra_v, bias_table, out, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v, grad_extra_k, grad_extra_v, table_grad = _window_attention_2d_backward(
+        grad_out, q, k, v, extra_k, extra_v, out, lse, *ctx.layout, bias_table
+    )
+    return (
+        grad_q,
+        grad_k,
+        grad_v,
+        grad_extra_k,
+        grad_extra_v,
+        None,
+        None,
+        None,
+        None,
+        (None if bias_table is None else table_grad),
+    )
+
+
+_window_attention_2d_forward.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def window_attention_2d(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra_k: Tensor,
+    extra_v: Tensor,
+    *,
+    map_height: int,
+    map_width: int,
+    window: int,
+    num_heads: int,
+    bias_table: Tensor | None,
+) -> Tensor:
+    """Every patch query against its window's keys and the extra keys, in one softmax per query (Eq. 6);
+    differentiable in every tensor.
+
+    q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
+    extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
+    bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    out, _ = _window_attention_2d_forward(
+        q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table
+    )
+    return out

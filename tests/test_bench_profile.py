@@ -112,3 +112,24 @@ def test_vision_profiles_whole_models(tmp_path, monkeypatch):
     assert settings == [{(True, ())}, {(False, ())}, {(True, ("cpu", "cuda"))}]
     with pytest.raises(SystemExit):
         profile_attention.main([*arguments, *vision, "--saved"])
+
+
+def test_vision_train_profiles_training_steps(tmp_path, monkeypatch):
+    """``--vision ... --train``: training steps of the models (their parameters get gradients); the attention peers
+    do not take it."""
+    from bench import bench_vision
+
+    built = []
+    real = bench_vision.build
+    monkeypatch.setattr(bench_vision, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
+    out = tmp_path / "profile.txt"
+    arguments = ["--device", "cpu", "--dtype", "fp32", "--steps", "1", "--warmups", "0", "--rows", "2"]
+    profile_attention.main(
+        [*arguments, "--vision", "cvt_ls_13", "--train", "--resolution", "64", "--batch", "2", "--out", str(out)]
+    )
+    report = out.read_text()
+    assert "== cvt_ls_13, 64 x 64, batch 2, 1 training (forward + backward) steps" in report
+    assert all(model.training for model in built)
+    assert all(p.grad is not None for p in built[-1].parameters() if p.requires_grad)
+    with pytest.raises(SystemExit):
+        profile_attention.main([*arguments, "--train"])

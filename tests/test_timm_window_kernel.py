@@ -1,6 +1,6 @@
-"""The Triton window kernel of 2-D inference (``ls_timm.window_kernel_2d``) against the SDPA layouts (themselves
-checked against the per-query reference in test_timm_attention.py) on the test device, where ``LongShortAttention2d``
-calls it, inside the compiled layer, and as a custom operator. On the CPU it runs in Triton's interpreter
+"""The Triton window kernels of the 2-D attention (``ls_timm.window_kernel_2d``), forward and backward, against the
+SDPA layouts (themselves checked against the per-query reference in test_timm_attention.py) on the test device, where
+``LongShortAttention2d`` calls them, inside the compiled layer, and as custom operators. On the CPU it runs in Triton's interpreter
 (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``); on CUDA, compiled by Triton.
 
 Checked, never timed.
@@ -17,23 +17,24 @@ import timm
 import torch
 
 from ls_hf import long_short_attention
-from ls_timm import long_short_attention_2d
+from ls_timm import long_short_attention_2d, window_kernel_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from ls_timm.window_kernel_2d import (
     LaunchGeometry,
+    bias_table_rows,
     has_window_kernel,
     launch_geometry,
     query_rectangle,
     window_attention_2d,
 )
-from tests.devices import assert_close
+from tests.devices import RELATIVE_ATOL, assert_close
 from tests.test_flex_attention import _compile_on_cpu
 from tests.test_timm_attention import CASES, _randomise
 
 pytestmark = pytest.mark.skipif(not has_window_kernel(), reason="Triton is not installed")
 EXACT = 1e-10  # float64: the paths differ only in summation order
 INTERPRETER_BF16 = "Triton's interpreter computes bfloat16 on its raw bits (numpy has none); the GPU check runs it"
-# Triton's compiler, run for a GPU target on any machine (no GPU needed): the kernel's cubin for each case, (arch,
+# Triton's compiler, run for a GPU target on any machine (no GPU needed): the kernels' cubins for each case, (arch,
 # dtype, map, window, extra keys, (query/key, value) head dims, bias table, one head), one head making ``num_heads`` a
 # constant as Triton's launcher specialises an argument of 1.
 COMPILE = """
@@ -43,21 +44,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ls_timm import window_kernel_2d as wk
 
-kernel = wk._window_attention_2d_kernel
-names = list(inspect.signature(kernel.fn).parameters)
+# the tensors the kernels take in the accumulators' float32 (the rest in the inputs' dtype)
+FLOAT32 = {"Lse", "Delta", "GradK", "GradV", "GradExtraK", "GradExtraV", "GradTable"}
 for arch, dtype, feat_size, window, extra, head_dims, bias, one_head in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     geometry = wk.launch_geometry(tuple(feat_size), window, extra)
     constants = wk.kernel_constants(geometry, window, tuple(head_dims), dtype, bias=bias)
     constants |= {"num_heads": 1} if one_head else {}
-    pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    signature = {
-        name: "constexpr" if name in constants else pointer if name[0].isupper() else "fp32" if name == "qk_scale"
-        else "i32"
-        for name in names
-    }
-    source = ASTSource(kernel, signature, {(names.index(name),): value for name, value in constants.items()})
-    print(len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"]))
+    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    for kernel in (wk._window_attention_2d_kernel, wk._window_attention_2d_backward_kernel):
+        names = list(inspect.signature(kernel.fn).parameters)
+        signature = {
+            name: "constexpr" if name in constants else "*fp32" if name in FLOAT32 else pointer if name[0].isupper()
+            else "fp32" if name == "sm_scale" else "i32"
+            for name in names
+        }
+        source = ASTSource(kernel, signature, {(names.index(name),): value for name, value in constants.items()})
+        options = {"num_warps": wk.WARPS[kernel.fn.__name__]}
+        print(len(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]))
 """
 GPU_CASES = [
     (90, "bfloat16", (56, 56), 8, 64, (64, 64), False, True),  # cvt_ls_13 at 224 on an H100 / H200: stage 1
@@ -104,15 +108,42 @@ def test_launch_geometry_of_cvt_ls_13_at_224():
     one block, a 16 x 16 window (4 steps of 64 keys) and the extra keys (1); 28 x 28, w = 4: 4 x 4 rectangles of 2 x 2
     blocks, at most 12 x 12 window keys (3 steps) and 16 extra keys (1); 14 x 14, w = 2: 2 x 2 rectangles of 4 x 4
     blocks, at most 9 x 9 window keys (2 steps) and 5 extra keys (1)."""
-    assert launch_geometry((56, 56), 8, 64) == LaunchGeometry((8, 8), 64, 7, 49, 5)
-    assert launch_geometry((28, 28), 4, 16) == LaunchGeometry((8, 8), 64, 4, 16, 4)
-    assert launch_geometry((14, 14), 2, 5) == LaunchGeometry((8, 8), 64, 2, 4, 3)
+    assert launch_geometry((56, 56), 8, 64) == LaunchGeometry((8, 8), 64, 7, 49, 4, 1)
+    assert launch_geometry((28, 28), 4, 16) == LaunchGeometry((8, 8), 64, 4, 16, 3, 1)
+    assert launch_geometry((14, 14), 2, 5) == LaunchGeometry((8, 8), 64, 2, 4, 2, 1)
+
+
+def _output_and_gradients(module: LongShortAttention2d, x: torch.Tensor, feat_size: tuple[int, int]) -> dict:
+    """The module's output, and the gradients of the input and of every parameter of a loss that weighs each output
+    element differently."""
+    x = x.detach().requires_grad_()
+    out = module(x, feat_size)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
+    (out * weights).sum().backward()
+    return {"output": out, "input": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
+
+
+def _assert_all_close(actual: dict, expected: dict, *, relative: float | None = None) -> None:
+    """Every output and gradient equal to the reference's, the same ones absent (parameters a case leaves unused,
+    such as DualLN's global norm without projected rows): in float64 within ``EXACT``; otherwise within ``relative``
+    (default ``RELATIVE_ATOL`` of the dtype) times the largest magnitude among them all, as W^P's bias has a gradient
+    of ~0, a sum of terms that cancel (the softmax over the sequence does not see a constant)."""
+    assert {name for name, value in actual.items() if value is None} == {n for n, v in expected.items() if v is None}
+    present = {name: value for name, value in expected.items() if value is not None}
+    dtype = present["output"].dtype
+    scale = max(value.abs().max().item() for value in present.values())
+    atol = EXACT if dtype == torch.float64 else (relative or RELATIVE_ATOL[dtype]) * scale
+    for name, value in present.items():
+        torch.testing.assert_close(
+            actual[name].to("cpu", torch.float64), value.to("cpu", torch.float64), atol=atol, rtol=0
+        )
 
 
 @pytest.mark.parametrize("H,W,dim,heads,w,r,g,kwargs", CASES + RECTANGLE_CASES)
 def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_calls, device, dtype, monkeypatch):
     """Odd and even sizes and windows, partial blocks, the ViL-LS bias table, global tokens, CvT projections, LMSA,
-    no projection, and the kernel's own rectangles (``RECTANGLE_CASES``); in inference, against the blocked layout."""
+    no projection, and the kernels' own rectangles (``RECTANGLE_CASES``), against the blocked layout: the output, and
+    the gradients of the input and of every parameter (the bias table's among them) through the backward kernel."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         pytest.skip(INTERPRETER_BF16)
     _fused_on(monkeypatch, device, dtype)
@@ -124,31 +155,27 @@ def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_ca
     kernel.window_kernel_devices = (device.type,)
     x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     sdpa, kernel, x = sdpa.to(device, dtype), kernel.to(device, dtype), x.to(device, dtype)
-    with torch.no_grad():
-        assert_close(kernel(x, (H, W)), sdpa(x, (H, W)), atol=EXACT)
+    _assert_all_close(_output_and_gradients(kernel, x, (H, W)), _output_and_gradients(sdpa, x, (H, W)))
     assert kernel_calls == [(H, W)]
 
 
-def test_window_kernel_only_in_inference_where_asked(monkeypatch):
-    """``_backend`` takes the kernel on ``window_kernel_devices`` (none by default), on the fused path, with autograd
-    off; with autograd on, FlexAttention (which has a backward pass); ``"flex_attention"`` always FlexAttention,
-    ``"eager"`` and the CPU by default the SDPA layouts."""
+def test_window_kernel_where_asked(monkeypatch):
+    """``_backend`` takes the kernels on ``window_kernel_devices`` (none by default), on the fused path, in training
+    as in inference; ``"flex_attention"`` always FlexAttention, ``"eager"`` and the CPU by default the SDPA
+    layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float32)
     module = LongShortAttention2d(16, 2, 4, 2)
     x = torch.randn(1, 36, 16)
-    with torch.no_grad():
-        assert module._backend(x) == "flex"  # no devices by default
-        module.window_kernel_devices = ("cpu",)
-        assert module._backend(x) == "window_kernel"
-        assert module._backend(x.double()) == "sdpa"  # not a fused dtype
-        module.attn_implementation = "flex_attention"
-        assert module._backend(x) == "flex"
-        module.attn_implementation = "eager"
-        assert module._backend(x) == "sdpa"
-    module.attn_implementation = "sdpa"
-    assert module._backend(x) == "flex"  # autograd on
+    assert module._backend(x) == "flex"  # no devices by default
+    module.window_kernel_devices = ("cpu",)
+    assert module._backend(x) == "window_kernel"
     with torch.inference_mode():
         assert module._backend(x) == "window_kernel"
+    assert module._backend(x.double()) == "sdpa"  # not a fused dtype
+    module.attn_implementation = "flex_attention"
+    assert module._backend(x) == "flex"
+    module.attn_implementation = "eager"
+    assert module._backend(x) == "sdpa"
 
 
 def test_query_rectangle_holds_whole_blocks_or_rows_of_one():
@@ -166,27 +193,32 @@ def test_query_rectangle_holds_whole_blocks_or_rows_of_one():
     ]
 
 
-def test_timm_model_inference_takes_the_kernel(kernel_calls, monkeypatch):
-    """A whole timm model (ViL-LS: a cls token, the bias table, one Long-Short stage per map) in inference with the
-    kernel on: every Long-Short layer calls it, and the logits are those of the SDPA layouts."""
+def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
+    """A whole timm model (ViL-LS: a cls token, the bias table, one Long-Short stage per map) with the kernels on:
+    every Long-Short layer calls them, and the logits in inference and every parameter's gradient are those of the
+    SDPA layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float64)
     kwargs = {"depths": (1, 1, 1, 1), "img_size": 64, "compile_attention": False}
     model = timm.create_model("vil_ls_small", **kwargs).double().eval()
     _randomise(model)
+    expected = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager").double().eval()
+    expected.load_state_dict(model.state_dict())
+    monkeypatch.setattr(LongShortAttention2d, "window_kernel_devices", ("cpu",))
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
-        expected = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager").double().eval()
-        expected.load_state_dict(model.state_dict())
-        monkeypatch.setattr(LongShortAttention2d, "window_kernel_devices", ("cpu",))
         assert_close(model(x), expected(x), atol=EXACT)
     assert kernel_calls == [(16, 16), (8, 8)]  # the two Long-Short stages (the last two are full attention)
+    for net in (model, expected):
+        net(x).logsumexp(-1).sum().backward()
+    for p, reference in zip(model.parameters(), expected.parameters(), strict=True):
+        assert_close(p.grad, reference.grad, atol=EXACT)
 
 
 @pytest.mark.compiled
-def test_compiled_layer_calls_the_kernel(monkeypatch):
-    """The fused path's compiled layer (``compiled_attention_layer_2d``, static shapes) with the kernel inside, as an
-    operator of its graph (the profiler sees the operator run), float32: the SDPA layouts' output, tolerance scaled to
-    its magnitude."""
+def test_compiled_layer_calls_the_kernels(monkeypatch):
+    """The fused path's compiled layer (``compiled_attention_layer_2d``, static shapes) with the kernels inside, as
+    operators of its graphs (the profiler sees the forward and backward operators run), float32: the SDPA layouts'
+    output and gradients, tolerance scaled to their magnitudes."""
     _compile_on_cpu(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float32,))
     long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
@@ -197,48 +229,60 @@ def test_compiled_layer_calls_the_kernel(monkeypatch):
     compiled.window_kernel_devices = ("cpu",)
     x = torch.randn(2, 1 + 9 * 11, 16, generator=torch.Generator().manual_seed(2))
     try:
-        with torch.no_grad(), torch.profiler.profile() as profile:
-            expected = sdpa.eval()(x, (9, 11))
-            out = compiled.eval()(x, (9, 11))
+        with torch.profiler.profile() as profile:
+            expected = _output_and_gradients(sdpa.eval(), x, (9, 11))
+            actual = _output_and_gradients(compiled.eval(), x, (9, 11))
     finally:
         long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
-    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
-    ran = [event.name for event in profile.events() if event.name.startswith(("transformer_ls::", "Torch-Compiled"))]
-    assert "transformer_ls::window_attention_2d" in ran and any(name.startswith("Torch-Compiled") for name in ran)
+    _assert_all_close(actual, expected, relative=1e-5)
+    ran = {event.name for event in profile.events() if event.name.startswith(("transformer_ls::", "Torch-Compiled"))}
+    assert {"transformer_ls::window_attention_2d", "transformer_ls::window_attention_2d_backward"} <= ran
+    assert any(name.startswith("Torch-Compiled") for name in ran)
 
 
-def test_operator_passes_torch_library_checks():
-    """``torch.library.opcheck``: the schema, the fake (meta) implementation that compiled graphs trace with, and the
-    operator under ``make_fx`` and AOT dispatch, with and without the bias table."""
+def test_operators_pass_torch_library_checks():
+    """``torch.library.opcheck`` of the forward operator (with its autograd formula: inputs that require gradients)
+    and of the backward operator: the schemas, the fake (meta) implementations that compiled graphs trace with, and
+    the operators under ``make_fx`` and AOT dispatch, with and without the bias table."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 30, 8, generator=generator) for _ in range(3))
-    extra_k, extra_v = (torch.randn(2, 3, 8, generator=generator) for _ in range(2))
-    table = torch.randn(31, 2, generator=generator)  # w = 3: 2 (w + p - 1)(2p + w + 1) + 1 rows
+    q, k, v = (torch.randn(2, 30, 8, generator=generator, requires_grad=True) for _ in range(3))
+    extra_k, extra_v = (torch.randn(2, 3, 8, generator=generator, requires_grad=True) for _ in range(2))
+    table = torch.randn(bias_table_rows(3), 2, generator=generator, requires_grad=True)
     for bias in (None, table):
-        torch.library.opcheck(window_attention_2d, (q, k, v, extra_k, extra_v, 5, 6, 3, 2, bias))
+        args = (q, k, v, extra_k, extra_v, 5, 6, 3, 2, bias)
+        torch.library.opcheck(window_kernel_2d._window_attention_2d_forward, args)
+        tensors = [t.detach() for t in (q, k, v, extra_k, extra_v)]  # no double backward
+        bias = None if bias is None else bias.detach()
+        out, lse = window_kernel_2d._window_attention_2d_forward(*tensors, 5, 6, 3, 2, bias)
+        backward_args = (torch.randn_like(out), *tensors, out, lse, 5, 6, 3, 2, bias)
+        torch.library.opcheck(window_kernel_2d._window_attention_2d_backward, backward_args)
 
 
 def test_operator_names_what_it_lacks(monkeypatch):
-    """Called where it cannot run, the operator says why and what to do, before any work: CPU tensors outside Triton's
-    interpreter, and a torch build without Triton."""
-    from ls_timm import window_kernel_2d
-
+    """Called where it cannot run, the operator says why and what to do, before any work: a bias table of the wrong
+    size (the kernels would read and write past it), an image too large for 32-bit offsets, CPU tensors outside
+    Triton's interpreter, a torch build without Triton."""
     q = torch.zeros(1, 4, 8)
-    args = (q, q, q, q[:, :0], q[:, :0], 2, 2, 2, 1, None)
+    sizes = {"map_height": 2, "map_width": 2, "window": 2, "num_heads": 1, "bias_table": None}
+    with pytest.raises(ValueError, match=r"bias_table must have shape \(21, 1\) for window=2"):
+        window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes | {"bias_table": torch.zeros(20, 1)})
+    huge = torch.empty_strided((1, 2, 8), (2**32, 2**30, 1), device="meta")  # rows 2**30 elements apart
+    with pytest.raises(ValueError, match="32-bit offsets.*window_kernel_devices empty"):
+        window_kernel_2d._inputs(huge, q, q, q[:, :0], q[:, :0], None, 2, 1)
     monkeypatch.setattr(window_kernel_2d, "_window_attention_2d_kernel", object())  # as compiled for a GPU
     with pytest.raises(RuntimeError, match="only in Triton's interpreter; set TRITON_INTERPRET=1"):
-        window_attention_2d(*args)
+        window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes)
     monkeypatch.setattr(window_kernel_2d, "triton", None)
     with pytest.raises(RuntimeError, match="needs Triton.*window_kernel_devices empty"):
-        window_attention_2d(*args)
+        window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes)
 
 
 @pytest.mark.compiled
-def test_triton_compiles_the_kernel_for_gpus(tmp_path):
-    """Triton's compiler builds the kernel's cubin for Hopper (the H100 and H200 of the GPU checks) and Ampere in the
-    dtypes and shapes the models meet (``GPU_CASES``), on this machine, GPU or not: what the interpreter, which runs the
-    kernel's Python, does not check (types across the loop's branches, the dot products' shapes and dtypes). In a
-    process without ``TRITON_INTERPRET``, so that Triton compiles."""
+def test_triton_compiles_the_kernels_for_gpus(tmp_path):
+    """Triton's compiler builds the forward and backward kernels' cubins for Hopper (the H100 and H200 of the GPU
+    checks) and Ampere in the dtypes and shapes the models meet (``GPU_CASES``), on this machine, GPU or not: what the
+    interpreter, which runs the kernels' Python, does not check (types across branches, the dot products' shapes and
+    dtypes, the atomic additions' types). In a process without ``TRITON_INTERPRET``, so that Triton compiles."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", COMPILE, json.dumps(GPU_CASES)],
@@ -251,4 +295,4 @@ def test_triton_compiles_the_kernel_for_gpus(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     sizes = [int(line) for line in done.stdout.split()]
-    assert len(sizes) == len(GPU_CASES) and min(sizes) > 0
+    assert len(sizes) == 2 * len(GPU_CASES) and min(sizes) > 0  # the forward and backward kernels of each case
