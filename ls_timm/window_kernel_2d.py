@@ -183,7 +183,8 @@ def _extra_keys(step, q_ok, num_extra, BLOCK_K: tl.constexpr):
 
 @_jit
 def _tile(Base, image, batch, rows, row, head, ok, HEAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Pointers to one head's ``HEAD`` columns (``BLOCK`` lanes) of ``rows`` of one image, and which exist."""
+    """Pointers to one head's ``HEAD`` columns (``BLOCK`` lanes) of ``rows`` of one image, and which exist: 32-bit
+    offsets from the image's 64-bit base (fewer registers a tile; ``_inputs`` refuses images they cannot address)."""
     d = tl.arange(0, BLOCK)
     return Base + image * batch + rows[:, None] * row + head * HEAD + d[None, :], ok[:, None] & (d < HEAD)[None, :]
 
