@@ -528,14 +528,16 @@ class LongShortAttention2d(nn.Module):
     def _backend(self, x: Tensor) -> str:
         """The attention this call runs: ``"flex"``, the fused path (``_attend_flex``), with ``"flex_attention"``, and
         with ``"sdpa"`` where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout);
-        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices``; else ``"sdpa"``,
-        the strip or blocked layouts."""
+        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices``, except where autograd
+        records under ``torch.use_deterministic_algorithms`` (the kernels' backward adds gradients atomically, in an
+        order that varies); else ``"sdpa"``, the strip or blocked layouts."""
         if self.attn_implementation == "flex_attention":
             return "flex"
         dropout = self.training and self.attn_drop > 0
         if self.attn_implementation != "sdpa" or not long_short_attention.fused_by_default(x, dropout=dropout):
             return "sdpa"
-        if x.device.type in self.window_kernel_devices and has_window_kernel():
+        deterministic_backward = torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
+        if x.device.type in self.window_kernel_devices and has_window_kernel() and not deterministic_backward:
             return "window_kernel"
         return "flex"
 

@@ -1,7 +1,7 @@
 """The Triton window kernels of the 2-D attention (``ls_timm.window_kernel_2d``), forward and backward, against the
 SDPA layouts (themselves checked against the per-query reference in test_timm_attention.py) on the test device, where
-``LongShortAttention2d`` calls them, inside the compiled layer, and as custom operators. On the CPU it runs in Triton's interpreter
-(``tests/conftest.py`` sets ``TRITON_INTERPRET=1``); on CUDA, compiled by Triton.
+``LongShortAttention2d`` calls them, inside the compiled layer, and as custom operators. On the CPU they run in
+Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``); on CUDA, compiled by Triton.
 
 Checked, never timed.
 """
@@ -161,8 +161,8 @@ def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_ca
 
 def test_window_kernel_where_asked(monkeypatch):
     """``_backend`` takes the kernels on ``window_kernel_devices`` (none by default), on the fused path, in training
-    as in inference; ``"flex_attention"`` always FlexAttention, ``"eager"`` and the CPU by default the SDPA
-    layouts."""
+    as in inference, but not for training under ``torch.use_deterministic_algorithms``; ``"flex_attention"`` always
+    FlexAttention, ``"eager"`` and the CPU by default the SDPA layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float32)
     module = LongShortAttention2d(16, 2, 4, 2)
     x = torch.randn(1, 36, 16)
@@ -172,6 +172,14 @@ def test_window_kernel_where_asked(monkeypatch):
     with torch.inference_mode():
         assert module._backend(x) == "window_kernel"
     assert module._backend(x.double()) == "sdpa"  # not a fused dtype
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert module._backend(x) == "flex"  # the kernels' backward adds gradients atomically
+        with torch.no_grad():
+            assert module._backend(x) == "window_kernel"
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     module.attn_implementation = "flex_attention"
     assert module._backend(x) == "flex"
     module.attn_implementation = "eager"
