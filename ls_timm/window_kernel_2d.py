@@ -429,7 +429,7 @@ def bias_table_rows(window: int) -> int:
 
 
 def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
-    """The kernels' inputs: the extra keys and values in q's dtype, every last dim contiguous, the table contiguous.
+    """The kernels' inputs: the keys and values in q's dtype, every last dim contiguous, the table contiguous.
     Refused: images whose rows 32-bit offsets cannot address, a table of another shape than (``bias_table_rows``,
     heads) (the kernels would read and write past it)."""
     if max(t.shape[1] * t.stride(1) for t in (q, k, v, extra_k, extra_v)) >= 2**31:
@@ -443,7 +443,7 @@ def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
             f"bias_table must have shape ({bias_table_rows(window)}, {num_heads}) for window={window} and "
             f"num_heads={num_heads} (one row per query-minus-key offset), got {tuple(bias_table.shape)}."
         )
-    extra_k, extra_v = extra_k.to(q.dtype), extra_v.to(q.dtype)
+    k, v, extra_k, extra_v = (t.to(q.dtype) for t in (k, v, extra_k, extra_v))
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
     return q, k, v, extra_k, extra_v, None if bias_table is None else bias_table.contiguous()
 
@@ -466,7 +466,7 @@ def _window_attention_2d_forward(
     _check_runnable(q)
     B, HW, _ = q.shape
     inputs = _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads)
-    out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=v.dtype)
+    out = torch.empty(B, HW, v.shape[-1], device=v.device, dtype=q.dtype)
     lse = torch.empty(B, HW, num_heads, device=v.device, dtype=_accumulator_dtype(q.dtype))
     _launch(_window_attention_2d_kernel, *inputs, (out, lse), (map_height, map_width), window, num_heads)
     return out, lse
@@ -475,7 +475,7 @@ def _window_attention_2d_forward(
 @_window_attention_2d_forward.register_fake
 def _(q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table):
     B, HW, _ = q.shape
-    return v.new_empty(B, HW, v.shape[-1]), q.new_empty(B, HW, num_heads, dtype=_accumulator_dtype(q.dtype))
+    return q.new_empty(B, HW, v.shape[-1]), q.new_empty(B, HW, num_heads, dtype=_accumulator_dtype(q.dtype))
 
 
 @torch.library.custom_op("transformer_ls::window_attention_2d_backward", mutates_args=())
@@ -568,7 +568,9 @@ def window_attention_2d(
 
     q, k (B, HW, heads * d_qk) and v (B, HW, heads * d) the patches' queries, keys and values in raster order;
     extra_k, extra_v (B, X, ...) the keys and values every query sees; ``bias_table`` (rows, heads) the ViL-LS window
-    bias or None -> (B, HW, heads * d) in v's dtype. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    bias or None -> (B, HW, heads * d) in q's dtype. Keys and values are taken in q's dtype, as SDPA takes them under
+    autocast (where DualLN's norms give float32 keys and values beside half-precision queries); their gradients come
+    back in their own. The scale is ``d_qk ** -0.5``, as SDPA's."""
     out, _ = _window_attention_2d_forward(
         q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table
     )

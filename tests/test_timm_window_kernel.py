@@ -266,6 +266,27 @@ def test_operators_pass_torch_library_checks():
         torch.library.opcheck(window_kernel_2d._window_attention_2d_backward, backward_args)
 
 
+def test_keys_and_values_taken_in_the_queries_dtype():
+    """Keys and values in another dtype than the queries (under autocast DualLN's norms give float32 keys and values
+    beside half-precision queries) are taken in the queries' dtype, as SDPA takes them: the output, in the queries'
+    dtype, is that of the call with everything cast, and the gradients come back in each tensor's own dtype."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 30, 16, generator=generator).half()
+    k, v, extra_k, extra_v = (torch.randn(2, n, 16, generator=generator) for n in (30, 30, 3, 3))
+    sizes = {"map_height": 5, "map_width": 6, "window": 3, "num_heads": 2, "bias_table": None}
+    mixed = [t.clone().requires_grad_() for t in (q, k, v, extra_k, extra_v)]
+    cast = [t.half().requires_grad_() for t in (q, k, v, extra_k, extra_v)]
+    out, expected = window_attention_2d(*mixed, **sizes), window_attention_2d(*cast, **sizes)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    grad = torch.randn(out.shape, generator=generator).half()
+    out.backward(grad)
+    expected.backward(grad)
+    assert [t.grad.dtype for t in mixed] == [torch.float16] + [torch.float32] * 4
+    for t, reference in zip(mixed, cast, strict=True):
+        torch.testing.assert_close(t.grad.half(), reference.grad, atol=0, rtol=0)
+
+
 def test_operator_names_what_it_lacks(monkeypatch):
     """Called where it cannot run, the operator says why and what to do, before any work: a bias table of the wrong
     size (the kernels would read and write past it), an image too large for 32-bit offsets, CPU tensors outside
