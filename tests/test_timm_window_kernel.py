@@ -113,11 +113,11 @@ def test_launch_geometry_of_cvt_ls_13_at_224():
     assert launch_geometry((14, 14), 2, 5) == LaunchGeometry((8, 8), 64, 2, 4, 2, 1)
 
 
-def _output_and_gradients(module: LongShortAttention2d, x: torch.Tensor, feat_size: tuple[int, int]) -> dict:
-    """The module's output, and the gradients of the input and of every parameter of a loss that weighs each output
-    element differently."""
+def _output_and_gradients(module: LongShortAttention2d, x: torch.Tensor, feat_size: tuple[int, int], call=None) -> dict:
+    """The module's output (through ``call``, the module by default), and the gradients of the input and of every
+    parameter of a loss that weighs each output element differently."""
     x = x.detach().requires_grad_()
-    out = module(x, feat_size)
+    out = (module if call is None else call)(x, feat_size)
     weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
     (out * weights).sum().backward()
     return {"output": out, "input": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
@@ -223,23 +223,27 @@ def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
 
 
 @pytest.mark.compiled
-def test_compiled_layer_calls_the_kernels(monkeypatch):
-    """The fused path's compiled layer (``compiled_attention_layer_2d``, static shapes) with the kernels inside, as
-    operators of its graphs (the profiler sees the forward and backward operators run), float32: the SDPA layouts'
-    output and gradients, tolerance scaled to their magnitudes."""
+@pytest.mark.parametrize("compiled_by", ["package", "caller"])
+def test_compiled_layer_calls_the_kernels(compiled_by, monkeypatch):
+    """The layer compiled with the kernels inside, as operators of its graphs (the profiler sees the forward and
+    backward operators run): by the package (the fused path's ``compiled_attention_layer_2d``, static shapes) or by
+    the caller (``torch.compile`` of a module with ``compile_attention=False``, as timm's training script compiles a
+    model); float32: the SDPA layouts' output and gradients, tolerance scaled to their magnitudes."""
     _compile_on_cpu(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float32,))
     long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
     sdpa = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, attn_implementation="eager")
     _randomise(sdpa)
-    compiled = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True)
+    kwargs = {"compile_attention": compiled_by == "package"}
+    compiled = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, **kwargs)
     compiled.load_state_dict(sdpa.state_dict())
     compiled.window_kernel_devices = ("cpu",)
+    call = torch.compile(compiled) if compiled_by == "caller" else compiled
     x = torch.randn(2, 1 + 9 * 11, 16, generator=torch.Generator().manual_seed(2))
     try:
         with torch.profiler.profile() as profile:
             expected = _output_and_gradients(sdpa.eval(), x, (9, 11))
-            actual = _output_and_gradients(compiled.eval(), x, (9, 11))
+            actual = _output_and_gradients(compiled.eval(), x, (9, 11), call)
     finally:
         long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
     _assert_all_close(actual, expected, relative=1e-5)
