@@ -125,12 +125,12 @@ def _output_and_gradients(module: LongShortAttention2d, x: torch.Tensor, feat_si
 
 def _assert_all_close(actual: dict, expected: dict, *, relative: float | None = None) -> None:
     """Every output and gradient equal to the reference's, the same ones absent (parameters a case leaves unused,
-    such as DualLN's global norm without projected rows): in float64 within ``EXACT``; otherwise within ``relative``
-    (default ``RELATIVE_ATOL`` of the dtype) times the largest magnitude among them all, as W^P's bias has a gradient
+    such as DualLN's global norm without projected rows): computed in float64 within ``EXACT``; otherwise within
+    ``relative`` (default ``RELATIVE_ATOL`` of the dtype) times the largest magnitude among them all, as W^P's bias has a gradient
     of ~0, a sum of terms that cancel (the softmax over the sequence does not see a constant)."""
     assert {name for name, value in actual.items() if value is None} == {n for n, v in expected.items() if v is None}
     present = {name: value for name, value in expected.items() if value is not None}
-    dtype = present["output"].dtype
+    dtype = actual["output"].dtype
     scale = max(value.abs().max().item() for value in present.values())
     atol = EXACT if dtype == torch.float64 else (relative or RELATIVE_ATOL[dtype]) * scale
     for name, value in present.items():
@@ -272,23 +272,32 @@ def test_operators_pass_torch_library_checks():
 
 def test_keys_and_values_taken_in_the_queries_dtype():
     """Keys and values in another dtype than the queries (under autocast DualLN's norms give float32 keys and values
-    beside half-precision queries) are taken in the queries' dtype, as SDPA takes them: the output, in the queries'
-    dtype, is that of the call with everything cast, and the gradients come back in each tensor's own dtype."""
+    beside half-precision queries, and the bias table stays float32) are taken in the queries' dtype, as SDPA takes
+    them: the output, in the queries' dtype, is that of the call with them cast, the gradients come back in each
+    tensor's own dtype, and both are those of float64 to float16's precision."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 30, 16, generator=generator).half()
     k, v, extra_k, extra_v = (torch.randn(2, n, 16, generator=generator) for n in (30, 30, 3, 3))
-    sizes = {"map_height": 5, "map_width": 6, "window": 3, "num_heads": 2, "bias_table": None}
-    mixed = [t.clone().requires_grad_() for t in (q, k, v, extra_k, extra_v)]
-    cast = [t.half().requires_grad_() for t in (q, k, v, extra_k, extra_v)]
-    out, expected = window_attention_2d(*mixed, **sizes), window_attention_2d(*cast, **sizes)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out, expected, atol=0, rtol=0)
-    grad = torch.randn(out.shape, generator=generator).half()
-    out.backward(grad)
-    expected.backward(grad)
-    assert [t.grad.dtype for t in mixed] == [torch.float16] + [torch.float32] * 4
-    for t, reference in zip(mixed, cast, strict=True):
-        torch.testing.assert_close(t.grad.half(), reference.grad, atol=0, rtol=0)
+    table = torch.randn(bias_table_rows(3), 2, generator=generator)
+    sizes = {"map_height": 5, "map_width": 6, "window": 3, "num_heads": 2}
+    runs = {}
+    for name, dtypes in (
+        ("mixed", (None,) * 6),
+        ("cast", (torch.float16,) * 5 + (None,)),
+        ("float64", (torch.float64,) * 6),
+    ):
+        tensors = [
+            (t if dtype is None else t.to(dtype)).clone().requires_grad_()
+            for t, dtype in zip((q, k, v, extra_k, extra_v, table), dtypes, strict=True)
+        ]
+        out = window_attention_2d(*tensors[:5], **sizes, bias_table=tensors[5])
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+        runs[name] = {"output": out, **{f"grad {i}": t.grad for i, t in enumerate(tensors)}}
+    assert runs["mixed"]["output"].dtype == torch.float16
+    assert [grad.dtype for grad in list(runs["mixed"].values())[1:]] == [torch.float16] + [torch.float32] * 5
+    for name, value in runs["cast"].items():
+        torch.testing.assert_close(runs["mixed"][name].to(value.dtype), value, atol=0, rtol=0)
+    _assert_all_close(runs["mixed"], runs["float64"], relative=1e-2)
 
 
 def test_operator_names_what_it_lacks(monkeypatch):
