@@ -84,7 +84,7 @@ def build(name: str, resolution: int, reparam: bool = False, **kwargs) -> torch.
 
 # Long-Short vision models built another way, by the suffix of a peer's name: "-eager", ``attn_implementation="eager"``
 # (the window tiles on SDPA, not the fused 2-D path); "-kernel", the layers' ``compile_attention=False`` (the attention
-# kernel alone compiled); "-triton", inference on the Triton window kernel instead of FlexAttention
+# kernel alone compiled); "-triton", the Triton window kernels instead of FlexAttention
 # (``LongShortAttention2d.window_kernel_devices``).
 VARIANTS = ("-eager", "-kernel", "-triton")
 

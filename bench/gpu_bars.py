@@ -95,7 +95,7 @@ MLM_RUNS = (
 )
 VISION_MODELS = ("cvt_ls_13", "hf_cvt_13", "deit_small_patch16_224", "vil_ls_medium", "swin_small_patch4_window7_224")
 # Long-Short vision models run another way (``bench.bench_vision.VARIANTS``): with ``attn_implementation="eager"``, the
-# window tiles on SDPA instead of the fused 2-D path; inference on the Triton window kernel instead of FlexAttention
+# window tiles on SDPA instead of the fused 2-D path; on the Triton window kernels instead of FlexAttention
 # (``cvt_ls_13`` alone, whose bars have targets: each compiled peer costs the vision section's time)
 VISION_VARIANTS = ("cvt_ls_13-eager", "cvt_ls_13-triton")
 LRA_ATTENTIONS = ("long_short", "full")
