@@ -354,8 +354,8 @@ def _window_attention_2d_backward_kernel(
 
 
 # Warps per program of each kernel. Hopper builds (ptxas, bfloat16: cvt_ls_13's stages 1 and 3, vil_ls_medium's first)
-# at 4 and 8 warps: the forward kernel uses 168-232 registers a thread, spilling none for cvt_ls_13's first stage at 4
-# (56-136 bytes on the others); the backward kernel spills 180-480 bytes at 4 warps, 16-40 at 8.
+# at 4 and 8 warps: the forward kernel spills no register for cvt_ls_13's first stage at 4 (232 registers a thread;
+# 56-136 bytes on the others), none at 8; the backward kernel spills 184-476 bytes at 4 warps, 16-36 at 8.
 WARPS = {"_window_attention_2d_kernel": 4, "_window_attention_2d_backward_kernel": 8}
 
 
