@@ -522,6 +522,7 @@ def _(grad_out, q, k, v, extra_k, extra_v, out, lse, map_height, map_width, wind
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
+    """What the backward pass takes: the tensors, the output and its log-sum-exp (not differentiable), the sizes."""
     q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table = inputs
     ctx.save_for_backward(q, k, v, extra_k, extra_v, bias_table, *output)
     ctx.layout = (map_height, map_width, window, num_heads)
@@ -529,22 +530,10 @@ def _save_for_backward(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out, _grad_lse):
+    """The gradients of the forward operator's tensors from its output's (``_window_attention_2d_backward``)."""
     q, k, v, extra_k, extra_v, bias_table, out, lse = ctx.saved_tensors
-    grad_q, grad_k, grad_v, grad_extra_k, grad_extra_v, table_grad = _window_attention_2d_backward(
-        grad_out, q, k, v, extra_k, extra_v, out, lse, *ctx.layout, bias_table
-    )
-    return (
-        grad_q,
-        grad_k,
-        grad_v,
-        grad_extra_k,
-        grad_extra_v,
-        None,
-        None,
-        None,
-        None,
-        (None if bias_table is None else table_grad),
-    )
+    grads = _window_attention_2d_backward(grad_out, q, k, v, extra_k, extra_v, out, lse, *ctx.layout, bias_table)
+    return *grads[:5], None, None, None, None, None if bias_table is None else grads[5]
 
 
 _window_attention_2d_forward.register_autograd(_backward, setup_context=_save_for_backward)

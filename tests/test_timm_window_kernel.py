@@ -35,8 +35,9 @@ pytestmark = pytest.mark.skipif(not has_window_kernel(), reason="Triton is not i
 EXACT = 1e-10  # float64: the paths differ only in summation order
 INTERPRETER_BF16 = "Triton's interpreter computes bfloat16 on its raw bits (numpy has none); the GPU check runs it"
 # Triton's compiler, run for a GPU target on any machine (no GPU needed): the kernels' cubins for each case, (arch,
-# dtype, map, window, extra keys, (query/key, value) head dims, bias table, one head), one head making ``num_heads`` a
-# constant as Triton's launcher specialises an argument of 1.
+# dtype, map, window, extra keys, (query/key, value) head dims, bias table, one head, backward too), one head making
+# ``num_heads`` a constant as Triton's launcher specialises an argument of 1; the backward kernel for each code path
+# (plain, bias table, head dims below 16, LMSA without extra keys, Ampere), the forward for every case.
 COMPILE = """
 import inspect, json, sys
 import torch, triton
@@ -46,13 +47,13 @@ from ls_timm import window_kernel_2d as wk
 
 # the tensors the kernels take in the accumulators' float32 (the rest in the inputs' dtype)
 FLOAT32 = {"Lse", "Delta", "GradK", "GradV", "GradExtraK", "GradExtraV", "GradTable"}
-for arch, dtype, feat_size, window, extra, head_dims, bias, one_head in json.loads(sys.argv[1]):
+for arch, dtype, feat_size, window, extra, head_dims, bias, one_head, backward in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     geometry = wk.launch_geometry(tuple(feat_size), window, extra)
     constants = wk.kernel_constants(geometry, window, tuple(head_dims), dtype, bias=bias)
     constants |= {"num_heads": 1} if one_head else {}
     pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    for kernel in (wk._window_attention_2d_kernel, wk._window_attention_2d_backward_kernel):
+    for kernel in (wk._window_attention_2d_kernel, wk._window_attention_2d_backward_kernel)[: 1 + backward]:
         names = list(inspect.signature(kernel.fn).parameters)
         signature = {
             name: "constexpr" if name in constants else "*fp32" if name in FLOAT32 else pointer if name[0].isupper()
@@ -64,15 +65,15 @@ for arch, dtype, feat_size, window, extra, head_dims, bias, one_head in json.loa
         print(len(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]))
 """
 GPU_CASES = [
-    (90, "bfloat16", (56, 56), 8, 64, (64, 64), False, True),  # cvt_ls_13 at 224 on an H100 / H200: stage 1
-    (90, "bfloat16", (14, 14), 2, 5, (64, 64), False, False),  # its stage 3
-    (90, "bfloat16", (112, 112), 16, 128, (64, 64), False, True),  # stage 1 at 448
-    (90, "bfloat16", (56, 56), 7, 9, (32, 32), True, False),  # vil_ls_medium, stage 1
-    (90, "float16", (28, 28), 4, 16, (64, 64), False, False),
-    (90, "float32", (9, 10), 3, 2, (8, 8), True, False),  # IEEE dot products, head dims below 16
-    (90, "bfloat16", (9, 10), 4, 0, (4, 8), False, False),  # LMSA, no extra keys
-    (80, "bfloat16", (56, 56), 8, 64, (64, 64), False, True),  # an A100
-    (80, "float32", (28, 28), 4, 16, (64, 64), False, False),
+    (90, "bfloat16", (56, 56), 8, 64, (64, 64), False, True, True),  # cvt_ls_13 at 224 on an H100 / H200: stage 1
+    (90, "bfloat16", (14, 14), 2, 5, (64, 64), False, False, False),  # its stage 3
+    (90, "bfloat16", (112, 112), 16, 128, (64, 64), False, True, False),  # stage 1 at 448
+    (90, "bfloat16", (56, 56), 7, 9, (32, 32), True, False, True),  # vil_ls_medium, stage 1
+    (90, "float16", (28, 28), 4, 16, (64, 64), False, False, False),
+    (90, "float32", (9, 10), 3, 2, (8, 8), True, False, True),  # IEEE dot products, head dims below 16
+    (90, "bfloat16", (9, 10), 4, 0, (4, 8), False, False, True),  # LMSA, no extra keys
+    (80, "bfloat16", (56, 56), 8, 64, (64, 64), False, True, True),  # an A100
+    (80, "float32", (28, 28), 4, 16, (64, 64), False, False, False),
 ]
 # Geometries of the kernel's own: a CvT stage-1 block of 64 queries, a block wider than a program's 64 queries (its
 # rows in turn), a map smaller than one window, w = 16 with the bias table and partial blocks.
@@ -206,16 +207,16 @@ def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
     every Long-Short layer calls them, and the logits in inference and every parameter's gradient are those of the
     SDPA layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float64)
-    kwargs = {"depths": (1, 1, 1, 1), "img_size": 64, "compile_attention": False}
+    kwargs = {"depths": (1, 1, 1, 1), "img_size": 32, "compile_attention": False}
     model = timm.create_model("vil_ls_small", **kwargs).double().eval()
     _randomise(model)
     expected = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager").double().eval()
     expected.load_state_dict(model.state_dict())
     monkeypatch.setattr(LongShortAttention2d, "window_kernel_devices", ("cpu",))
-    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
         assert_close(model(x), expected(x), atol=EXACT)
-    assert kernel_calls == [(16, 16), (8, 8)]  # the two Long-Short stages (the last two are full attention)
+    assert kernel_calls == [(8, 8), (4, 4)]  # the two Long-Short stages (the last two are full attention)
     for net in (model, expected):
         net(x).logsumexp(-1).sum().backward()
     for p, reference in zip(model.parameters(), expected.parameters(), strict=True):
@@ -337,4 +338,4 @@ def test_triton_compiles_the_kernels_for_gpus(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     sizes = [int(line) for line in done.stdout.split()]
-    assert len(sizes) == 2 * len(GPU_CASES) and min(sizes) > 0  # the forward and backward kernels of each case
+    assert len(sizes) == len(GPU_CASES) + sum(case[-1] for case in GPU_CASES) and min(sizes) > 0
