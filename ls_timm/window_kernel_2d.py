@@ -150,13 +150,22 @@ def _rectangle(
 
 
 @_jit
+def _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """The ViL-LS window bias of each seen (query, key) from its table row, or 0 without the table."""
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(Table + bias_row * num_heads + head, mask=seen, other=0.0).to(ACC)
+    return bias
+
+
+@_jit
 def _window_keys(
-    step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w,
-    WINDOW: tl.constexpr, EXTENT: tl.constexpr, BLOCK_K: tl.constexpr,
+    step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head, num_heads,
+    WINDOW: tl.constexpr, EXTENT: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Block ``step`` of the region's patch keys, row by row: their rows in raster order, which exist, which each
-    query sees (the window rule) and each (query, key)'s ViL-LS bias row (``_vil_bias_row`` of the query-minus-key
-    offsets; EXTENT = w // 2 where the table exists)."""
+    query sees (the window rule), each (query, key)'s ViL-LS bias row (``_vil_bias_row`` of the query-minus-key
+    offsets; EXTENT = w // 2 where the table exists) and its bias (``_window_bias``)."""
     j = step * BLOCK_K + tl.arange(0, BLOCK_K)
     ky, kx = key_top + j // region_w, key_left + j % region_w
     k_ok = j < (key_bottom - key_top) * region_w
@@ -170,7 +179,7 @@ def _window_keys(
     bias_row = (qy[:, None] - ky[None, :] + EXTENT + WINDOW - 1) * (2 * EXTENT + WINDOW) + (
         qx[:, None] - kx[None, :] + EXTENT + WINDOW - 1
     )
-    return ky * map_w + kx, k_ok, seen, bias_row
+    return ky * map_w + kx, k_ok, seen, bias_row, _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS, ACC)
 
 
 @_jit
@@ -197,20 +206,24 @@ def _load(Base, image, batch, rows, row, head, ok, HEAD: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
-    """The ViL-LS window bias of each seen (query, key) from its table row, or 0 without the table."""
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(Table + bias_row * num_heads + head, mask=seen, other=0.0).to(ACC)
-    return bias
-
-
-@_jit
 def _scores(q, k, seen, bias, sm_scale, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
     """The queries' scores against a key block in base 2 (``q k^T / sqrt(d) + bias``, times log2(e)), -inf where
     unseen."""
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC) * sm_scale + bias
     return tl.where(seen, scores * 1.4426950408889634, float("-inf"))
+
+
+@_jit
+def _key_block(
+    Keys, Values, image, batch_k, row_k, batch_v, row_v, rows, head, k_ok, q, seen, bias, sm_scale,
+    HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """A block of keys (``rows`` of one image and head of ``Keys``), the queries' scores against it (``_scores``) and
+    its values."""
+    k = _load(Keys, image, batch_k, rows, row_k, head, k_ok, HEAD_QK, BLOCK_QK)
+    scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
+    return k, _load(Values, image, batch_v, rows, row_v, head, k_ok, HEAD_V, BLOCK_V), scores
 
 
 @_jit
@@ -246,19 +259,21 @@ def _window_attention_2d_kernel(
     acc = tl.zeros([BLOCK_Q, BLOCK_V], ACC)
     for step in range(WINDOW_STEPS):
         if step < window_steps:
-            rows, k_ok, seen, bias_row = _window_keys(
-                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, WINDOW, EXTENT, BLOCK_K
-            )
-            k = _load(K, image, k_batch, rows, k_row, head, k_ok, HEAD_QK, BLOCK_QK)
-            bias = _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS, ACC)
-            scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
-            v = _load(V, image, v_batch, rows, v_row, head, k_ok, HEAD_V, BLOCK_V)
+            rows, k_ok, seen, _, bias = _window_keys(
+                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head,
+                num_heads, WINDOW, EXTENT, BLOCK_K, HAS_BIAS, ACC,
+            )  # fmt: skip
+            _, v, scores = _key_block(
+                K, V, image, k_batch, k_row, v_batch, v_row, rows, head, k_ok, q, seen, bias, sm_scale,
+                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+            )  # fmt: skip
             m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
     for step in range(EXTRA_STEPS):
         rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
-        k = _load(ExtraK, image, xk_batch, rows, xk_row, head, k_ok, HEAD_QK, BLOCK_QK)
-        scores = _scores(q, k, seen, 0.0, sm_scale, DOT_PRECISION, ACC)
-        v = _load(ExtraV, image, xv_batch, rows, xv_row, head, k_ok, HEAD_V, BLOCK_V)
+        _, v, scores = _key_block(
+            ExtraK, ExtraV, image, xk_batch, xk_row, xv_batch, xv_row, rows, head, k_ok, q, seen, 0.0, sm_scale,
+            HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+        )  # fmt: skip
         m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
     out_row = num_heads * HEAD_V
     pointers, exist = _tile(Out, image, map_h * map_w * out_row, q_rows, out_row, head, q_ok, HEAD_V, BLOCK_V)
@@ -322,13 +337,14 @@ def _window_attention_2d_backward_kernel(
     grad_q = tl.zeros([BLOCK_Q, BLOCK_QK], ACC)
     for step in range(WINDOW_STEPS):
         if step < window_steps:
-            rows, k_ok, seen, bias_row = _window_keys(
-                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, WINDOW, EXTENT, BLOCK_K
-            )
-            k = _load(K, image, k_batch, rows, k_row, head, k_ok, HEAD_QK, BLOCK_QK)
-            bias = _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS, ACC)
-            scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
-            v = _load(V, image, v_batch, rows, v_row, head, k_ok, HEAD_V, BLOCK_V)
+            rows, k_ok, seen, bias_row, bias = _window_keys(
+                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head,
+                num_heads, WINDOW, EXTENT, BLOCK_K, HAS_BIAS, ACC,
+            )  # fmt: skip
+            k, v, scores = _key_block(
+                K, V, image, k_batch, k_row, v_batch, v_row, rows, head, k_ok, q, seen, bias, sm_scale,
+                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+            )  # fmt: skip
             p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
             grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
             _key_gradients(
@@ -339,9 +355,10 @@ def _window_attention_2d_backward_kernel(
                 tl.atomic_add(GradTable + bias_row * num_heads + head, grad_scores, mask=seen, sem="relaxed")
     for step in range(EXTRA_STEPS):
         rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
-        k = _load(ExtraK, image, xk_batch, rows, xk_row, head, k_ok, HEAD_QK, BLOCK_QK)
-        scores = _scores(q, k, seen, 0.0, sm_scale, DOT_PRECISION, ACC)
-        v = _load(ExtraV, image, xv_batch, rows, xv_row, head, k_ok, HEAD_V, BLOCK_V)
+        k, v, scores = _key_block(
+            ExtraK, ExtraV, image, xk_batch, xk_row, xv_batch, xv_row, rows, head, k_ok, q, seen, 0.0, sm_scale,
+            HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+        )  # fmt: skip
         p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
         grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
         _key_gradients(
