@@ -446,9 +446,15 @@ def bias_table_rows(window: int) -> int:
 
 
 def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
-    """The kernels' inputs: the keys and values in q's dtype, every last dim contiguous, the table contiguous.
-    Refused: images whose rows 32-bit offsets cannot address, a table of another shape than (``bias_table_rows``,
-    heads) (the kernels would read and write past it)."""
+    """The kernels' inputs: every last dim contiguous, the table contiguous. Refused: keys and values in another
+    dtype than q (``window_attention_2d`` casts them), images whose rows 32-bit offsets cannot address, a table of
+    another shape than (``bias_table_rows``, heads) (the kernels would read and write past it)."""
+    if any(t.dtype != q.dtype for t in (k, v, extra_k, extra_v)):
+        raise ValueError(
+            "the window attention operators take q, k, v, extra_k and extra_v in one dtype, got "
+            f"{[str(t.dtype) for t in (q, k, v, extra_k, extra_v)]}; call window_attention_2d, which casts the keys "
+            "and values to q's dtype."
+        )
     if max(t.shape[1] * t.stride(1) for t in (q, k, v, extra_k, extra_v)) >= 2**31:
         raise ValueError(
             "window_attention_2d addresses the rows of an image with 32-bit offsets, and an image of q, k, v or the "
@@ -460,7 +466,6 @@ def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
             f"bias_table must have shape ({bias_table_rows(window)}, {num_heads}) for window={window} and "
             f"num_heads={num_heads} (one row per query-minus-key offset), got {tuple(bias_table.shape)}."
         )
-    k, v, extra_k, extra_v = (t.to(q.dtype) for t in (k, v, extra_k, extra_v))
     q, k, v, extra_k, extra_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, extra_k, extra_v))
     return q, k, v, extra_k, extra_v, None if bias_table is None else bias_table.contiguous()
 
@@ -511,8 +516,8 @@ def _window_attention_2d_backward(
     num_heads: int,
     bias_table: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of q, k, v, extra_k, extra_v and the bias table (an empty tensor without one), in their dtypes,
-    contiguous."""
+    """The gradients of q, k, v, extra_k, extra_v (in their dtype, q's) and the bias table (in its own; an empty tensor
+    without one), contiguous."""
     _check_runnable(q)
     B, HW, _ = q.shape
     acc = _accumulator_dtype(q.dtype)
@@ -523,11 +528,8 @@ def _window_attention_2d_backward(
     grad_q = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     tensors = (grad_out.contiguous(), lse, delta, grad_q, *grads, table_grad)
     _launch(_window_attention_2d_backward_kernel, *inputs, tensors, (map_height, map_width), window, num_heads)
-    grad_k, grad_v, grad_extra_k, grad_extra_v = (
-        grad.to(t.dtype) for grad, t in zip(grads, (k, v, extra_k, extra_v), strict=True)
-    )
     table_grad = q.new_empty(0) if bias_table is None else table_grad.to(bias_table.dtype)
-    return grad_q, grad_k, grad_v, grad_extra_k, grad_extra_v, table_grad
+    return grad_q, *(grad.to(q.dtype) for grad in grads), table_grad
 
 
 @_window_attention_2d_backward.register_fake
@@ -577,6 +579,7 @@ def window_attention_2d(
     bias or None -> (B, HW, heads * d) in q's dtype. Keys and values are taken in q's dtype, as SDPA takes them under
     autocast (where DualLN's norms give float32 keys and values beside half-precision queries); their gradients come
     back in their own. The scale is ``d_qk ** -0.5``, as SDPA's."""
+    k, v, extra_k, extra_v = (t.to(q.dtype) for t in (k, v, extra_k, extra_v))  # autograd casts their gradients back
     out, _ = _window_attention_2d_forward(
         q, k, v, extra_k, extra_v, map_height, map_width, window, num_heads, bias_table
     )

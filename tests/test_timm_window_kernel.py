@@ -303,12 +303,15 @@ def test_keys_and_values_taken_in_the_queries_dtype():
 
 def test_operator_names_what_it_lacks(monkeypatch):
     """Called where it cannot run, the operator says why and what to do, before any work: a bias table of the wrong
-    size (the kernels would read and write past it), an image too large for 32-bit offsets, CPU tensors outside
-    Triton's interpreter, a torch build without Triton."""
+    size (the kernels would read and write past it), keys in another dtype than the queries (``window_attention_2d``
+    casts them), an image too large for 32-bit offsets, CPU tensors outside Triton's interpreter, a torch build
+    without Triton."""
     q = torch.zeros(1, 4, 8)
     sizes = {"map_height": 2, "map_width": 2, "window": 2, "num_heads": 1, "bias_table": None}
     with pytest.raises(ValueError, match=r"bias_table must have shape \(21, 1\) for window=2"):
         window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes | {"bias_table": torch.zeros(20, 1)})
+    with pytest.raises(ValueError, match=r"in one dtype, got .*float64.*call window_attention_2d"):
+        window_kernel_2d._window_attention_2d_forward(q, q.double(), q, q[:, :0], q[:, :0], 2, 2, 2, 1, None)
     huge = torch.empty_strided((1, 2, 8), (2**32, 2**30, 1), device="meta")  # rows 2**30 elements apart
     with pytest.raises(ValueError, match="32-bit offsets.*window_kernel_devices empty"):
         window_kernel_2d._inputs(huge, q, q, q[:, :0], q[:, :0], None, 2, 1)
