@@ -129,11 +129,12 @@ def _rectangle(
     WINDOW: tl.constexpr, EXTENT: tl.constexpr, RECT_H: tl.constexpr, RECT_W: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The program's image and head, its rectangle's queries (map row and column per lane, whether inside the map),
-    each query's window start on each axis ([lo, lo + w + 2e), ``window_bounds``), and the region of patch keys the
-    rectangle's windows span in the map: its top row, left column, rows up to ``key_bottom``, ``region_w`` columns,
-    ``window_steps`` blocks of keys. One program per (image x head, rectangle), the grid flat (no axis limit of
-    65,535), neighbouring rectangles next to each other (they share keys in the cache)."""
+    """The program's image and head, its rectangle's queries (their rows in raster order, whether inside the map),
+    the ``region`` of patch keys the rectangle's windows span (what ``_window_keys`` reads: each query's map row and
+    column and window start on each axis, [lo, lo + w + 2e) as ``window_bounds`` gives it; the region's top row, left
+    column, bottom row (excluded) and width; the map's width) and the ``window_steps`` blocks of keys it holds. One
+    program per (image x head, rectangle), the grid flat (no axis limit of 65,535), neighbouring rectangles next to
+    each other (they share keys in the cache)."""
     rect, image_head = tl.program_id(0) % programs, tl.program_id(0) // programs
     image, head = image_head // num_heads, image_head % num_heads
     top, left = rect // rects_per_row * RECT_H, rect % rects_per_row * RECT_W
@@ -146,7 +147,8 @@ def _rectangle(
     key_bottom = tl.minimum(last_y // WINDOW * WINDOW + WINDOW + EXTENT, map_h)
     region_w = tl.minimum(last_x // WINDOW * WINDOW + WINDOW + EXTENT, map_w) - key_left
     window_steps = tl.cdiv((key_bottom - key_top) * region_w, BLOCK_K)
-    return image.to(tl.int64), head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps
+    region = (qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w)
+    return image.to(tl.int64), head, qy * map_w + qx, q_ok, region, window_steps
 
 
 @_jit
@@ -160,12 +162,13 @@ def _window_bias(Table, bias_row, seen, head, num_heads, HAS_BIAS: tl.constexpr,
 
 @_jit
 def _window_keys(
-    step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head, num_heads,
+    step, region, Table, head, num_heads,
     WINDOW: tl.constexpr, EXTENT: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Block ``step`` of the region's patch keys, row by row: their rows in raster order, which exist, which each
-    query sees (the window rule), each (query, key)'s ViL-LS bias row (``_vil_bias_row`` of the query-minus-key
-    offsets; EXTENT = w // 2 where the table exists) and its bias (``_window_bias``)."""
+    """Block ``step`` of the ``region``'s patch keys (``_rectangle``), row by row: their rows in raster order, which
+    exist, which each query sees (the window rule), each (query, key)'s ViL-LS bias row (``_vil_bias_row`` of the
+    query-minus-key offsets; EXTENT = w // 2 where the table exists) and its bias (``_window_bias``)."""
+    qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w = region
     j = step * BLOCK_K + tl.arange(0, BLOCK_K)
     ky, kx = key_top + j // region_w, key_left + j % region_w
     k_ok = j < (key_bottom - key_top) * region_w
@@ -206,24 +209,38 @@ def _load(Base, image, batch, rows, row, head, ok, HEAD: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _scores(q, k, seen, bias, sm_scale, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """The queries' scores against a key block in base 2 (``q k^T / sqrt(d) + bias``, times log2(e)), -inf where
-    unseen."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC) * sm_scale + bias
-    return tl.where(seen, scores * 1.4426950408889634, float("-inf"))
-
-
-@_jit
 def _key_block(
-    Keys, Values, image, batch_k, row_k, batch_v, row_v, rows, head, k_ok, q, seen, bias, sm_scale,
+    Keys, Values, strides, image, rows, head, k_ok, q, seen, bias, sm_scale,
     HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """A block of keys (``rows`` of one image and head of ``Keys``), the queries' scores against it (``_scores``) and
-    its values."""
-    k = _load(Keys, image, batch_k, rows, row_k, head, k_ok, HEAD_QK, BLOCK_QK)
-    scores = _scores(q, k, seen, bias, sm_scale, DOT_PRECISION, ACC)
-    return k, _load(Values, image, batch_v, rows, row_v, head, k_ok, HEAD_V, BLOCK_V), scores
+    """A block of keys (``rows`` of one image and head; ``strides``: the keys' image and row strides, the values'),
+    the queries' scores against it in base 2 (``q k^T / sqrt(d) + bias``, times log2(e); -inf where unseen) and its
+    values."""
+    k_batch, k_row, v_batch, v_row = strides
+    k = _load(Keys, image, k_batch, rows, k_row, head, k_ok, HEAD_QK, BLOCK_QK)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC) * sm_scale + bias
+    scores = tl.where(seen, scores * 1.4426950408889634, float("-inf"))
+    return k, _load(Values, image, v_batch, rows, v_row, head, k_ok, HEAD_V, BLOCK_V), scores
+
+
+@_jit
+def _window_block(
+    K, V, strides, Table, image, head, num_heads, step, region, q, sm_scale,
+    WINDOW: tl.constexpr, EXTENT: tl.constexpr, HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """Block ``step`` of the window's keys, their values and the queries' scores against them (``_key_block``), and
+    the block's ``_window_keys``: its rows, which exist, which each query sees, the bias rows."""
+    rows, k_ok, seen, bias_row, bias = _window_keys(
+        step, region, Table, head, num_heads, WINDOW, EXTENT, BLOCK_K, HAS_BIAS, ACC
+    )
+    k, v, scores = _key_block(
+        K, V, strides, image, rows, head, k_ok, q, seen, bias, sm_scale,
+        HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+    )  # fmt: skip
+    return k, v, scores, (rows, k_ok, seen, bias_row)
 
 
 @_jit
@@ -249,29 +266,24 @@ def _window_attention_2d_kernel(
     """The forward pass: each query's output (``Out``, contiguous) and log-sum-exp of its scores in base 2 (``Lse``,
     (B, HW, heads)). ``WINDOW_STEPS``: the most key blocks a rectangle's window needs; a program whose window holds
     fewer skips its last steps (a loop bound of the program's own would not run in Triton 3.6's interpreter)."""
-    image, head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps = _rectangle(
+    image, head, q_rows, q_ok, region, window_steps = _rectangle(
         num_heads, map_h, map_w, rects_per_row, programs, WINDOW, EXTENT, RECT_H, RECT_W, BLOCK_Q, BLOCK_K
     )
-    q_rows = qy * map_w + qx
     q = _load(Q, image, q_batch, q_rows, q_row, head, q_ok, HEAD_QK, BLOCK_QK)
     m = tl.full([BLOCK_Q], -1.0e30, ACC)  # finite: a row that has seen nothing yet keeps exp2(m - m_new) = 1
     total = tl.zeros([BLOCK_Q], ACC)
     acc = tl.zeros([BLOCK_Q, BLOCK_V], ACC)
     for step in range(WINDOW_STEPS):
         if step < window_steps:
-            rows, k_ok, seen, _, bias = _window_keys(
-                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head,
-                num_heads, WINDOW, EXTENT, BLOCK_K, HAS_BIAS, ACC,
-            )  # fmt: skip
-            _, v, scores = _key_block(
-                K, V, image, k_batch, k_row, v_batch, v_row, rows, head, k_ok, q, seen, bias, sm_scale,
-                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
+            _, v, scores, _ = _window_block(
+                K, V, (k_batch, k_row, v_batch, v_row), Table, image, head, num_heads, step, region, q, sm_scale,
+                WINDOW, EXTENT, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, BLOCK_K, HAS_BIAS, DOT_PRECISION, ACC,
             )  # fmt: skip
             m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
     for step in range(EXTRA_STEPS):
         rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
         _, v, scores = _key_block(
-            ExtraK, ExtraV, image, xk_batch, xk_row, xv_batch, xv_row, rows, head, k_ok, q, seen, 0.0, sm_scale,
+            ExtraK, ExtraV, (xk_batch, xk_row, xv_batch, xv_row), image, rows, head, k_ok, q, seen, 0.0, sm_scale,
             HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
         )  # fmt: skip
         m, total, acc = _softmax_step(scores, v, m, total, acc, DOT_PRECISION, ACC)
@@ -283,13 +295,19 @@ def _window_attention_2d_kernel(
 
 
 @_jit
-def _key_gradients(
-    GradK, GradV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, keys, num_heads,
+def _block_gradients(
+    GradK, GradV, image, rows, head, k_ok, keys, num_heads, q, k, v, scores, lse, delta, grad_out, grad_q, sm_scale,
     HEAD_QK: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Adds a key block's share of its gradients from the program's queries to ``GradK`` and ``GradV`` (contiguous
-    (B, keys, heads * d)): ``dS^T q / sqrt(d)`` and ``P^T dO``."""
+    """A key block's part of the backward pass (FlashAttention-2's): its probabilities from the forward's log-sum-exp
+    and the gradient of the natural scores, ``dS = P * (dO v^T - delta)`` (delta the row sums of ``dO * O``); adds
+    ``dS k`` to the queries' gradient (``grad_q``, before its 1 / sqrt(d)) and the block's shares of its own,
+    ``dS^T q / sqrt(d)`` and ``P^T dO``, to ``GradK`` and ``GradV`` (contiguous (B, keys, heads * d)). Returns the
+    queries' gradient and dS."""
+    p = tl.exp2(scores - lse[:, None])
+    grad_scores = p * (tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION).to(ACC) - delta[:, None])
+    grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
     grad_k = tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=DOT_PRECISION) * sm_scale
     pointers, exist = _tile(
         GradK, image, keys * num_heads * HEAD_QK, rows, num_heads * HEAD_QK, head, k_ok, HEAD_QK, BLOCK_QK
@@ -300,15 +318,7 @@ def _key_gradients(
         GradV, image, keys * num_heads * HEAD_V, rows, num_heads * HEAD_V, head, k_ok, HEAD_V, BLOCK_V
     )
     tl.atomic_add(pointers, grad_v, mask=exist, sem="relaxed")
-
-
-@_jit
-def _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """The probabilities of a key block (from the forward's log-sum-exp) and the gradient of the natural scores,
-    ``dS = P * (dO v^T - delta)``, delta the row sums of ``dO * O``."""
-    p = tl.exp2(scores - lse[:, None])
-    grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION).to(ACC)
-    return p, p * (grad_p - delta[:, None])
+    return grad_q, grad_scores
 
 
 @_jit
@@ -324,11 +334,10 @@ def _window_attention_2d_backward_kernel(
     """The backward pass over the forward's programs and keys: the queries' gradient (``GradQ``, written), and the
     shares of the keys', values' (``GradK`` ... ``GradExtraV``) and bias table's gradients (``GradTable``), added.
     ``GradOut``, ``GradQ`` and the added gradients contiguous; ``Lse`` and ``Delta`` (B, HW, heads)."""
-    image, head, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, window_steps = _rectangle(
+    image, head, q_rows, q_ok, region, window_steps = _rectangle(
         num_heads, map_h, map_w, rects_per_row, programs, WINDOW, EXTENT, RECT_H, RECT_W, BLOCK_Q, BLOCK_K
     )
     HW = map_h * map_w
-    q_rows = qy * map_w + qx
     q = _load(Q, image, q_batch, q_rows, q_row, head, q_ok, HEAD_QK, BLOCK_QK)
     out_row = num_heads * HEAD_V
     grad_out = _load(GradOut, image, HW * out_row, q_rows, out_row, head, q_ok, HEAD_V, BLOCK_V)
@@ -337,33 +346,26 @@ def _window_attention_2d_backward_kernel(
     grad_q = tl.zeros([BLOCK_Q, BLOCK_QK], ACC)
     for step in range(WINDOW_STEPS):
         if step < window_steps:
-            rows, k_ok, seen, bias_row, bias = _window_keys(
-                step, qy, qx, q_ok, y_lo, x_lo, key_top, key_left, key_bottom, region_w, map_w, Table, head,
-                num_heads, WINDOW, EXTENT, BLOCK_K, HAS_BIAS, ACC,
+            k, v, scores, keys = _window_block(
+                K, V, (k_batch, k_row, v_batch, v_row), Table, image, head, num_heads, step, region, q, sm_scale,
+                WINDOW, EXTENT, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, BLOCK_K, HAS_BIAS, DOT_PRECISION, ACC,
             )  # fmt: skip
-            k, v, scores = _key_block(
-                K, V, image, k_batch, k_row, v_batch, v_row, rows, head, k_ok, q, seen, bias, sm_scale,
-                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
-            )  # fmt: skip
-            p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
-            grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
-            _key_gradients(
-                GradK, GradV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, HW, num_heads,
-                HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION,
+            rows, k_ok, seen, bias_row = keys
+            grad_q, grad_scores = _block_gradients(
+                GradK, GradV, image, rows, head, k_ok, HW, num_heads, q, k, v, scores, lse, delta, grad_out, grad_q,
+                sm_scale, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
             )  # fmt: skip
             if HAS_BIAS:
                 tl.atomic_add(GradTable + bias_row * num_heads + head, grad_scores, mask=seen, sem="relaxed")
     for step in range(EXTRA_STEPS):
         rows, k_ok, seen = _extra_keys(step, q_ok, num_extra, BLOCK_K)
         k, v, scores = _key_block(
-            ExtraK, ExtraV, image, xk_batch, xk_row, xv_batch, xv_row, rows, head, k_ok, q, seen, 0.0, sm_scale,
+            ExtraK, ExtraV, (xk_batch, xk_row, xv_batch, xv_row), image, rows, head, k_ok, q, seen, 0.0, sm_scale,
             HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
         )  # fmt: skip
-        p, grad_scores = _score_gradients(scores, lse, delta, grad_out, v, DOT_PRECISION, ACC)
-        grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
-        _key_gradients(
-            GradExtraK, GradExtraV, image, rows, head, k_ok, q, grad_out, p, grad_scores, sm_scale, num_extra,
-            num_heads, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION,
+        grad_q, _ = _block_gradients(
+            GradExtraK, GradExtraV, image, rows, head, k_ok, num_extra, num_heads, q, k, v, scores, lse, delta,
+            grad_out, grad_q, sm_scale, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
         )  # fmt: skip
     q_width = num_heads * HEAD_QK
     pointers, exist = _tile(GradQ, image, HW * q_width, q_rows, q_width, head, q_ok, HEAD_QK, BLOCK_QK)
