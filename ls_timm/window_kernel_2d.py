@@ -346,11 +346,11 @@ def _window_attention_2d_backward_kernel(
     grad_q = tl.zeros([BLOCK_Q, BLOCK_QK], ACC)
     for step in range(WINDOW_STEPS):
         if step < window_steps:
-            k, v, scores, keys = _window_block(
+            k, v, scores, block = _window_block(
                 K, V, (k_batch, k_row, v_batch, v_row), Table, image, head, num_heads, step, region, q, sm_scale,
                 WINDOW, EXTENT, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, BLOCK_K, HAS_BIAS, DOT_PRECISION, ACC,
             )  # fmt: skip
-            rows, k_ok, seen, bias_row = keys
+            rows, k_ok, seen, bias_row = block
             grad_q, grad_scores = _block_gradients(
                 GradK, GradV, image, rows, head, k_ok, HW, num_heads, q, k, v, scores, lse, delta, grad_out, grad_q,
                 sm_scale, HEAD_QK, HEAD_V, BLOCK_QK, BLOCK_V, DOT_PRECISION, ACC,
