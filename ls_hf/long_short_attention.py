@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import long_short_blocks
 from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, extra_key_copies, long_short_flex_attend
@@ -61,6 +62,7 @@ from .long_short_kernels import (
     layer_norm_in_place,
     recoverable_layer_norms,
     segments_heads_first,
+    tensor_state,
 )
 from .long_short_rules import (
     check_attn_implementation,
@@ -99,12 +101,30 @@ COMPILED_LAYER_DEVICES = ("cuda",)
 # ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes P in the backward pass, and the
 # Linears' outputs where ``LN_L`` is not applied with the joined keys (``_joins_local_norm``; bench/RESULTS.md).
 RECOMPUTE_MEMORY_BUDGET = 0.3
+# Each global_attention_mask's count of global tokens (``most_global_tokens``): (the attention_mask beside it, the
+# two masks' ``tensor_state``, the count).
+_GLOBAL_COUNTS = WeakIdKeyDictionary()
 
 
 def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
     """Whether ``attn_implementation="sdpa"`` runs the fused path for the input ``x``: on ``FUSED_DEVICES``, in
     ``FUSED_DTYPES`` (float64 stays on SDPA), and with no attention dropout active (FlexAttention has none)."""
     return x.device.type in FUSED_DEVICES and x.dtype in FUSED_DTYPES and not dropout
+
+
+@torch.compiler.disable
+def most_global_tokens(is_global: Tensor, global_attention_mask: Tensor, attention_mask: Tensor | None) -> int:
+    """The most global tokens of a sample: ``is_global`` (B, n) bool, as the layer makes it from the two masks,
+    counted once while the same masks come again unchanged. A model passes the same two to every layer: one read of
+    the device a forward pass, where a read per layer would stall the host at every layer. Run outside any
+    compilation, as the count is a read anyway: the kept counts are this function's state, not a traced graph's."""
+    states = tuple(tensor_state(mask) for mask in (global_attention_mask, attention_mask) if mask is not None)
+    counted = _GLOBAL_COUNTS.get(global_attention_mask)
+    if counted is not None and counted[0] is attention_mask and None not in states and counted[1] == states:
+        return counted[2]
+    count = int(is_global.sum(1).max())
+    _GLOBAL_COUNTS[global_attention_mask] = (attention_mask, states, count)
+    return count
 
 
 def compiles_layer(x: Tensor, *, compile_attention: bool) -> bool:
@@ -455,8 +475,8 @@ class LongShortSelfAttention(nn.Module):
         """Whether the joined keys take ``LN_L`` too (``JoinedProjectedKeys`` given its gains), so that the key and
         value Linears' outputs are not kept for ``LN_L``'s backward pass: with DualLN, where the keys are joined
         (``_joins_keys``), with autograd recording, outside a compilation of the caller's, and where ``LN_L``'s input
-        can be recovered from its output (``recoverable_layer_norms``: one read of the gains, which waits for their
-        device)."""
+        can be recovered from its output (``recoverable_layer_norms``: the gains read again only after they changed,
+        one read for every layer's)."""
         return (
             self.dual_ln_local is not None
             and self._joins_keys(backend, cached=cached)
@@ -635,7 +655,9 @@ class LongShortSelfAttention(nn.Module):
             hidden_states,
             valid=valid,
             is_global=is_global,
-            global_count=0 if is_global is None else int(is_global.sum(1).max()),
+            global_count=0
+            if is_global is None
+            else most_global_tokens(is_global, global_attention_mask, attention_mask),
             cls_hidden=cls_hidden,
             state=state,
             backend=backend,

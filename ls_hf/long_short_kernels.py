@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .long_short_rules import projected, projection_weights
 
@@ -42,6 +43,7 @@ __all__ = [
     "layer_norm_input_grad",
     "recoverable_layer_norms",
     "segments_heads_first",
+    "tensor_state",
 ]
 
 # The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
@@ -200,14 +202,52 @@ class LayerNormInPlace(torch.autograd.Function):
 
 
 LN_MIN_GAMMA = 1e-3
+# What ``recoverable_layer_norms`` read of each LayerNorm gain: (the gain's ``tensor_state`` then, the answer).
+_GAIN_READS = WeakIdKeyDictionary()
 
 
+@torch.compiler.disable
 def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
     """Whether the normalized input ``x_hat = (y - beta) / gamma`` can be recovered from each LayerNorm's output y:
-    gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. Reading the answer waits for the gains' device."""
+    gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. Each gain's answer holds until the gain changes;
+    one not known is read from the device (``_read_gains``), which waits for it, with every other gain read before
+    that changed since: in training, one read a step for a whole model's layers, where a read per layer would stall
+    the host at every layer. Run outside any compilation (the answers kept are this function's state)."""
     if any(norm.weight is None or norm.bias is None for norm in norms):
         return False
-    return bool(torch.cat([norm.weight.detach().abs().flatten() for norm in norms]).min() >= LN_MIN_GAMMA)
+    gains = [norm.weight for norm in norms]
+    answers = [_known_answer(gain) for gain in gains]
+    if None in answers:
+        answers = _read_gains(gains)
+    return all(answers)
+
+
+def tensor_state(x: Tensor) -> tuple[int, int] | None:
+    """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
+    in-place update moves on (an optimizer step's, ``load_state_dict``'s); None for an inference tensor, which has no
+    counter (a read from it holds for no later call)."""
+    return None if x.is_inference() else (x.data_ptr(), x._version)
+
+
+def _known_answer(gain: Tensor) -> bool | None:
+    state, answer = _GAIN_READS.get(gain, (None, None))
+    return answer if state is not None and state == tensor_state(gain) else None
+
+
+def _read_gains(gains: list[Tensor]) -> list[bool]:
+    """``|gamma| >= LN_MIN_GAMMA`` for each of ``gains``, read in one read of their device together with the gains
+    read before on it whose answer no longer holds; every answer is kept (``_GAIN_READS``)."""
+    device = gains[0].device
+    stale = [
+        gain
+        for gain in _GAIN_READS
+        if gain.device == device and _known_answer(gain) is None and not any(gain is asked for asked in gains)
+    ]
+    read = [*gains, *stale]
+    answers = torch.stack([gain.detach().abs().amin() >= LN_MIN_GAMMA for gain in read]).tolist()
+    for gain, answer in zip(read, answers):
+        _GAIN_READS[gain] = (tensor_state(gain), answer)
+    return answers[: len(gains)]
 
 
 def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:

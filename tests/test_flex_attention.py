@@ -6,6 +6,7 @@ Checked, never timed. Eager FlexAttention warns that it materialises the scores;
 
 import contextlib
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -565,6 +566,75 @@ def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
         for key, expected in grads[1].items():
             torch.testing.assert_close(grads[0][key], expected, atol=1e-9, rtol=0, msg=f"{name}: {key}")
     assert kept["joined"] <= kept["small gain"] - 2
+
+
+def counting_device_reads(monkeypatch) -> Counter:
+    """From now on, count every read of a tensor's values on the host (``bool``, ``int``, ``item``, ``tolist``), each
+    of which waits for the device on a GPU."""
+    reads = Counter()
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            reads[name] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in ("__bool__", "__int__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    return reads
+
+
+def test_training_reads_the_device_once_a_step_for_all_layers(monkeypatch):
+    """On the fused path a model's layers read the device once a step in all, not once each (on a GPU every read
+    stalls the host until the device has caught up): the LN_L gains (``recoverable_layer_norms``) are read again only
+    after an optimizer step changed them, then every layer's in one read, and not at all while they stay; a gain set
+    below ``LN_MIN_GAMMA`` in place is seen by the next step. A classification head's global tokens are counted once
+    a forward pass for all layers (``most_global_tokens``), and again when the global mask changes in place: the
+    output is that of a fresh mask."""
+    from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification, long_short_attention, long_short_blocks
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    torch.manual_seed(0)
+    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3)).double()
+    layers = [layer.attention.self for layer in model.long_short.encoder.layer]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = tokens(length=24)
+
+    def step(update: bool) -> dict:
+        reads.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if update:
+            optimizer.step()
+        return dict(reads)
+
+    reads = counting_device_reads(monkeypatch)
+    assert step(update=True) == {"tolist": 3}  # the first step: each layer's gains, as it meets them
+    assert step(update=False) == {"tolist": 1}  # changed by the update: every layer's in one read
+    assert step(update=False) == {}
+    with torch.no_grad():
+        layers[1].dual_ln_local.weight[2] = 1e-4
+    assert [layer._joins_local_norm("flex", cached=False) for layer in layers] == [True, False, True]
+    assert step(update=False) == {}
+
+    classifier = LongShortForSequenceClassification(tiny_config(num_hidden_layers=3)).double().eval()
+    first = torch.zeros_like(ids)
+    first[:, 0] = 1
+    with torch.no_grad():
+        reads.clear()
+        classifier(input_ids=ids)  # the first token global, a new mask each forward pass
+        assert dict(reads) == {"__int__": 1}
+        classifier(input_ids=ids, global_attention_mask=first)
+        reads.clear()
+        classifier(input_ids=ids, global_attention_mask=first)
+        assert dict(reads) == {}
+        first[1, 1:4] = 1
+        reads.clear()
+        changed = classifier(input_ids=ids, global_attention_mask=first).logits
+        assert dict(reads) == {"__int__": 1}
+        assert_close(changed, classifier(input_ids=ids, global_attention_mask=first.clone()).logits, atol=EXACT)
 
 
 def test_cpu_training_is_refused_clearly():
