@@ -650,14 +650,13 @@ class LongShortSelfAttention(nn.Module):
             if compiled
             else LongShortSelfAttention._attend
         )
+        global_count = 0 if is_global is None else most_global_tokens(is_global, global_attention_mask, attention_mask)
         return attend(
             self,
             hidden_states,
             valid=valid,
             is_global=is_global,
-            global_count=0
-            if is_global is None
-            else most_global_tokens(is_global, global_attention_mask, attention_mask),
+            global_count=global_count,
             cls_hidden=cls_hidden,
             state=state,
             backend=backend,
