@@ -22,6 +22,8 @@ Transformers or timm.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -202,8 +204,10 @@ class LayerNormInPlace(torch.autograd.Function):
 
 
 LN_MIN_GAMMA = 1e-3
-# What ``recoverable_layer_norms`` read of each LayerNorm gain: (the gain's ``tensor_state`` then, the answer).
+# What ``recoverable_layer_norms`` read of each LayerNorm gain: (the gain's ``tensor_state`` then, the answer); the
+# lock serialises threads (``nn.DataParallel`` runs its replicas' layers in threads).
 _GAIN_READS = WeakIdKeyDictionary()
+_GAIN_READS_LOCK = threading.Lock()
 
 
 @torch.compiler.disable
@@ -216,17 +220,20 @@ def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
     if any(norm.weight is None or norm.bias is None for norm in norms):
         return False
     gains = [norm.weight for norm in norms]
-    answers = [_known_answer(gain) for gain in gains]
-    if None in answers:
-        answers = _read_gains(gains)
+    with _GAIN_READS_LOCK:
+        answers = [_known_answer(gain) for gain in gains]
+        if None in answers:
+            answers = _read_gains(gains)
     return all(answers)
 
 
 def tensor_state(x: Tensor) -> tuple[int, int] | None:
     """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
-    in-place update moves on (an optimizer step's, ``load_state_dict``'s); None for an inference tensor, which has no
-    counter (a read from it holds for no later call)."""
-    return None if x.is_inference() else (x.data_ptr(), x._version)
+    in-place update moves on (an optimizer step's, ``load_state_dict``'s). None, a read holding for no later call,
+    for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
+    if x.is_inference() or type(x) not in (Tensor, nn.Parameter):
+        return None
+    return x.data_ptr(), x._version
 
 
 def _known_answer(gain: Tensor) -> bool | None:
@@ -234,16 +241,27 @@ def _known_answer(gain: Tensor) -> bool | None:
     return answer if state is not None and state == tensor_state(gain) else None
 
 
+def _in_memory(x: Tensor) -> bool:
+    """Whether ``x`` has elements and its storage holds them (a sharded model's freed parameter keeps its shape over
+    an empty storage)."""
+    return x.numel() > 0 and (x.storage_offset() + x.numel()) * x.element_size() <= x.untyped_storage().nbytes()
+
+
 def _read_gains(gains: list[Tensor]) -> list[bool]:
-    """``|gamma| >= LN_MIN_GAMMA`` for each of ``gains``, read in one read of their device together with the gains
-    read before on it whose answer no longer holds; every answer is kept (``_GAIN_READS``)."""
+    """``|gamma| >= LN_MIN_GAMMA`` for each of ``gains``, in one read of their device together with the other gains
+    read before on it that changed since and are in memory (a sharded model frees its layers' full parameters
+    between their uses); every answer is kept (``_GAIN_READS``)."""
     device = gains[0].device
-    stale = [
+    changed = [
         gain
-        for gain in _GAIN_READS
-        if gain.device == device and _known_answer(gain) is None and not any(gain is asked for asked in gains)
+        for gain, (state, _) in _GAIN_READS.items()
+        if state is not None
+        and gain.device == device
+        and _in_memory(gain)
+        and state != tensor_state(gain)
+        and all(gain is not asked for asked in gains)
     ]
-    read = [*gains, *stale]
+    read = [*gains, *changed]
     answers = torch.stack([gain.detach().abs().amin() >= LN_MIN_GAMMA for gain in read]).tolist()
     for gain, answer in zip(read, answers):
         _GAIN_READS[gain] = (tensor_state(gain), answer)

@@ -531,6 +531,43 @@ def test_config_recompute_window_tiles_reaches_every_layer():
         torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
 
 
+def test_layer_norm_gains_are_read_once_for_all_after_they_change():
+    """``recoverable_layer_norms`` reads a gain again only after it changed (an in-place update), and then with every
+    other changed gain in one read (``_read_gains``): in training one read a step for all layers. A gain whose
+    storage was freed (a sharded model between its layer's uses; reading it would crash) is left to its own next
+    call, and an inference tensor's gain, which has no version counter, is read at every call."""
+    torch.manual_seed(0)
+    norms = [torch.nn.LayerNorm(4) for _ in range(3)]
+    read = patch.object(long_short_kernels, "_read_gains", wraps=long_short_kernels._read_gains)
+
+    def reads(*calls) -> tuple[int, list[bool]]:
+        with read as counted:
+            answers = [long_short_kernels.recoverable_layer_norms(*(norms[i] for i in call)) for call in calls]
+        return counted.call_count, answers
+
+    assert reads([0], [1], [2]) == (3, [True] * 3)  # each gain as it is first met
+    assert reads([0], [1, 2], [2]) == (0, [True] * 3)
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.mul_(2)
+    assert reads([2], [0], [1]) == (1, [True] * 3)  # the first reads all three
+    with torch.no_grad():
+        norms[1].weight[3] = 1e-4
+    assert reads([0], [1], [0, 1]) == (1, [True, False, False])
+    with torch.no_grad():
+        norms[0].weight.add_(1)
+        norms[2].weight.add_(1)
+    norms[2].weight.untyped_storage().resize_(0)
+    assert reads([0]) == (1, [True])
+    norms[2].weight.untyped_storage().resize_(4 * 4)
+    with torch.no_grad():
+        norms[2].weight.fill_(0.0)
+    assert reads([2], [0]) == (1, [False, True])
+    with torch.inference_mode():
+        norms[1] = torch.nn.LayerNorm(4)
+    assert reads([1], [1]) == (2, [True, True])
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 2**20])
 def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
     """``LN_L`` written over its input and saving its output: the output and the gradients of the input, gain and
