@@ -231,9 +231,11 @@ def tensor_state(x: Tensor) -> tuple[int, int] | None:
     """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
     in-place update moves on (an optimizer step's, ``load_state_dict``'s). None, a read holding for no later call,
     for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
-    if x.is_inference() or type(x) not in (Tensor, nn.Parameter):
-        return None
-    return x.data_ptr(), x._version
+    return (x.data_ptr(), x._version) if _plain(x) and not x.is_inference() else None
+
+
+def _plain(x: Tensor) -> bool:
+    return type(x) in (Tensor, nn.Parameter)
 
 
 def _known_answer(gain: Tensor) -> bool | None:
@@ -261,6 +263,8 @@ def _read_gains(gains: list[Tensor]) -> list[bool]:
         and state != tensor_state(gain)
         and all(gain is not asked for asked in gains)
     ]
+    if not all(_plain(gain) for gain in gains):  # a subclass's read (a sharded gain's) does not mix with the others'
+        changed = []
     read = [*gains, *changed]
     answers = torch.stack([gain.detach().abs().amin() >= LN_MIN_GAMMA for gain in read]).tolist()
     for gain, answer in zip(read, answers):

@@ -535,7 +535,8 @@ def test_layer_norm_gains_are_read_once_for_all_after_they_change():
     """``recoverable_layer_norms`` reads a gain again only after it changed (an in-place update), and then with every
     other changed gain in one read (``_read_gains``): in training one read a step for all layers. A gain whose
     storage was freed (a sharded model between its layer's uses; reading it would crash) is left to its own next
-    call, and an inference tensor's gain, which has no version counter, is read at every call."""
+    call; an inference tensor's gain, which has no version counter, and a tensor subclass's (a sharded parameter's,
+    whose read would not mix with the others') are read alone at every call."""
     torch.manual_seed(0)
     norms = [torch.nn.LayerNorm(4) for _ in range(3)]
     read = patch.object(long_short_kernels, "_read_gains", wraps=long_short_kernels._read_gains)
@@ -566,6 +567,14 @@ def test_layer_norm_gains_are_read_once_for_all_after_they_change():
     with torch.inference_mode():
         norms[1] = torch.nn.LayerNorm(4)
     assert reads([1], [1]) == (2, [True, True])
+
+    class Sharded(torch.Tensor):  # a tensor subclass, as a sharded parameter is
+        pass
+
+    norms[2].weight = torch.nn.Parameter(torch.ones(4).as_subclass(Sharded))
+    with torch.no_grad():
+        norms[0].weight.add_(1)
+    assert reads([2], [0], [2]) == (3, [True, True, True])  # read alone, at every call
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2**20])
