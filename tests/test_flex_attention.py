@@ -637,6 +637,36 @@ def test_training_reads_the_device_once_a_step_for_all_layers(monkeypatch):
         assert_close(changed, classifier(input_ids=ids, global_attention_mask=first.clone()).logits, atol=EXACT)
 
 
+@pytest.mark.compiled_layer
+def test_training_step_on_cuda_never_waits_for_the_device(device, dtype):
+    """On CUDA a training step of the encoder's layers on the default path (the fused path, each layer compiled around
+    its kernel), once their gains have been read, makes the host wait for the device nowhere:
+    ``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronizing call. (The embeddings are left out:
+    CUDA's embedding backward may synchronize, in any model.) The CPU counts the host's reads instead
+    (``test_training_reads_the_device_once_a_step_for_all_layers``)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA only: synchronizations are CUDA's")
+    torch.manual_seed(0)
+    encoder = LongShortModel(tiny_config(num_hidden_layers=3)).encoder.to(device=device, dtype=dtype)
+    x = torch.randn(2, 120, 32, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        encoder.zero_grad(set_to_none=True)
+        loss = encoder(hidden_states=x).float().square().mean()
+        loss.backward()
+        return loss.detach()
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
+
+
 def test_cpu_training_is_refused_clearly():
     flex = make(window=3, rank=2, attn_implementation="flex_attention")
     x, _ = inputs(flex, 1, 7)
