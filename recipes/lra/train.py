@@ -229,9 +229,14 @@ class BatchOrder:
 
 
 def on_device(batch, device: torch.device):
-    """A batch of :meth:`Examples.batch` (ids and masks per tower, labels) moved to ``device``."""
+    """A batch of :meth:`Examples.batch` (ids and masks per tower, labels) moved to ``device``: to a GPU from pinned
+    memory, without waiting (a copy from pageable memory waits until the GPU has run all it was given)."""
     ids, masks, labels = batch
-    return [t.to(device) for t in ids], [t.to(device) for t in masks], labels.to(device)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+    return [move(t) for t in ids], [move(t) for t in masks], move(labels)
 
 
 @torch.no_grad()
@@ -396,14 +401,14 @@ def main(argv=None):
         optimizer.step()
         scheduler.step()
         state["step"] += 1
-        losses.append(loss.item())
+        losses.append(loss.detach())  # read at the next evaluation: a read every step would stall the host
         bar.update(1)
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             state["train_seconds"] += time.perf_counter() - tick
             dev, dev_loss = evaluate(model, splits["dev"], args.eval_batch_size, multiple)
             record = {
                 "step": state["step"],
-                "train_loss": float(np.mean(losses)),
+                "train_loss": torch.stack(losses).mean().item(),
                 "dev_accuracy": dev,
                 "dev_loss": dev_loss,
                 "lr": scheduler.get_last_lr()[0],
