@@ -253,19 +253,17 @@ def _read_gains(gains: list[Tensor]) -> list[bool]:
     """``|gamma| >= LN_MIN_GAMMA`` for each of ``gains``, in one read of their device together with the other gains
     read before on it that changed since and are in memory (a sharded model frees its layers' full parameters
     between their uses); every answer is kept (``_GAIN_READS``)."""
-    device = gains[0].device
-    changed = [
-        gain
-        for gain, (state, _) in _GAIN_READS.items()
-        if state is not None
-        and gain.device == device
-        and _in_memory(gain)
-        and state != tensor_state(gain)
-        and all(gain is not asked for asked in gains)
-    ]
-    if not all(_plain(gain) for gain in gains):  # a subclass's read (a sharded gain's) does not mix with the others'
-        changed = []
-    read = [*gains, *changed]
+    read = list(gains)
+    if all(_plain(gain) for gain in gains):  # a subclass's read (a sharded gain's) does not mix with the others'
+        read += [
+            gain
+            for gain, (state, _) in _GAIN_READS.items()
+            if state is not None
+            and gain.device == gains[0].device
+            and _in_memory(gain)
+            and state != tensor_state(gain)
+            and all(gain is not asked for asked in gains)
+        ]
     answers = torch.stack([gain.detach().abs().amin() >= LN_MIN_GAMMA for gain in read]).tolist()
     for gain, answer in zip(read, answers):
         _GAIN_READS[gain] = (tensor_state(gain), answer)
