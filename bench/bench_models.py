@@ -171,12 +171,19 @@ def training_step(
     dtype: str = "fp32",
     *,
     batch: int = 1,
+    optimizer_step: bool = False,
     **build,
 ):
     """A closure running one training step (forward + backward of the MLM loss over ``batch`` sequences of n tokens)
-    of a freshly built peer; ``build``: ``build_mlm``'s keyword arguments."""
+    of a freshly built peer; ``build``: ``build_mlm``'s keyword arguments. ``optimizer_step``: the step ends with
+    AdamW's update of every parameter (fused on CUDA), as a step of real training does."""
     torch.manual_seed(0)
     model = build_mlm(peer, n, layers, vocab, device=device, **build).to(device, DTYPES[dtype]).train()
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.device(device).type == "cuda")
+        if optimizer_step
+        else None
+    )
     if checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     ids = torch.randint(3, vocab, (batch, n), device=device)
@@ -188,6 +195,8 @@ def training_step(
     def step():
         model.zero_grad(set_to_none=True)
         model(**inputs).loss.backward()
+        if optimizer is not None:
+            optimizer.step()
 
     return step
 

@@ -12,10 +12,10 @@ step, then timed rounds taken in turn, the median kept), each setting from a fre
   FlexAttention's own sliding window (+-w, compiled) (Long-Short's other paths on CUDA, the kernel alone compiled and
   the grouped SDPA path: ``python -m bench.bench_attention --device cuda --dtype bf16 --peers long-short
   long-short-kernel long-short-eager``);
-* masked LM: a training step of ``bench.bench_models``' base-width models (12 x 768) in tokens/s, at 4,096 tokens
-  (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa (SDPA), and at 8,192 ModernBERT-base too
-  (its config's 22 layers and widths, random weights, ``modernbert_attention``: flash attention 2 when installed,
-  else SDPA);
+* masked LM: a training step (forward, backward and AdamW's update) of ``bench.bench_models``' base-width models
+  (12 x 768) in tokens/s, at 4,096 tokens (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa
+  (SDPA), and at 8,192 ModernBERT-base too (its config's 22 layers and widths, random weights,
+  ``modernbert_attention``: flash attention 2 when installed, else SDPA);
 * decoding: ``bench.bench_models.measure_generation``, ms per token after 512 and 8,192 tokens of context, with and
   without the cache (2 layers, w = 256, l = 16, r = 1, as the earlier GPU measurement);
 * vision: inference at 224 and 448, batch 32: ``cvt_ls_13`` (also with ``attn_implementation="eager"``, its window
@@ -523,6 +523,7 @@ def _measure_mlm(plan: Plan, label: str, batch: int, peers: tuple[str, ...], rec
             width=plan.mlm_width,
             window=plan.attention.window,
             rank=plan.attention.rank,
+            optimizer_step=True,
         )
         for peer in peers
     }

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import timm
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
 from bench import gpu_bars
@@ -188,6 +189,25 @@ def test_chosen_sections_run_alone(tmp_path):
     assert all(row["verdict"] in ("PASS", "MISS") for row in rows)
     assert list(saved["meta"]["sections"]) == ["decoding"]
     assert {key.split("/")[0] for key in saved["measurements"]} == {"decoding"}
+
+
+def test_masked_lm_steps_end_with_the_optimizers_update(tmp_path):
+    """A masked-LM bar times a step of real training: forward, backward and AdamW's update of every parameter, for
+    each peer of each setting (a model and optimizer of its own)."""
+    steps = Counter()
+
+    def count(optimizer, args, kwargs):
+        assert type(optimizer) is torch.optim.AdamW
+        steps[id(optimizer)] += 1
+
+    hook = register_optimizer_step_post_hook(count)
+    try:
+        rows = gpu_bars.main(["--smoke", "--sections", "masked LM", "--jobs", "0", "--out", str(tmp_path / "b.json")])
+    finally:
+        hook.remove()
+    assert all(row["verdict"] in ("PASS", "MISS", "ref") for row in rows)
+    peers = sum(len(peers) for *_, peers in gpu_bars.MLM_RUNS)
+    assert len(steps) == peers and min(steps.values()) >= gpu_bars.SMOKE.repeats
 
 
 def test_no_time_left_marks_every_bar_not_run(tmp_path):
