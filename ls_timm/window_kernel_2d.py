@@ -401,12 +401,13 @@ def kernel_constants(
         "BLOCK_K": KEY_BLOCK,
         "HAS_BIAS": bias,
         "DOT_PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
-        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+        "ACC": {torch.float32: tl.float32, torch.float64: tl.float64}[_accumulator_dtype(dtype)],
     }
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the kernels' accumulators, log-sum-exps and added gradients (``kernel_constants``' ``ACC``)."""
+    """The dtype of the kernels' accumulators, log-sum-exps and added gradients (``kernel_constants``' ``ACC``):
+    float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
