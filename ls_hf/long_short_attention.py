@@ -62,7 +62,6 @@ from .long_short_kernels import (
     layer_norm_in_place,
     recoverable_layer_norms,
     segments_heads_first,
-    tensor_state,
 )
 from .long_short_rules import (
     check_attn_implementation,
@@ -72,6 +71,7 @@ from .long_short_rules import (
     projection_weights,
     segment_keep,
     takes_grad,
+    tensor_state,
     validate_long_short_args,
     window_extent,
     window_keep,
@@ -244,7 +244,8 @@ class JointInputs(NamedTuple):
     softmax (Eq. 6), the window keys of positions ``[k_start, k_start + L)`` and the ``extra`` keys (global tokens'
     and projected rows). ``offsets``: the rules see position ``p - offsets[b]`` in row b (a left-padded causal row
     counts from its first real token); None: ``p``. ``all_valid``: every key exists (no padding, no missing global
-    token), known without reading the masks."""
+    token), known without reading the masks. ``mask_source``: the masks and flags that the keys' validity follows
+    from (``long_short_flex_attend``'s ``key_valid_source``)."""
 
     q: Tensor  # (B, m, H, d_qk)
     q_start: int
@@ -255,6 +256,8 @@ class JointInputs(NamedTuple):
     extra: ExtraKeys | None
     offsets: Tensor | None = None  # (B,) long
     all_valid: bool = False
+    # what the keys' validity is a function of besides the layout (``forward``'s ``mask_source``), or None
+    mask_source: tuple | None = None
 
 
 class Tiles(NamedTuple):
@@ -661,16 +664,29 @@ class LongShortSelfAttention(nn.Module):
             state=state,
             backend=backend,
             local_norm_joined=self._joins_local_norm(backend, cached=state is not None),
+            # a model's layers get the same masks: the fused path builds their padded block mask once for all
+            mask_source=None if state is not None else (attention_mask, global_attention_mask, cls_hidden is not None),
         )
 
     def _attend(
-        self, hidden_states, *, valid, is_global, global_count, cls_hidden, state, backend, local_norm_joined=False
+        self,
+        hidden_states,
+        *,
+        valid,
+        is_global,
+        global_count,
+        cls_hidden,
+        state,
+        backend,
+        local_norm_joined=False,
+        mask_source=None,
     ) -> tuple[Tensor, Tensor | None]:
         """The layer after ``forward``'s checks and choice of backend: the projections, the attention and the output
         projection (as ``compiled_attention_layer`` runs it). ``global_count``: the most global tokens of a sample
         (counted before, so that the compiled layer's shapes follow from its arguments). ``local_norm_joined``:
         ``LN_L`` is applied where the keys are joined (``_joins_local_norm``, decided before, as it reads the
-        gains)."""
+        gains). ``mask_source``: the masks and flags that the keys' validity follows from, besides the layout (None
+        with a cache, whose keys' validity is the cache's too)."""
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, lean=backend == "lean", normalize=not local_norm_joined)
         if self.causal:
@@ -683,6 +699,7 @@ class LongShortSelfAttention(nn.Module):
                 state=state,
                 backend=backend,
                 local_norm=local_norm_joined,
+                mask_source=mask_source,
             )
         else:
             context, attn = self._bidirectional(
@@ -696,6 +713,7 @@ class LongShortSelfAttention(nn.Module):
                 global_count=global_count,
                 backend=backend,
                 local_norm=local_norm_joined,
+                mask_source=mask_source,
             )
         return self.output(context.flatten(2)), attn
 
@@ -758,10 +776,22 @@ class LongShortSelfAttention(nn.Module):
         )
 
     def _bidirectional(
-        self, *, q, k, v, hidden_states, valid, cls_hidden, is_global, global_count, backend, local_norm=False
+        self,
+        *,
+        q,
+        k,
+        v,
+        hidden_states,
+        valid,
+        cls_hidden,
+        is_global,
+        global_count,
+        backend,
+        local_norm=False,
+        mask_source=None,
     ):
         """``local_norm``: k, v are the Linears' outputs, normalized by ``LN_L`` where they are joined with the
-        projected rows (``_joins_local_norm``)."""
+        projected rows (``_joins_local_norm``). ``mask_source``: as ``JointInputs``'."""
         B, n = q.shape[:2]
         K = global_count
         masked = valid is not None
@@ -812,6 +842,7 @@ class LongShortSelfAttention(nn.Module):
             k_start=0,
             extra=extra,
             all_valid=not masked and not K,
+            mask_source=mask_source,
         )
         context, attn = self._joint_softmax(
             inputs, q_valid=local if masked or K else None, backend=backend, layout=layout
@@ -1067,7 +1098,16 @@ class LongShortSelfAttention(nn.Module):
             queries_per_copy=long_short_blocks.EXTRA_KEY_BAND,
         )
         keys, values = (x.to(q.dtype) for x in (keys, values))
-        return long_short_flex_attend(q, keys, values, key_layout, offsets=inputs.offsets, key_valid=key_valid), None
+        out = long_short_flex_attend(
+            q,
+            keys,
+            values,
+            key_layout,
+            offsets=inputs.offsets,
+            key_valid=key_valid,
+            key_valid_source=inputs.mask_source,
+        )
+        return out, None
 
     def _merged_with_extra_keys(self, inputs: JointInputs) -> Tensor:
         """``_attend_flex`` with the extra keys (seen by every query) apart from the kernel: FlexAttention over the
@@ -1081,7 +1121,9 @@ class LongShortSelfAttention(nn.Module):
         )
         k, v, extra_k, extra_v = (x.to(q.dtype) for x in (inputs.k, inputs.v, extra.keys, extra.values))
         key_valid = None if inputs.all_valid else inputs.k_valid
-        out_w, lse_w = long_short_flex_attend(q, k, v, key_layout, key_valid=key_valid, return_lse=True)
+        out_w, lse_w = long_short_flex_attend(
+            q, k, v, key_layout, key_valid=key_valid, return_lse=True, key_valid_source=inputs.mask_source
+        )
         q, out_w, extra_k, extra_v = (x.transpose(1, 2) for x in (q, out_w, extra_k, extra_v))  # heads first
         keep = extra.valid[:, None, None, :]
         out_e, lse_e = ExtraKeysAttention.apply(q, extra_k, extra_v, keep, 1 / math.sqrt(q.shape[-1]))
@@ -1103,10 +1145,13 @@ class LongShortSelfAttention(nn.Module):
         out = masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), keep)
         return out.transpose(1, 2)
 
-    def _causal(self, *, q, k, v, hidden, valid, state: CausalState | None, backend, local_norm=False):
+    def _causal(
+        self, *, q, k, v, hidden, valid, state: CausalState | None, backend, local_norm=False, mask_source=None
+    ):
         """Causal attention of n new tokens at positions ``[p0, p0 + n)`` given what ``state`` holds; extends it (None:
         a forward pass without a cache, from position 0). ``local_norm``: k, v are the Linears' outputs, normalized by
         ``LN_L`` where they are joined with the projected rows (``_joins_local_norm``), and here otherwise.
+        ``mask_source``: as ``JointInputs``'.
 
         Each row counts its window and projection segments from its first real token (``_first_real``), so a row's
         output does not depend on left padding beside it: the same rule in a full forward and in every cached call."""
@@ -1191,6 +1236,7 @@ class LongShortSelfAttention(nn.Module):
             extra=extra,
             offsets=offsets,
             all_valid=all_valid,
+            mask_source=mask_source,
         )
         context, attn = self._joint_softmax(inputs, q_valid=q_valid, backend=backend)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,6 +39,7 @@ from .long_short_rules import (
     finished_segments,
     is_int,
     segment_rule,
+    tensor_state,
     window_bounds,
     window_rule,
 )
@@ -497,6 +499,32 @@ def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale
     return (out, aux.lse) if return_lse else out
 
 
+# The padded mask of the last ``long_short_flex_attend`` call that named the source of its key validity: ((layout,
+# queries, device, the source's tensors' ``tensor_state``), the source, the mask). The layers of a forward pass call
+# one after another with the same source and layout, so that one slot shares the mask among them; a call with another
+# source or layout replaces it.
+_shared_mask: tuple | None = None
+
+
+def _mask_for_source(layout: KeyLayout, num_queries: int, key_valid: Tensor, source: tuple, device) -> BlockMask:
+    """``long_short_block_mask(layout, num_queries=..., key_valid=key_valid)``, built once for the calls that name the
+    same ``source`` (``long_short_flex_attend``'s ``key_valid_source``) with the same layout: each of its items the
+    same object, its tensors unchanged in place. A source without a plain tensor whose changes can be seen (an
+    inference tensor has no version counter) is not shared."""
+    global _shared_mask
+    states = tuple(tensor_state(x) for x in source if isinstance(x, Tensor))
+    if not states or None in states:
+        return long_short_block_mask(layout, num_queries=num_queries, key_valid=key_valid, device=device)
+    key = (layout, num_queries, device, states)
+    shared = _shared_mask  # read once: another thread may replace it
+    same_source = shared is not None and len(shared[1]) == len(source) and all(map(operator.is_, shared[1], source))
+    if same_source and shared[0] == key:
+        return shared[2]
+    mask = long_short_block_mask(layout, num_queries=num_queries, key_valid=key_valid, device=device)
+    _shared_mask = (key, source, mask)
+    return mask
+
+
 @torch.compiler.disable
 def long_short_flex_attend(
     query: Tensor,
@@ -507,6 +535,7 @@ def long_short_flex_attend(
     key_valid: Tensor | None = None,
     offsets: Tensor | None = None,
     return_lse: bool = False,
+    key_valid_source: tuple | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``flex_attend`` of query (B, m, H, E) over key and value (B, L + R, H, .) laid out as ``layout`` says, with
     ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, m, H, Ev), and with ``return_lse`` each
@@ -515,13 +544,21 @@ def long_short_flex_attend(
     contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of their gradients into a
     contiguous tensor in the backward pass (four copies of the layer's width per layer).
 
+    ``key_valid_source``: what ``key_valid`` is a function of, besides the layout (a layer's attention and global
+    masks, and its flags): consecutive calls that name the same source, unchanged, with the same layout share the
+    padded mask that the first of them built (the layers of a forward pass: without it every layer builds it again,
+    about 130 small operations on the device). Without padding the mask is cached per shape anyway.
+
     A compile boundary: inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's)
     the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
     one. Lowered inside a larger graph, FlexAttention miscompiles some of these masks (inductor's CPU kernel, torch
     2.14: with a cls key, or without window keys but with padding)."""
-    mask = long_short_block_mask(
-        layout, num_queries=query.shape[1], offsets=offsets, key_valid=key_valid, device=query.device
-    )
+    if key_valid is not None and offsets is None and key_valid_source is not None:
+        mask = _mask_for_source(layout, query.shape[1], key_valid, key_valid_source, query.device)
+    else:
+        mask = long_short_block_mask(
+            layout, num_queries=query.shape[1], offsets=offsets, key_valid=key_valid, device=query.device
+        )
     return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
 
 

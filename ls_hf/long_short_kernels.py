@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .long_short_rules import projected, projection_weights
+from .long_short_rules import is_plain_tensor, projected, projection_weights, tensor_state
 
 __all__ = [
     "FUSED_CPU",
@@ -45,7 +45,6 @@ __all__ = [
     "layer_norm_input_grad",
     "recoverable_layer_norms",
     "segments_heads_first",
-    "tensor_state",
 ]
 
 # The fused CPU kernel behind F.scaled_dot_product_attention (torch >= 2.3), called directly so that its log-sum-exp
@@ -227,17 +226,6 @@ def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
     return all(answers)
 
 
-def tensor_state(x: Tensor) -> tuple[int, int] | None:
-    """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
-    in-place update moves on (an optimizer step's, ``load_state_dict``'s). None, a read holding for no later call,
-    for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
-    return (x.data_ptr(), x._version) if _plain(x) and not x.is_inference() else None
-
-
-def _plain(x: Tensor) -> bool:
-    return type(x) in (Tensor, nn.Parameter)
-
-
 def _known_answer(gain: Tensor) -> bool | None:
     state, answer = _GAIN_READS.get(gain, (None, None))
     return answer if state is not None and state == tensor_state(gain) else None
@@ -254,7 +242,9 @@ def _read_gains(gains: list[Tensor]) -> list[bool]:
     read before on it that changed since and are in memory (a sharded model frees its layers' full parameters
     between their uses); every answer is kept (``_GAIN_READS``)."""
     read = list(gains)
-    if all(_plain(gain) for gain in gains):  # a subclass's read (a sharded gain's) does not mix with the others'
+    if all(
+        is_plain_tensor(gain) for gain in gains
+    ):  # a subclass's read (a sharded gain's) does not mix with the others'
         read += [
             gain
             for gain, (state, _) in _GAIN_READS.items()

@@ -35,6 +35,7 @@ __all__ = [
     "finished_segments",
     "flex_attention",
     "is_int",
+    "is_plain_tensor",
     "masked_sdpa",
     "project_rows",
     "projected",
@@ -42,6 +43,7 @@ __all__ = [
     "segment_keep",
     "segment_rule",
     "takes_grad",
+    "tensor_state",
     "validate_long_short_args",
     "window_bounds",
     "window_extent",
@@ -102,6 +104,18 @@ def cached_outside_compile(maxsize: int) -> Callable[[Callable], Callable]:
         return lookup
 
     return decorate
+
+
+def tensor_state(x: Tensor) -> tuple[int, int] | None:
+    """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
+    in-place update moves on (an optimizer step's, ``load_state_dict``'s). None, a read holding for no later call,
+    for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
+    return (x.data_ptr(), x._version) if is_plain_tensor(x) and not x.is_inference() else None
+
+
+def is_plain_tensor(x: Tensor) -> bool:
+    """A ``Tensor`` or ``nn.Parameter``, not a subclass (``DTensor``, a tensor subclass of a sharded model)."""
+    return type(x) in (Tensor, torch.nn.Parameter)
 
 
 def is_int(value) -> bool:

@@ -196,10 +196,12 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
     CUDA, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the cls
     token (bidirectional), and then without padding at a second length (symbolic; the CPU kernel fails on padded
     batches of symbolic length, torch 2.14), the output of the grouped SDPA path. Two layers of the same settings
-    share every compilation of the region."""
+    share every compilation of the region, and with right padding the block mask that the first one built."""
     from torch._dynamo.utils import counters
 
     _compile_on_cpu(monkeypatch)
+    built = counting_mask_builds(monkeypatch)
+    builds = []  # per call: the block masks it built
     config = {
         "hidden": 32,
         "heads": 2,
@@ -217,11 +219,14 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
         for layer in layers:
             with torch.no_grad():
                 expected, _ = layer(x, mask, attn_implementation="eager", **extra)
-                before = counters["stats"]["unique_graphs"]
+                before, built_before = counters["stats"]["unique_graphs"], len(built)
                 out, _ = layer(x, mask, **extra)
                 new_graphs.append(counters["stats"]["unique_graphs"] - before)
+                builds.append(len(built) - built_before)
             scale = expected.abs().max().item()
             torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+    # per padded call, the masks built: the second layer takes the first one's (left padding has offsets, built anew)
+    assert builds[:2] == ([1, 1] if causal else [1, 0])
     assert new_graphs[0] > 0  # the first call compiled the region
     assert new_graphs[2] > 0  # the second length compiled again, with symbolic lengths
     assert new_graphs[1::2] == [0, 0]  # the second layer reuses the first one's compilations
@@ -566,6 +571,73 @@ def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
         for key, expected in grads[1].items():
             torch.testing.assert_close(grads[0][key], expected, atol=1e-9, rtol=0, msg=f"{name}: {key}")
     assert kept["joined"] <= kept["small gain"] - 2
+
+
+def counting_mask_builds(monkeypatch) -> list:
+    """A list that gets an entry for each padded block mask built (``long_short_blocks._block_mask``: a mask with
+    padding or offsets, which is not cached per shape)."""
+    from ls_hf import long_short_blocks
+
+    built, build = [], long_short_blocks._block_mask
+    monkeypatch.setattr(
+        long_short_blocks, "_block_mask", lambda *args, **kwargs: built.append(1) or build(*args, **kwargs)
+    )
+    return built
+
+
+def test_layers_share_their_padded_block_mask(monkeypatch):
+    """With padding the fused path's layers take one block mask a forward pass, built by the first
+    (``long_short_flex_attend``'s ``key_valid_source``: the masks a model passes to every layer), where each built it
+    again: built anew when a mask changes in place or another comes, with global tokens beside the padding, and for
+    inference tensors (which keep no version to see a change by) at every layer; the output is the grouped SDPA
+    path's each time. A layer of another layout (window) with the same mask builds its own."""
+    from ls_hf import LongShortForMaskedLM, long_short_attention, long_short_blocks
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    built = counting_mask_builds(monkeypatch)
+    torch.manual_seed(0)
+    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3)).double().eval()
+    ids = tokens(length=24)
+    mask = torch.ones_like(ids)
+    mask[0, 17:] = 0
+
+    def fused(**masks) -> tuple[torch.Tensor, int]:
+        """The logits on the fused path, the masks built for them; checked against the grouped SDPA path's."""
+        built.clear()
+        with torch.no_grad(), monkeypatch.context() as patch:
+            patch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+            logits = model(input_ids=ids, **masks).logits
+            count = len(built)
+        with torch.no_grad():
+            assert_close(logits, model(input_ids=ids, **{k: v.clone() for k, v in masks.items()}).logits, atol=EXACT)
+        return logits, count
+
+    assert fused(attention_mask=mask)[1] == 1
+    assert fused(attention_mask=mask)[1] == 0  # the same mask, unchanged: the one built before
+    mask[1, 20:] = 0
+    assert fused(attention_mask=mask)[1] == 1  # changed in place
+    assert fused(attention_mask=mask.clone())[1] == 1  # another mask
+    first = torch.zeros_like(ids)
+    first[:, 0] = 1
+    assert fused(attention_mask=mask, global_attention_mask=first)[1] == 1
+    with torch.inference_mode():
+        frozen = mask.clone()
+    assert fused(attention_mask=frozen)[1] == 3
+
+    wide = make(window=8, rank=2)
+    x = torch.randn(2, 24, wide.query.in_features, dtype=torch.float64)
+    layer = model.long_short.encoder.layer[0].attention.self
+    hidden = torch.randn(2, 24, layer.query.in_features, dtype=torch.float64)
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    built.clear()
+    with torch.no_grad():
+        layer(hidden, mask)
+        wide(x, mask)
+        out, _ = wide(x, mask)
+    assert len(built) == 2
+    with torch.no_grad():
+        assert_close(out, wide(x, mask, attn_implementation="eager")[0], atol=EXACT)
 
 
 def counting_device_reads(monkeypatch) -> Counter:
