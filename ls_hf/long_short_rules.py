@@ -108,7 +108,8 @@ def cached_outside_compile(maxsize: int) -> Callable[[Callable], Callable]:
 
 def tensor_state(x: Tensor) -> tuple[int, int] | None:
     """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
-    in-place update moves on (an optimizer step's, ``load_state_dict``'s). None, a read holding for no later call,
+    in-place update through torch moves on (an optimizer step's, ``load_state_dict``'s; not a write through
+    ``x.data`` or another library's view of the memory, such as NumPy's). None, a read holding for no later call,
     for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
     return (x.data_ptr(), x._version) if is_plain_tensor(x) and not x.is_inference() else None
 
