@@ -30,15 +30,22 @@ class UsageError(ValueError):
 
 
 def cli(main):
-    """Decorate a recipe's ``main(argv=None)``: a ``UsageError`` exits with status 2 and its message, no traceback."""
+    """Decorate a recipe's ``main(argv=None)``: a ``UsageError`` exits with status 2 and its message, no traceback.
+    In a distributed run (``accelerate launch``, ``torchrun``), a ``main`` that returns destroys the process group:
+    a process that exits with it alive may abort in the interpreter's shutdown (SIGABRT, "terminate called without an
+    active exception": gloo's threads still hold tensors), which fails the launch although training went well. After
+    an error it is left alone, as destroying it while other processes wait on it can hang."""
 
     @functools.wraps(main)
     def run(argv=None):
         try:
-            return main(argv)
+            results = main(argv)
         except UsageError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return results
 
     return run
 

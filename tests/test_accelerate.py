@@ -96,6 +96,27 @@ def test_two_process_cpu_launch_matches_one_process(tmp_path):
     assert not torch.equal(trained.word_embeddings.weight, start.word_embeddings.weight)
 
 
+def test_a_recipe_that_returns_destroys_the_process_group(tmp_path):
+    """In a distributed run a recipe's command (``recipes.common.cli``) that returns destroys the process group, so
+    that no process exits with it alive (gloo's threads then may abort the interpreter's shutdown, failing a launch
+    whose training went well); after a usage error it is left alone."""
+    from recipes.common import UsageError, cli
+
+    def refuses(argv):
+        raise UsageError("--flag must be positive, got -1.")
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(SystemExit):
+            cli(refuses)([])
+        assert torch.distributed.is_initialized()
+        assert cli(lambda argv: {"trained on": argv})(["a"]) == {"trained on": ["a"]}
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp", "deepspeed_zero2", "cpu"])
 def test_launch_configs_load(name):
     from accelerate.commands.config.config_args import load_config_from_file
