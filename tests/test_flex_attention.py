@@ -586,11 +586,11 @@ def counting_mask_builds(monkeypatch) -> list:
 
 
 def test_layers_share_their_padded_block_mask(monkeypatch):
-    """With padding the fused path's layers take one block mask a forward pass, built by the first
-    (``long_short_flex_attend``'s ``key_valid_source``: the masks a model passes to every layer), where each built it
-    again: built anew when a mask changes in place or another comes, with global tokens beside the padding, and for
-    inference tensors (which keep no version to see a change by) at every layer; the output is the grouped SDPA
-    path's each time. A layer of another layout (window) with the same mask builds its own."""
+    """With padding the fused path's layers share one block mask a forward pass, which the first layer builds
+    (``long_short_flex_attend``'s ``key_valid_source``: the masks a model passes to every layer). It is built anew
+    when a mask changes in place or another mask comes, once with global tokens beside the padding, and at every
+    layer for an inference tensor's mask (no version counter shows its changes); the output is the grouped SDPA
+    path's each time. A layer of another layout (window) given the same mask builds its own."""
     from ls_hf import LongShortForMaskedLM, long_short_attention, long_short_blocks
 
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
