@@ -242,9 +242,8 @@ def _read_gains(gains: list[Tensor]) -> list[bool]:
     read before on it that changed since and are in memory (a sharded model frees its layers' full parameters
     between their uses); every answer is kept (``_GAIN_READS``)."""
     read = list(gains)
-    if all(
-        is_plain_tensor(gain) for gain in gains
-    ):  # a subclass's read (a sharded gain's) does not mix with the others'
+    # a subclass's read (a sharded gain's) does not mix with the others'
+    if all(is_plain_tensor(gain) for gain in gains):
         read += [
             gain
             for gain, (state, _) in _GAIN_READS.items()
