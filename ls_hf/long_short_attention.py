@@ -47,7 +47,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import long_short_blocks
 from .long_short_blocks import FUSED_DTYPES, KeyLayout, compile_in_package, extra_key_copies, long_short_flex_attend
@@ -64,6 +63,7 @@ from .long_short_kernels import (
     segments_heads_first,
 )
 from .long_short_rules import (
+    KeptForSameInputs,
     check_attn_implementation,
     check_flex_call,
     masked_sdpa,
@@ -71,7 +71,6 @@ from .long_short_rules import (
     projection_weights,
     segment_keep,
     takes_grad,
-    tensor_state,
     validate_long_short_args,
     window_extent,
     window_keep,
@@ -101,9 +100,8 @@ COMPILED_LAYER_DEVICES = ("cuda",)
 # ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes P in the backward pass, and the
 # Linears' outputs where ``LN_L`` is not applied with the joined keys (``_joins_local_norm``; bench/RESULTS.md).
 RECOMPUTE_MEMORY_BUDGET = 0.3
-# Each global_attention_mask's count of global tokens (``most_global_tokens``): (the attention_mask beside it, the
-# two masks' ``tensor_state``, the count).
-_GLOBAL_COUNTS = WeakIdKeyDictionary()
+# The count of global tokens for the last pair of masks (``most_global_tokens``).
+_GLOBAL_COUNT = KeptForSameInputs()
 
 
 def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
@@ -118,13 +116,7 @@ def most_global_tokens(is_global: Tensor, global_attention_mask: Tensor, attenti
     counted once while the same masks come again unchanged. A model passes the same two to every layer: one read of
     the device a forward pass, where a read per layer would stall the host at every layer. Run outside any
     compilation, as the count is a read anyway: the kept counts are this function's state, not a traced graph's."""
-    states = tuple(tensor_state(mask) for mask in (global_attention_mask, attention_mask) if mask is not None)
-    counted = _GLOBAL_COUNTS.get(global_attention_mask)
-    if counted is not None and counted[0] is attention_mask and None not in states and counted[1] == states:
-        return counted[2]
-    count = int(is_global.sum(1).max())
-    _GLOBAL_COUNTS[global_attention_mask] = (attention_mask, states, count)
-    return count
+    return _GLOBAL_COUNT.get((global_attention_mask, attention_mask), lambda: int(is_global.sum(1).max()))
 
 
 def compiles_layer(x: Tensor, *, compile_attention: bool) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,11 +34,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from .long_short_rules import (
+    KeptForSameInputs,
     cached_outside_compile,
     finished_segments,
     is_int,
     segment_rule,
-    tensor_state,
     window_bounds,
     window_rule,
 )
@@ -499,30 +498,9 @@ def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale
     return (out, aux.lse) if return_lse else out
 
 
-# The padded mask of the last ``long_short_flex_attend`` call that named the source of its key validity: ((layout,
-# queries, device, the source's tensors' ``tensor_state``), the source, the mask). The layers of a forward pass call
-# one after another with the same source and layout, so that one slot shares the mask among them; a call with another
-# source or layout replaces it.
-_shared_mask: tuple | None = None
-
-
-def _mask_for_source(layout: KeyLayout, num_queries: int, key_valid: Tensor, source: tuple, device) -> BlockMask:
-    """``long_short_block_mask(layout, num_queries=..., key_valid=key_valid)``, built once for the calls that name the
-    same ``source`` (``long_short_flex_attend``'s ``key_valid_source``) with the same layout: each of its items the
-    same object, its tensors unchanged in place. A source without a plain tensor whose changes can be seen (an
-    inference tensor has no version counter) is not shared."""
-    global _shared_mask
-    states = tuple(tensor_state(x) for x in source if isinstance(x, Tensor))
-    if not states or None in states:
-        return long_short_block_mask(layout, num_queries=num_queries, key_valid=key_valid, device=device)
-    key = (layout, num_queries, device, states)
-    shared = _shared_mask  # read once: another thread may replace it
-    same_source = shared is not None and len(shared[1]) == len(source) and all(map(operator.is_, shared[1], source))
-    if same_source and shared[0] == key:
-        return shared[2]
-    mask = long_short_block_mask(layout, num_queries=num_queries, key_valid=key_valid, device=device)
-    _shared_mask = (key, source, mask)
-    return mask
+# The padded mask of the last ``long_short_flex_attend`` call that named the source of its key validity, kept for
+# the next call with the same source and layout (the next layer of a forward pass).
+_SHARED_MASK = KeptForSameInputs()
 
 
 @torch.compiler.disable
@@ -553,12 +531,18 @@ def long_short_flex_attend(
     the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
     one. Lowered inside a larger graph, FlexAttention miscompiles some of these masks (inductor's CPU kernel, torch
     2.14: with a cls key, or without window keys but with padding)."""
+    build = functools.partial(
+        long_short_block_mask,
+        layout,
+        num_queries=query.shape[1],
+        offsets=offsets,
+        key_valid=key_valid,
+        device=query.device,
+    )
     if key_valid is not None and offsets is None and key_valid_source is not None:
-        mask = _mask_for_source(layout, query.shape[1], key_valid, key_valid_source, query.device)
+        mask = _SHARED_MASK.get(key_valid_source, build, key=(layout, query.shape[1], query.device))
     else:
-        mask = long_short_block_mask(
-            layout, num_queries=query.shape[1], offsets=offsets, key_valid=key_valid, device=query.device
-        )
+        mask = build()
     return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
 
 

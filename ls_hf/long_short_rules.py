@@ -11,6 +11,7 @@ nothing from Transformers or timm.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "KeptForSameInputs",
     "cached_outside_compile",
     "check_attn_implementation",
     "check_flex_call",
@@ -117,6 +119,32 @@ def tensor_state(x: Tensor) -> tuple[int, int] | None:
 def is_plain_tensor(x: Tensor) -> bool:
     """A ``Tensor`` or ``nn.Parameter``, not a subclass (``DTensor``, a tensor subclass of a sharded model)."""
     return type(x) in (Tensor, torch.nn.Parameter)
+
+
+class KeptForSameInputs:
+    """One value computed from some inputs (tensors among them), kept for the next call given the same inputs: each
+    the same object, its tensors unchanged in place (``tensor_state``), and the same ``key``. A call with others
+    replaces it. Inputs without a tensor whose changes can be seen (an inference tensor, a subclass) are never kept.
+    The layers of a forward pass, called one after another with a model's same masks, share a value so."""
+
+    def __init__(self):
+        self._kept = None  # (inputs, (key, their tensors' states), value)
+
+    def get(self, inputs: tuple, compute: Callable[[], object], key=()):
+        states = tuple(tensor_state(x) for x in inputs if isinstance(x, Tensor))
+        if not states or None in states:
+            return compute()
+        kept = self._kept  # read once: another thread may replace it
+        if (
+            kept is not None
+            and len(kept[0]) == len(inputs)
+            and all(map(operator.is_, kept[0], inputs))
+            and kept[1] == (key, states)
+        ):
+            return kept[2]
+        value = compute()
+        self._kept = (inputs, (key, states), value)
+        return value
 
 
 def is_int(value) -> bool:
