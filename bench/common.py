@@ -1,6 +1,7 @@
 """What the benchmarks share: the machine description, the results' header and file, free memory, peak-RSS
 measurement, forked runs and peers timed in turn."""
 
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -215,12 +216,19 @@ def peak_step_memory(step: Callable[[], object], device: str) -> int:
     return peak_memory_above(device, base)
 
 
-def side_by_side(steps: dict[str, Callable[[], None]], device: str, repeats: int, warmups: int = 2) -> dict[str, dict]:
+def side_by_side(
+    steps: dict[str, Callable[[], None]],
+    device: str,
+    repeats: int,
+    warmups: int = 2,
+    timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, dict]:
     """The peers' ``steps`` measured in this process: ``warmups`` rounds (where compilation happens), then each peer's
     peak memory over one step of its own (``peak_step_memory``; every peer's weights and inputs are held), then
-    ``repeats`` timed rounds taken in turn (``interleaved_times``). Returns {peer: {"status": "ok", "time_s": median,
-    "times_s": in run order, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error" and its
-    ``reason``, and leaves the rounds."""
+    ``repeats`` timed rounds taken in turn (``interleaved_times``), these two inside ``timed()`` (which compiles
+    nothing: ``bench.gpu_bars`` stops its compiling processes there). Returns {peer: {"status": "ok", "time_s":
+    median, "times_s": in run order, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error"
+    and its ``reason``, and leaves the rounds."""
     results, live = {}, dict(steps)
 
     def drop(peer: str, error: Exception) -> None:  # reported in the results, not raised
@@ -236,16 +244,17 @@ def side_by_side(steps: dict[str, Callable[[], None]], device: str, repeats: int
                 sync(device)
             except MEASUREMENT_ERRORS as error:
                 drop(peer, error)
-    for peer, step in list(live.items()):
+    with timed():
+        for peer, step in list(live.items()):
+            try:
+                results[peer] = {"status": "ok", "peak_mem_bytes": peak_step_memory(step, device)}
+            except MEASUREMENT_ERRORS as error:
+                drop(peer, error)
         try:
-            results[peer] = {"status": "ok", "peak_mem_bytes": peak_step_memory(step, device)}
-        except MEASUREMENT_ERRORS as error:
-            drop(peer, error)
-    try:
-        times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0)
-    except MEASUREMENT_ERRORS as error:  # rare after a clean warm-up; the failing peer is not known: all are marked
-        times = {}
-        results |= {peer: failure(error) for peer in live}
+            times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0)
+        except MEASUREMENT_ERRORS as error:  # rare after a clean warm-up; the failing peer is not known: all marked
+            times = {}
+            results |= {peer: failure(error) for peer in live}
     for peer, peer_times in times.items():
         results[peer] |= {"time_s": sorted(peer_times)[len(peer_times) // 2], "times_s": peer_times}
     return {peer: results[peer] for peer in steps}

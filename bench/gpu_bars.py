@@ -16,23 +16,25 @@ step, then timed rounds taken in turn, the median kept), each setting from a fre
   (12 x 768) in tokens/s, at 4,096 tokens (batch 8), 16,384 (batch 2) and 8,192 (batch 4): Long-Short and RoBERTa
   (SDPA), and at 8,192 ModernBERT-base too (its config's 22 layers and widths, random weights,
   ``modernbert_attention``: flash attention 2 when installed, else SDPA);
-* decoding: ``bench.bench_models.measure_generation``, ms per token after 512 and 8,192 tokens of context, with and
-  without the cache (2 layers, w = 256, l = 16, r = 1, as the earlier GPU measurement);
 * vision: inference at 224 and 448, batch 32: ``cvt_ls_13`` (also with ``attn_implementation="eager"``, its window
   tiles on SDPA instead of the fused 2-D path, and on the Triton window kernel instead of FlexAttention, ``-triton``:
   ``LongShortAttention2d.window_kernel_devices``) and ``vil_ls_medium`` against Transformers' CvT-13
   (``hf_cvt_13``) and timm's nearest peers by parameters and MACs, ``deit_small_patch16_224`` (DeiT-S: 22 M
   parameters, 4.6 GMACs, beside CvT*-LS-13's 20 M) and ``swin_small_patch4_window7_224`` (Swin-S: 50 M, 8.7 GMACs, as
   ViL-LS-Medium);
+* decoding: ``bench.bench_models.measure_generation``, ms per token after 512 and 8,192 tokens of context, with and
+  without the cache (2 layers, w = 256, l = 16, r = 1, as the earlier GPU measurement);
 * LRA ListOps: ``recipes.lra``'s trainer (its float32 model, batch 32), Long-Short against full attention: seconds per
   step over the second half of a short run (the first half holds compilation).
 
-Compilation comes first, in parallel (``compile_ahead``): every peer that compiles, in each setting, runs that setting
-in a process of its own, ``--jobs`` at a time (half the cores, at most 8), for at most 40 % of ``--budget-s``; the
-code they compile stays in inductor's and Triton's caches on disk, where the measuring process finds it instead of
-compiling it, one setting after another. Nothing those processes do is measured. Then each section has a share of
-what is left; time a section leaves over passes to the next, and a section that runs out of its time is stopped where
-it is, its bars marked "not run". Times are never asserted anywhere.
+Compilation runs beside the measurement (``CompilingAhead``): every peer that compiles, in each setting, runs that
+setting in a process of its own, ``--jobs`` at a time (half the cores, at most 8), in the order the settings are
+measured; the code they compile stays in inductor's and Triton's caches on disk, where the measuring process finds it
+instead of compiling it. A setting is measured once its own processes have ended, and its timed steps are taken with
+the others stopped; nothing those processes do is measured. The sections run in turn (the bars that matter most first),
+each ending at its share of the budget added to the earlier sections' (time a section leaves passes to the next); a
+section that runs out of its time is stopped where it is, its bars marked "not run". The table and JSON are written
+after each section, so a run stopped from outside keeps what it measured. Times are never asserted anywhere.
 
     python -m bench.gpu_bars                 # CUDA, bf16, compiling ahead and measuring within --budget-s (270 s)
     python -m bench.gpu_bars --sections attention --budget-s 150   # one section (or several) alone
@@ -59,7 +61,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -470,13 +474,14 @@ def table(rows: list[dict]) -> str:
 
 # -------------------------------------------------------------------------------------------------- sections
 class Setting(NamedTuple):
-    """One setting of a section: its ``peers``, measured side by side by ``run(peers, record)``, which hands each
-    peer's result to ``record(peer, result)``; the result's key is ``section/peer/label`` (``key``)."""
+    """One setting of a section: its ``peers``, measured side by side by ``run(peers, record, timed)``, which hands
+    each peer's result to ``record(peer, result)`` and takes its timed steps inside ``timed()`` (where
+    ``CompilingAhead`` stops its processes); the result's key is ``section/peer/label`` (``key``)."""
 
     section: str
     label: str
     peers: tuple[str, ...]
-    run: Callable[[tuple[str, ...], Callable[[str, dict], None]], None]
+    run: Callable[[tuple[str, ...], Callable[[str, dict], None], Callable], None]
 
     def key(self, peer: str) -> str:
         return f"{self.section}/{peer}/{self.label}"
@@ -489,7 +494,7 @@ def attention_settings(plan: Plan) -> list[Setting]:
     ]
 
 
-def _measure_attention(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record) -> None:
+def _measure_attention(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record, timed) -> None:
     dtype = DTYPES[plan.dtype]
     n, shape = plan.attention_lengths[label], dataclasses.replace(plan.attention, batch=batch)
     modules = {peer: bench_attention.build_peer(peer, shape).to(plan.device, dtype) for peer in peers}
@@ -498,7 +503,7 @@ def _measure_attention(plan: Plan, label: str, batch: int, peers: tuple[str, ...
         peer: functools.partial(bench_attention.step, module, x, grad, plan.backward)
         for peer, module in modules.items()
     }
-    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups, timed).items():
         record(peer, result | {"n": n, "batch": batch})
 
 
@@ -509,7 +514,7 @@ def mlm_settings(plan: Plan) -> list[Setting]:
     ]
 
 
-def _measure_mlm(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record) -> None:
+def _measure_mlm(plan: Plan, label: str, batch: int, peers: tuple[str, ...], record, timed) -> None:
     n = plan.mlm_lengths[label]
     steps = {
         peer: bench_models.training_step(
@@ -527,7 +532,7 @@ def _measure_mlm(plan: Plan, label: str, batch: int, peers: tuple[str, ...], rec
         )
         for peer in peers
     }
-    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+    for peer, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups, timed).items():
         if result["status"] == "ok":
             result["tokens_per_s"] = batch * n / result["time_s"]
         if peer == "modernbert":
@@ -542,25 +547,26 @@ def decoding_settings(plan: Plan) -> list[Setting]:
     ]
 
 
-def _measure_decoding(plan: Plan, context: int, peers: tuple[str, ...], record) -> None:
+def _measure_decoding(plan: Plan, context: int, peers: tuple[str, ...], record, timed) -> None:
     for peer, tokens in zip(DECODING_PEERS, plan.decode_tokens):
         if peer not in peers:
             continue
         try:
-            result = {
-                "status": "ok",
-                **bench_models.measure_generation(
-                    context,
-                    tokens,
-                    peer == "cached",
-                    plan.decode_layers,
-                    plan.vocab,
-                    plan.device,
-                    plan.dtype,
-                    width=plan.mlm_width,
-                    window=plan.attention.window,
-                ),
-            }
+            with timed():
+                result = {
+                    "status": "ok",
+                    **bench_models.measure_generation(
+                        context,
+                        tokens,
+                        peer == "cached",
+                        plan.decode_layers,
+                        plan.vocab,
+                        plan.device,
+                        plan.dtype,
+                        width=plan.mlm_width,
+                        window=plan.attention.window,
+                    ),
+                }
         except MEASUREMENT_ERRORS as error:  # reported in the table, not raised
             result = failure(error)
         record(peer, result | {"context": context})
@@ -580,7 +586,7 @@ def vision_settings(plan: Plan) -> list[Setting]:
     ]
 
 
-def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record) -> None:
+def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record, timed) -> None:
     dtype = DTYPES[plan.dtype]
     models = {}
     variants = {name: bench_vision.split_variant(name) for name in peers}  # e.g. cvt_ls_13-eager: cvt_ls_13, -eager
@@ -588,7 +594,7 @@ def _measure_vision(plan: Plan, resolution: int, peers: tuple[str, ...], record)
         models[name] = bench_vision.build_peer(name, resolution, plan.vision_models[model]).to(plan.device, dtype)
     images = torch.randn(plan.image_batch, 3, resolution, resolution, device=plan.device, dtype=dtype)
     steps = {name: functools.partial(_infer, model, images) for name, model in models.items()}
-    for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups).items():
+    for name, result in side_by_side(steps, plan.device, plan.repeats, plan.warmups, timed).items():
         if result["status"] == "ok":
             result["images_per_s"] = plan.image_batch / result["time_s"]
         record(
@@ -607,7 +613,7 @@ def lra_settings(plan: Plan) -> list[Setting]:
     return [Setting("LRA ListOps", "listops", LRA_ATTENTIONS, functools.partial(_measure_lra, plan))]
 
 
-def _measure_lra(plan: Plan, peers: tuple[str, ...], record) -> None:
+def _measure_lra(plan: Plan, peers: tuple[str, ...], record, timed) -> None:
     """``recipes.lra``'s trainer for 2 x ``lra_half_steps`` steps, scoring the dev split after each half; the step
     time is the second half's (the first holds compilation), from the trainer's own ``train_seconds``."""
     half = plan.lra_half_steps
@@ -643,7 +649,8 @@ def _measure_lra(plan: Plan, peers: tuple[str, ...], record) -> None:
                 plan.device,
                 "--no_progress",
             ]
-            results = lra_train.main(argv)
+            with timed():
+                results = lra_train.main(argv)
             first_half = results["history"][0]["train_seconds"]  # rounded to 0.1 s by the trainer
             record(
                 attention,
@@ -661,96 +668,156 @@ def _measure_lra(plan: Plan, peers: tuple[str, ...], record) -> None:
 class Section(NamedTuple):
     name: str
     settings: Callable[[Plan], list[Setting]]
-    share: float  # of the measuring budget
-    compiled: frozenset[str]  # the peers whose steps compile code (torch.compile): what ``compile_ahead`` runs
+    share: float  # of the budget: the section ends at the sum of its and the earlier sections' shares
+    compiled: frozenset[str]  # the peers whose steps compile code (torch.compile): what ``CompilingAhead`` runs
+    # its timed steps compile too (decoding's new lengths, the trainer's first half): it waits for every process
+    # compiling ahead to end, instead of stopping them, as a stopped process may hold a lock of inductor's caches
+    compiles_while_timing: bool = False
 
 
-# the shares after what each section took on one H100 (bench/RESULTS.md), compilation included: attention about 85 s,
-# masked LM 50 s, decoding 35 s; vision and LRA more than the 114 s and 65 s they had. The peers that compile: those on
-# the package's fused path (compiled on CUDA) and FlexAttention's window; RoBERTa, ModernBERT (Transformers 5 compiles
-# none of its layers), the timm and Transformers vision models and the SDPA paths run eagerly.
+# In the order measured, the bars that matter most first; each ends at its share of the budget added to the earlier
+# ones', time a section leaves passing to the next. Compiling runs beside them from the start, so the first sections'
+# shares hold their peers' compilation: on one H200 a compiling process took 40-100 s (FlexAttention's window at 64k
+# 59 s, vil_ls_medium at 448 98 s), 8 at a time. The peers that compile: those on the package's fused path (compiled
+# on CUDA) and FlexAttention's window; RoBERTa, ModernBERT (Transformers 5 compiles none of its layers), the timm and
+# Transformers vision models and the SDPA paths run eagerly.
 SECTIONS = (
-    Section("attention", attention_settings, 0.18, frozenset({"long-short", "flex-window"})),
-    Section("masked LM", mlm_settings, 0.12, frozenset({"long-short"})),
-    Section("decoding", decoding_settings, 0.08, frozenset(DECODING_PEERS)),
-    Section(
-        "vision",
-        vision_settings,
-        0.42,
-        frozenset({"cvt_ls_13", "vil_ls_medium", "cvt_ls_13-triton"}),
-    ),
-    Section("LRA ListOps", lra_settings, 0.20, frozenset({"long_short"})),
+    Section("attention", attention_settings, 0.30, frozenset({"long-short", "flex-window"})),
+    Section("masked LM", mlm_settings, 0.22, frozenset({"long-short"})),
+    Section("vision", vision_settings, 0.28, frozenset({"cvt_ls_13", "vil_ls_medium", "cvt_ls_13-triton"})),
+    Section("decoding", decoding_settings, 0.10, frozenset(DECODING_PEERS), compiles_while_timing=True),
+    Section("LRA ListOps", lra_settings, 0.10, frozenset({"long_short"}), compiles_while_timing=True),
 )
 
 
-# The default budget, compiling ahead and measuring: with Python's start, within 5 minutes
+# The default budget, compiling and measuring: with Python's start, within 5 minutes
 BUDGET_S = 270.0
-# The most of the budget that compiling ahead takes; the sections share what it leaves
-COMPILE_AHEAD_SHARE = 0.4
 
 
 def fresh_compilation() -> None:
     """Forget what this process compiled (``torch._dynamo.reset``): the next setting compiles as a process that runs
-    its shapes alone does, code specialised to them, and so finds in inductor's caches what ``compile_ahead``'s
+    its shapes alone does, code specialised to them, and so finds in inductor's caches what ``CompilingAhead``'s
     processes compiled for it."""
     torch._dynamo.reset()
 
 
+def compiled_keys(section: Section, setting: Setting) -> list[str]:
+    """The measurement keys of ``setting``'s peers that compile."""
+    return [setting.key(peer) for peer in setting.peers if peer in section.compiled]
+
+
 def compile_units(plan: Plan, names: list[str] | None = None) -> list[str]:
-    """The keys of the peers that compile, in every setting of the sections of ``names`` (default all), the sections
-    with the largest shares first (they compile the most)."""
-    sections = sorted((s for s in SECTIONS if names is None or s.name in names), key=lambda s: -s.share)
+    """The keys of the peers that compile, in every setting of the sections of ``names`` (default all), in the order
+    they are measured."""
     return [
-        setting.key(peer)
-        for section in sections
+        key
+        for section in SECTIONS
+        if names is None or section.name in names
         for setting in section.settings(plan)
-        for peer in setting.peers
-        if peer in section.compiled
+        for key in compiled_keys(section, setting)
     ]
 
 
-def compile_ahead(units: list[str], flags: list[str], *, jobs: int, seconds: float) -> str:
-    """Run each unit (a measurement key: one peer in one setting) in a process of its own
-    (``python -m bench.gpu_bars --compile-only KEY`` with ``flags``), ``jobs`` at a time, for at most ``seconds``:
-    its steps compile what the measurement will run and leave it in inductor's and Triton's caches on disk, which the
-    measuring process (``fresh_compilation``) then reads instead of compiling, one setting after another. The
-    processes share the machine's cores (inductor's compile threads, ``TORCHINDUCTOR_COMPILE_THREADS``, split among
-    them); nothing they do is measured. Returns a note: how many finished, failed or were stopped, and in what time."""
-    began = time.perf_counter()
-    env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
-    pending, running, failed, took = list(units), {}, [], {}
-    with tempfile.TemporaryDirectory() as logs:
-        while (pending or running) and time.perf_counter() - began < seconds:
-            while pending and len(running) < jobs:
-                key = pending.pop(0)
-                log = open(Path(logs) / f"{len(pending)}.log", "w+")  # noqa: SIM115  closed when its process ends
-                command = [sys.executable, "-m", "bench.gpu_bars", "--compile-only", key, *flags]
-                process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-                running[key] = (process, log, time.perf_counter())
-            time.sleep(0.1)
-            for key, (process, log, started) in list(running.items()):
-                if process.poll() is None:
-                    continue
-                if process.returncode == 0:
-                    took[key] = time.perf_counter() - started
-                else:
-                    log.seek(0)
-                    failed.append(f"{key}: {log.read()[-300:].strip()}")
-                log.close()
-                del running[key]
-        for process, log, _ in running.values():  # out of time: stopped with their children (inductor's workers)
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+class CompilingAhead:
+    """Each unit (a measurement key: one peer in one setting) compiled in a process of its own (``python -m
+    bench.gpu_bars --compile-only KEY`` with ``flags``), ``jobs`` at a time, in the given order, from a thread of
+    this process while it measures: a process's steps compile what the measurement will run and leave it in
+    inductor's and Triton's caches on disk, where the measuring process (``fresh_compilation``) reads it instead of
+    compiling. The processes share the machine's cores (inductor's compile threads, ``TORCHINDUCTOR_COMPILE_THREADS``,
+    split among them); nothing they do is measured. A setting first waits for its own units (``wait``), then takes its
+    timed steps with every process stopped (``paused``: SIGSTOP to its process group, inductor's workers included),
+    so that their cores and GPU work stay out of the timings. ``close`` stops those still running and returns a
+    note: how many finished, failed or were stopped, and in what time."""
+
+    def __init__(self, units: list[str], flags: list[str], *, jobs: int):
+        self.flags, self.jobs = flags, jobs
+        self.pending, self.running, self.failed, self.took = list(units), {}, [], {}
+        self.began, self.units, self.is_paused, self.closed = time.perf_counter(), len(units), False, False
+        self.env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+        self.logs = tempfile.TemporaryDirectory()
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._schedule, name="compiling ahead", daemon=True)
+        self.thread.start()
+
+    def _schedule(self) -> None:
+        with self.changed:
+            while not self.closed and (self.pending or self.running):
+                if not self.is_paused:
+                    self._reap()
+                    while self.pending and len(self.running) < self.jobs:
+                        self._start(self.pending.pop(0))
+                    self.changed.notify_all()
+                self.changed.wait(None if self.is_paused else 0.1)
+            self.changed.notify_all()
+
+    def _start(self, key: str) -> None:
+        log = open(Path(self.logs.name) / f"{len(self.pending)}.log", "w+")  # noqa: SIM115  closed when it ends
+        command = [sys.executable, "-m", "bench.gpu_bars", "--compile-only", key, *self.flags]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.running[key] = (process, log, time.perf_counter())
+
+    def _reap(self) -> None:
+        for key, (process, log, started) in list(self.running.items()):
+            if process.poll() is None:
+                continue
+            if process.returncode == 0:
+                self.took[key] = time.perf_counter() - started
+            else:
+                log.seek(0)
+                self.failed.append(f"{key}: {log.read()[-300:].strip()}")
             log.close()
-    note = f"{len(took)} of {len(units)} compiled in {time.perf_counter() - began:.0f} s, {jobs} at a time"
-    if took:
-        longest = max(took, key=took.get)
-        note += f" (the longest {longest}: {took[longest]:.0f} s; all of them {sum(took.values()):.0f} s)"
-    if running or pending:
-        note += f"; {len(running) + len(pending)} stopped or not started at the limit of {seconds:.0f} s"
-    return note + "".join(f"; failed {reason}" for reason in failed)
+            del self.running[key]
+
+    def _signal_all(self, signum: int) -> None:
+        for process, _, _ in self.running.values():
+            with contextlib.suppress(ProcessLookupError):  # ended since the last look
+                os.killpg(process.pid, signum)
+
+    def wait(self, keys: list[str]) -> float:
+        """Wait until none of ``keys`` is compiling or waiting to; returns the seconds waited."""
+        began = time.perf_counter()
+        with self.changed:
+            while not self.closed and any(key in self.running or key in self.pending for key in keys):
+                self.changed.wait(0.1)
+        return time.perf_counter() - began
+
+    def wait_all(self) -> float:
+        """Wait until every unit has ended; returns the seconds waited."""
+        return self.wait([*self.pending, *self.running])
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Every compiling process stopped, and none started, inside the block."""
+        with self.changed:
+            self.is_paused = True
+            self._signal_all(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self._signal_all(signal.SIGCONT)
+                self.is_paused = False
+                self.changed.notify_all()
+
+    def close(self) -> str:
+        with self.changed:
+            self.closed = True
+            self._reap()
+            for process, log, _ in self.running.values():  # out of time: stopped with their children
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                log.close()
+            self.changed.notify_all()
+        self.thread.join()
+        self.logs.cleanup()
+        note = f"{len(self.took)} of {self.units} compiled in {time.perf_counter() - self.began:.0f} s"
+        note += f", {self.jobs} at a time, beside the measurement"
+        if self.took:
+            longest = max(self.took, key=self.took.get)
+            note += f" (the longest {longest}: {self.took[longest]:.0f} s; all of them {sum(self.took.values()):.0f} s)"
+        if self.running or self.pending:
+            note += f"; {len(self.running) + len(self.pending)} stopped or not started at the end of the budget"
+        return note + "".join(f"; failed {reason}" for reason in self.failed)
 
 
 class OutOfTime(BaseException):
@@ -775,14 +842,28 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_sections(plan: Plan, budget_s: float, names: list[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+def cache_counts() -> Counter:
+    """Graphs inductor found in its cache and compiled, so far in this process."""
+    counted = torch._dynamo.utils.counters["inductor"]
+    return Counter(found=counted["fxgraph_cache_hit"], compiled=counted["fxgraph_cache_miss"])
+
+
+def run_sections(
+    plan: Plan,
+    budget_s: float,
+    names: list[str] | None = None,
+    ahead: CompilingAhead | None = None,
+    after_section: Callable[[dict[str, dict], dict[str, str]], None] = lambda measurements, notes: None,
+) -> tuple[dict[str, dict], dict[str, str]]:
     """Every section (or those of ``names``) within its time (``SECTIONS``: its share of ``budget_s``, the shares of
-    the sections run scaled to add up to 1, and what the earlier ones left), each setting from a fresh compilation
-    state (``fresh_compilation``); returns the measurements by key and a note per section run (how long it ran, or
+    the sections run scaled to add up to 1, and what the earlier ones left), each setting after its units compiling
+    ``ahead`` ended and from a fresh compilation state (``fresh_compilation``); ``after_section`` gets what was
+    measured after each section. Returns the measurements by key and a note per section run (how long it ran, or
     why it stopped)."""
     sections = [section for section in SECTIONS if names is None or section.name in names]
     total_share = sum(section.share for section in sections)
     measurements, notes, start, share_so_far = {}, {}, time.perf_counter(), 0.0
+    timed = ahead.paused if ahead else contextlib.nullcontext
 
     def record(setting: Setting, peer: str, result: dict) -> None:
         key = setting.key(peer)
@@ -798,20 +879,32 @@ def run_sections(plan: Plan, budget_s: float, names: list[str] | None = None) ->
         try:
             with time_limit(left):
                 for setting in section.settings(plan):
+                    waited, counted, set_began = 0.0, cache_counts(), time.perf_counter()
+                    if ahead:
+                        keys = compiled_keys(section, setting)
+                        waited = ahead.wait_all() if section.compiles_while_timing else ahead.wait(keys)
                     fresh_compilation()
-                    setting.run(setting.peers, functools.partial(record, setting))
+                    setting.run(setting.peers, functools.partial(record, setting), timed)
+                    graphs = cache_counts() - counted
+                    print(
+                        f"  {section.name} {setting.label}: {time.perf_counter() - set_began:.0f} s, {waited:.0f} of "
+                        f"them waiting for compilation ahead; graphs from the cache {graphs['found']}, compiled "
+                        f"{graphs['compiled']}",
+                        flush=True,
+                    )
             notes[section.name] = f"ran in {time.perf_counter() - began:.0f} s"
         except OutOfTime:
             notes[section.name] = f"its time ran out ({max(left, 0):.0f} s of the {budget_s:g} s budget)"
         except Exception as error:  # noqa: BLE001  a section that breaks, even on a bug, leaves the others to run
             notes[section.name] = f"failed: {type(error).__name__}: {failure(error)['reason']}"
         print(f"{section.name}: {notes[section.name]}", flush=True)
+        after_section(measurements, notes)
     return measurements, notes
 
 
 def compile_only(plan: Plan, key: str) -> None:
     """The setting of ``key`` with its one peer, as the measurement runs it but for one timed round, its results
-    dropped: what it compiles stays in inductor's caches (``compile_ahead``). Exits 1 if the peer failed."""
+    dropped: what it compiles stays in inductor's caches (``CompilingAhead``). Exits 1 if the peer failed."""
     section_name, peer, label = key.split("/", 2)
     section = next(section for section in SECTIONS if section.name == section_name)
     setting = next(setting for setting in section.settings(plan) if setting.label == label)
@@ -820,7 +913,7 @@ def compile_only(plan: Plan, key: str) -> None:
         if result["status"] != "ok":
             sys.exit(f"{key}: {result['status']}: {result.get('reason', '')}")
 
-    setting.run((peer,), check)
+    setting.run((peer,), check, contextlib.nullcontext)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -850,7 +943,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--jobs",
         type=int,
         default=None,
-        help="processes compiling ahead at once (compile_ahead; 0: none, each setting compiles as it is measured; "
+        help="processes compiling ahead at once (CompilingAhead; 0: none, each setting compiles as it is measured; "
         "default: half the cores, at most 8; --smoke: 0)",
     )
     parser.add_argument(
@@ -858,7 +951,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="with --smoke: the CPU takes CUDA's choices (the fused path compiled), so that there is code to compile",
     )
-    parser.add_argument("--compile-only", metavar="KEY", default=None, help=argparse.SUPPRESS)  # compile_ahead's
+    parser.add_argument("--compile-only", metavar="KEY", default=None, help=argparse.SUPPRESS)  # CompilingAhead's
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
     budget_s = args.budget_s if args.budget_s is not None else 600.0 if args.smoke else BUDGET_S
@@ -885,49 +978,63 @@ def main(argv: list[str] | None = None) -> list[dict]:
         compile_only(dataclasses.replace(plan, repeats=1), args.compile_only)
         return []
 
-    began, compiled_ahead = time.perf_counter(), "none" if jobs else "none (--jobs 0)"
-    units = compile_units(plan, args.sections)
+    began, units = time.perf_counter(), compile_units(plan, args.sections)
+    ahead = None
     if jobs and units and budget_s:
         flags = [flag for flag, on in (("--smoke", args.smoke), ("--cpu-as-cuda", args.cpu_as_cuda)) if on]
-        print(f"compiling ahead: {len(units)} peers' settings, {jobs} at a time", flush=True)
-        compiled_ahead = compile_ahead(units, flags, jobs=jobs, seconds=COMPILE_AHEAD_SHARE * budget_s)
-        print(f"compiling ahead: {compiled_ahead}", flush=True)
-    measurements, notes = run_sections(plan, budget_s - (time.perf_counter() - began), args.sections)
-    rows = bar_rows(measurements, notes, sections=args.sections)
-    meta = run_meta(
-        "gpu_bars",
-        argv,
-        device=plan.device,
-        dtype=plan.dtype,
-        budget_s=budget_s,
-        plan=asdict(plan),
-        sections=notes,
-        compiled_ahead=compiled_ahead,
-        time=f"median of {plan.repeats} steps after {plan.warmups} warm-up rounds, the peers of one "
-        "setting stepped in turn in one process (LRA: the trainer's seconds over its second half)",
-        memory="peak tensor memory over one step above what was held before it "
-        "(bench.common.peak_step_memory: CUDA's max_memory_allocated, the CPU allocator's count)",
-    )
-    text = "\n".join(
-        [
-            f"{meta['date']}, {meta.get('gpu', meta['cpu'])}, torch {meta['torch']}, {plan.device} {plan.dtype}"
-            + (" (smoke: tiny shapes)" if args.smoke else ""),
-            f"command: `{meta['command']}`; time: {meta['time']}; memory: {meta['memory']}.",
-            f"compiled ahead: {compiled_ahead}.",
-            "sections: " + "; ".join(f"{name} {note}" for name, note in notes.items()) + ".",
-            "",
-            table(rows),
-        ]
-    )
-    print("\n" + text)
-    write_json(out, {"meta": meta, "measurements": measurements, "bars": rows})
-    out.with_suffix(".md").write_text(text)
-    written = [out, out.with_suffix(".md")]
-    if args.copy_to and args.copy_to.resolve() != out.parent.resolve():
-        args.copy_to.mkdir(parents=True, exist_ok=True)
-        written += [Path(shutil.copy(path, args.copy_to)) for path in written]
-    print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
-    return rows
+        print(f"compiling ahead: {len(units)} peers' settings, {jobs} at a time, beside the measurement", flush=True)
+        ahead = CompilingAhead(units, flags, jobs=jobs)
+    compiled_ahead = "under way" if ahead else "none" if jobs else "none (--jobs 0)"
+
+    def report(measurements: dict[str, dict], notes: dict[str, str], final: bool = False) -> list[dict]:
+        """The table and JSON of what was measured so far, written after each section: a run stopped from outside
+        leaves its last complete section's."""
+        rows = bar_rows(measurements, notes, sections=args.sections)
+        meta = run_meta(
+            "gpu_bars",
+            argv,
+            device=plan.device,
+            dtype=plan.dtype,
+            budget_s=budget_s,
+            plan=asdict(plan),
+            sections=notes,
+            compiled_ahead=compiled_ahead,
+            time=f"median of {plan.repeats} steps after {plan.warmups} warm-up rounds, the peers of one "
+            "setting stepped in turn in one process (LRA: the trainer's seconds over its second half)",
+            memory="peak tensor memory over one step above what was held before it "
+            "(bench.common.peak_step_memory: CUDA's max_memory_allocated, the CPU allocator's count)",
+        )
+        text = "\n".join(
+            [
+                f"{meta['date']}, {meta.get('gpu', meta['cpu'])}, torch {meta['torch']}, {plan.device} {plan.dtype}"
+                + (" (smoke: tiny shapes)" if args.smoke else ""),
+                f"command: `{meta['command']}`; time: {meta['time']}; memory: {meta['memory']}.",
+                f"compiled ahead: {compiled_ahead}.",
+                "sections: " + "; ".join(f"{name} {note}" for name, note in notes.items()) + ".",
+                "",
+                table(rows),
+            ]
+        )
+        write_json(out, {"meta": meta, "measurements": measurements, "bars": rows})
+        out.with_suffix(".md").write_text(text)
+        written = [out, out.with_suffix(".md")]
+        if args.copy_to and args.copy_to.resolve() != out.parent.resolve():
+            args.copy_to.mkdir(parents=True, exist_ok=True)
+            written += [Path(shutil.copy(path, args.copy_to)) for path in written]
+        if final:
+            print("\n" + text)
+            print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
+        return rows
+
+    try:
+        measurements, notes = run_sections(
+            plan, budget_s - (time.perf_counter() - began), args.sections, ahead, after_section=report
+        )
+    finally:
+        if ahead:
+            compiled_ahead = ahead.close()
+            print(f"compiling ahead: {compiled_ahead}", flush=True)
+    return report(measurements, notes, final=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ def property_examples(cpu: int) -> int:
     return cpu if test_device().type == "cpu" else min(cpu, GPU_EXAMPLES)
 
 
+def device_sample(every: list, on_gpu: list) -> list:
+    """The parameters of a test that runs the same kernels at each of ``every``: all of them on the CPU, ``on_gpu``
+    when ``LS_TEST_DEVICE`` names a GPU, where each new shape costs compilations."""
+    return every if test_device().type == "cpu" else on_gpu
+
+
 def needed_fixtures(device: torch.device, dtype: torch.dtype) -> set[str]:
     """The fixtures a test must take to run on ``device`` in ``dtype``, so that each run keeps the tests whose result
     can depend on its setting: on a GPU ``device`` (the others would run on the CPU just as they do without it); in a

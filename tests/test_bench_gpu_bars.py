@@ -1,7 +1,9 @@
 """bench.gpu_bars: the verdicts and ratios from given numbers, every bar's row, the time guard, compiling ahead in
-processes of their own (what they compile is what the measurement runs), and the whole script on the CPU with tiny
-shapes (``--smoke``). Times are measured there, never asserted."""
+processes of their own beside the measurement (what they compile is what the measurement runs; they are stopped while
+it times), and the whole script on the CPU with tiny shapes (``--smoke``). Times are measured there, never
+asserted."""
 
+import contextlib
 import json
 import signal
 import time
@@ -15,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
 from bench import gpu_bars
 from bench.common import side_by_side
-from bench.gpu_bars import BARS, UNITS, bar_rows, compile_ahead, compile_units, table, time_limit, verdict
+from bench.gpu_bars import BARS, UNITS, CompilingAhead, bar_rows, compile_units, table, time_limit, verdict
 from tests.test_flex_attention import _compile_on_cpu
 
 
@@ -99,6 +101,20 @@ def test_side_by_side_reports_a_failing_peer_and_measures_the_others():
     assert ok["peak_mem_bytes"] >= 64 * 64 * 4  # the product's output
 
 
+def test_side_by_side_takes_its_memory_and_timed_steps_inside_timed():
+    """Warm-up steps (where compilation happens) outside ``timed()``, the memory step and the timed rounds inside."""
+    inside, steps_taken = [False], []
+
+    @contextlib.contextmanager
+    def timed():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    side_by_side({"peer": lambda: steps_taken.append(inside[0])}, "cpu", repeats=3, warmups=2, timed=timed)
+    assert steps_taken == [False, False, True, True, True, True] and not inside[0]
+
+
 def test_both_plans_build_models_that_exist():
     """The GPU plan's models are those the smoke run stands in for, and timm knows each of them."""
     gpu, smoke = gpu_bars.GPU.vision_models, gpu_bars.SMOKE.vision_models
@@ -107,8 +123,8 @@ def test_both_plans_build_models_that_exist():
 
 
 def test_compile_units_are_the_compiling_peers_of_every_setting():
-    """One unit per setting and peer that compiles, each a measurement key a setting records, vision's first (the
-    largest share of the budget: it compiles the most)."""
+    """One unit per setting and peer that compiles, each a measurement key a setting records, in the order they are
+    measured."""
     units = compile_units(gpu_bars.GPU)
     keys = {
         setting.key(peer): section
@@ -118,7 +134,7 @@ def test_compile_units_are_the_compiling_peers_of_every_setting():
     }
     assert set(units) <= set(keys) and len(set(units)) == len(units)
     assert {key for key, section in keys.items() if key.split("/")[1] in section.compiled} == set(units)
-    assert units[0].startswith("vision/") and Counter(key.split("/")[0] for key in units) == {
+    assert units == [key for key in keys if key in units] and Counter(key.split("/")[0] for key in units) == {
         "attention": 7,  # Long-Short in 4 settings, FlexAttention's window in 3
         "masked LM": 3,
         "decoding": 4,
@@ -128,15 +144,42 @@ def test_compile_units_are_the_compiling_peers_of_every_setting():
     assert compile_units(gpu_bars.GPU, ["decoding"]) == [key for key in units if key.startswith("decoding/")]
 
 
-def test_compiling_ahead_reports_failures_and_stops_at_its_limit():
-    note = compile_ahead(["attention/no-such-peer/4k x1"], ["--smoke"], jobs=1, seconds=120)
+def _state(process) -> str:
+    """The process's state letter (T: stopped)."""
+    return open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def test_compiling_ahead_reports_failures_and_stops_what_runs_at_its_close():
+    ahead = CompilingAhead(["attention/no-such-peer/4k x1"], ["--smoke"], jobs=1)
+    ahead.wait(["attention/no-such-peer/4k x1"])
+    note = ahead.close()
     assert note.startswith("0 of 1 compiled") and "failed attention/no-such-peer/4k x1" in note
     assert "--compile-only takes section/peer/setting" in note  # the child's own error, from its log
     began = time.perf_counter()
-    note = compile_ahead(compile_units(gpu_bars.SMOKE)[:3], ["--smoke"], jobs=2, seconds=2)  # 2 start, 1 waits
-    assert note.startswith("0 of 3") and "3 stopped or not started at the limit of 2 s" in note
+    ahead = CompilingAhead(compile_units(gpu_bars.SMOKE)[:3], ["--smoke"], jobs=2)  # 2 start, 1 waits
+    time.sleep(1)
+    note = ahead.close()
+    assert note.startswith("0 of 3") and "3 stopped or not started at the end of the budget" in note
     assert time.perf_counter() - began < 30  # stopped, not waited for
-    assert compile_ahead(["decoding/cached/512"], ["--smoke"], jobs=1, seconds=0).startswith("0 of 1 compiled in 0 s")
+
+
+def test_compiling_processes_are_stopped_while_the_measurement_times():
+    """Inside ``paused()`` every compiling process is stopped and none starts; after it they run on and finish."""
+    units = compile_units(gpu_bars.SMOKE, ["decoding"])[:3]
+    ahead = CompilingAhead(units, ["--smoke"], jobs=2)
+    try:
+        while len(ahead.running) < 2:
+            time.sleep(0.05)
+        with ahead.paused():
+            running = {key: process for key, (process, *_) in ahead.running.items()}
+            time.sleep(0.5)  # the scheduler's turn: it must start nothing
+            assert {_state(process) for process in running.values()} == {"T"}
+            assert ahead.running.keys() == running.keys() and ahead.pending == units[2:]
+        assert all(_state(process) != "T" for process in running.values() if process.poll() is None)
+        assert ahead.wait_all() >= 0 and not ahead.running and not ahead.pending
+    finally:
+        note = ahead.close()
+    assert note.startswith("3 of 3 compiled"), note
 
 
 def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path):
@@ -144,7 +187,9 @@ def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path)
     the same setting measured here after ``fresh_compilation`` finds every graph in the cache and compiles none."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     unit = "attention/long-short/4k x1"
-    note = compile_ahead([unit], ["--smoke", "--cpu-as-cuda"], jobs=1, seconds=600)
+    ahead = CompilingAhead([unit], ["--smoke", "--cpu-as-cuda"], jobs=1)
+    ahead.wait([unit])
+    note = ahead.close()
     assert note.startswith("1 of 1 compiled"), note
     _compile_on_cpu(monkeypatch)
     setting = next(
@@ -155,7 +200,7 @@ def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path)
     counters.clear()
     gpu_bars.fresh_compilation()
     try:
-        setting.run(("long-short",), results.__setitem__)
+        setting.run(("long-short",), results.__setitem__, contextlib.nullcontext)
     finally:
         gpu_bars.fresh_compilation()
     assert results["long-short"]["status"] == "ok"

@@ -18,6 +18,7 @@ from bench import dependencies
 from tests.devices import (
     GPU_EXAMPLES,
     assert_close,
+    device_sample,
     device_selection,
     needed_fixtures,
     property_examples,
@@ -143,6 +144,14 @@ def test_property_examples_follow_the_device(monkeypatch):
     if torch.cuda.is_available():
         monkeypatch.setenv("LS_TEST_DEVICE", "cuda")
         assert property_examples(40) == GPU_EXAMPLES and property_examples(3) == min(3, GPU_EXAMPLES)
+
+
+def test_device_sample_follows_the_device(monkeypatch):
+    monkeypatch.setenv("LS_TEST_DEVICE", "cpu")
+    assert device_sample(["a", "b", "c"], ["a"]) == ["a", "b", "c"]
+    if torch.cuda.is_available():
+        monkeypatch.setenv("LS_TEST_DEVICE", "cuda")
+        assert device_sample(["a", "b", "c"], ["a"]) == ["a"]
 
 
 # ----------------------------------------------------------------------------------------- dependencies
