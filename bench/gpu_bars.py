@@ -718,6 +718,10 @@ def compile_units(plan: Plan, names: list[str] | None = None) -> list[str]:
     ]
 
 
+# the measuring process's id, in a compiling process's environment (``end_with_parent``)
+PARENT_VARIABLE = "GPU_BARS_MEASURING_PROCESS"
+
+
 class CompilingAhead:
     """Each unit (a measurement key: one peer in one setting) compiled in a process of its own (``python -m
     bench.gpu_bars --compile-only KEY`` with ``flags``), ``jobs`` at a time, in the given order, from a thread of
@@ -733,7 +737,10 @@ class CompilingAhead:
         self.flags, self.jobs = flags, jobs
         self.pending, self.running, self.failed, self.took = list(units), {}, [], {}
         self.began, self.units, self.is_paused, self.closed = time.perf_counter(), len(units), False, False
-        self.env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+        self.env = os.environ | {
+            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs)),
+            PARENT_VARIABLE: str(os.getpid()),
+        }
         self.logs = tempfile.TemporaryDirectory()
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._schedule, name="compiling ahead", daemon=True)
@@ -902,9 +909,24 @@ def run_sections(
     return measurements, notes
 
 
+def end_with_parent() -> None:
+    """End this process group (inductor's workers with it) once the process that started it (``CompilingAhead``, which
+    names itself in ``PARENT_VARIABLE``) is gone: a compiling process runs in a session of its own, where a signal that
+    ends the measuring process does not reach."""
+    parent = int(os.environ.get(PARENT_VARIABLE, os.getppid()))
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end with parent", daemon=True).start()
+
+
 def compile_only(plan: Plan, key: str) -> None:
     """The setting of ``key`` with its one peer, as the measurement runs it but for one timed round, its results
     dropped: what it compiles stays in inductor's caches (``CompilingAhead``). Exits 1 if the peer failed."""
+    end_with_parent()
     section_name, peer, label = key.split("/", 2)
     section = next(section for section in SECTIONS if section.name == section_name)
     setting = next(setting for setting in section.settings(plan) if setting.label == label)

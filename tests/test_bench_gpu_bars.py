@@ -5,9 +5,13 @@ asserted."""
 
 import contextlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import timm
@@ -144,9 +148,9 @@ def test_compile_units_are_the_compiling_peers_of_every_setting():
     assert compile_units(gpu_bars.GPU, ["decoding"]) == [key for key in units if key.startswith("decoding/")]
 
 
-def _state(process) -> str:
-    """The process's state letter (T: stopped)."""
-    return open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+def _state_of(pid: int) -> str:
+    """The process's state letter (T: stopped, Z: ended, not yet reaped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_compiling_ahead_reports_failures_and_stops_what_runs_at_its_close():
@@ -173,13 +177,38 @@ def test_compiling_processes_are_stopped_while_the_measurement_times():
         with ahead.paused():
             running = {key: process for key, (process, *_) in ahead.running.items()}
             time.sleep(0.5)  # the scheduler's turn: it must start nothing
-            assert {_state(process) for process in running.values()} == {"T"}
+            assert {_state_of(process.pid) for process in running.values()} == {"T"}
             assert ahead.running.keys() == running.keys() and ahead.pending == units[2:]
-        assert all(_state(process) != "T" for process in running.values() if process.poll() is None)
+        assert all(_state_of(process.pid) != "T" for process in running.values() if process.poll() is None)
         assert ahead.wait_all() >= 0 and not ahead.running and not ahead.pending
     finally:
         note = ahead.close()
     assert note.startswith("3 of 3 compiled"), note
+
+
+def test_compiling_processes_end_with_the_measuring_process(monkeypatch, tmp_path):
+    """A compiling process, in a session of its own, ends when the process that started it is killed (this unit
+    compiles for 30 s or more on the CPU taking CUDA's choices, with an empty cache: it ends well before)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    script = (
+        "import time; from bench import gpu_bars; "
+        "ahead = gpu_bars.CompilingAhead(['attention/long-short/4k x1'], ['--smoke', '--cpu-as-cuda'], jobs=1); "
+        "time.sleep(0.5); print(*(p.pid for p, *_ in ahead.running.values()), flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    try:
+        for _ in range(200):  # its watch looks every 0.5 s, once it has imported the bench
+            if not Path(f"/proc/{child}").exists() or _state_of(child) == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the compiling process outlived its parent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)
 
 
 def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path):
