@@ -790,7 +790,9 @@ class CompilingAhead:
 
     def wait_all(self) -> float:
         """Wait until every unit has ended; returns the seconds waited."""
-        return self.wait([*self.pending, *self.running])
+        with self.changed:
+            units = [*self.pending, *self.running]
+        return self.wait(units)
 
     @contextlib.contextmanager
     def paused(self):
@@ -810,8 +812,8 @@ class CompilingAhead:
         with self.changed:
             self.closed = True
             self._reap()
-            for process, log, _ in self.running.values():  # out of time: stopped with their children
-                os.killpg(process.pid, signal.SIGKILL)
+            self._signal_all(signal.SIGKILL)  # out of time: stopped with their children (inductor's workers)
+            for process, log, _ in self.running.values():
                 process.wait()
                 log.close()
             self.changed.notify_all()

@@ -265,6 +265,19 @@ def test_chosen_sections_run_alone(tmp_path):
     assert {key.split("/")[0] for key in saved["measurements"]} == {"decoding"}
 
 
+def test_what_was_measured_is_handed_on_after_each_section():
+    """``after_section`` (the script writes its table and JSON there) gets every section's measurements as it ends,
+    so that a run stopped from outside keeps what it measured."""
+    handed = []
+    gpu_bars.run_sections(
+        gpu_bars.SMOKE,
+        600,
+        ["decoding", "LRA ListOps"],
+        after_section=lambda measurements, notes: handed.append(({k.split("/")[0] for k in measurements}, list(notes))),
+    )
+    assert handed == [({"decoding"}, ["decoding"]), ({"decoding", "LRA ListOps"}, ["decoding", "LRA ListOps"])]
+
+
 def test_masked_lm_steps_end_with_the_optimizers_update(tmp_path):
     """A masked-LM bar times a step of real training: forward, backward and AdamW's update of every parameter, for
     each peer of each setting (a model and optimizer of its own)."""
