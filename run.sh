@@ -7,11 +7,11 @@
 #                      bfloat16 side by side for at most GPU_CHECK_TIME_LIMIT s, 270 (each outcome logged as it
 #                      finishes in GPU_CHECK_LOG_DIR, default bench/results/); 'bench' runs bench.gpu_bars, the GPU
 #                      targets within the same budget, compiling included (one table with each ratio and whether it is
-#                      met; JSON in bench/results/ and in GPU_CHECK_LOG_DIR); 'profile' runs bench.profile_attention (where the time goes: the 1-D layer
-#                      and cvt_ls_13's inference and training, at most 100 s each, into GPU_CHECK_LOG_DIR); without a
-#                      part, all three in turn; 'tests <dtype>' one precision. It first says which declared
-#                      dependencies the environment (VENV, default .venv) lacks, and refuses when the check needs one.
-#                      Without a GPU it says so and exits 0
+#                      met; JSON in bench/results/ and in GPU_CHECK_LOG_DIR); 'profile' runs bench.profile_attention
+#                      (where the time goes: the 1-D layer and cvt_ls_13's inference and training, at most 100 s each,
+#                      into GPU_CHECK_LOG_DIR); without a part, all three in turn; 'tests <dtype>' one precision. It
+#                      first says which declared dependencies the environment (VENV, default .venv) lacks, and refuses
+#                      when the check needs one. Without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in  # an unknown command is refused before anything is created or installed

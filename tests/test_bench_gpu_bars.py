@@ -175,7 +175,7 @@ def test_compiling_processes_are_stopped_while_the_measurement_times():
         while not ahead.running:
             time.sleep(0.05)
         with ahead.paused():
-            (process, *_) = ahead.running[units[0]]
+            process, *_ = ahead.running[units[0]]
             time.sleep(0.5)  # the scheduler's turn: it must start nothing
             assert _state_of(process.pid) == "T" and list(ahead.running) == units[:1] and ahead.pending == units[1:]
         assert process.poll() is not None or _state_of(process.pid) != "T"
