@@ -1302,10 +1302,11 @@ class LongShortSelfAttention(nn.Module):
 @functools.cache
 def compiled_attention_layer(recompute: bool = False) -> Callable:
     """``LongShortSelfAttention._attend`` compiled once per process (``compile_in_package``): the fused path's layer,
-    in compiled regions before and after its attention kernel, which is a compile boundary (``long_short_flex_attend``:
-    the block mask from its caches, the package's compiled kernel). Every module of the same settings shares the
-    compilations (the parameters are inputs of the compiled code, not constants); the lengths become symbolic after
-    the first one that differs.
+    one graph with its attention kernel inside on ``long_short_blocks.KERNEL_IN_GRAPH_DEVICES`` (CUDA), the block
+    mask's tensors taken from their caches by one operator (``long_short_flex_attend``); elsewhere compiled regions
+    before and after the kernel's call, a compile boundary. Every module of the same settings shares the compilations
+    (the parameters are inputs of the compiled code, not constants); the lengths become symbolic after the first one
+    that differs.
 
     ``recompute`` (``recompute_window_tiles=True``): compiled with torch's ``activation_memory_budget`` at
     ``RECOMPUTE_MEMORY_BUDGET``, so that its backward pass computes P (Eq. 3) again rather than keeping it (and the

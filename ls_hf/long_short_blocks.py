@@ -14,13 +14,15 @@ The rules are those of ``long_short_rules``: ``window_bounds`` (the window keys 
 ``window_rule`` and ``segment_rule``. ``long_short_mask_mod`` applies them per (query, key) pair, as FlexAttention's
 ``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each query block, which bound
 every query's keys in between (the window's ends do not decrease with the position), and builds the ``BlockMask``
-with ``BlockMask.from_kv_blocks``. ``flex_attend`` runs FlexAttention, compiled once per
-process on CUDA; ``long_short_flex_attend`` builds the mask and runs it, a compile boundary. This file imports nothing
-from Transformers or timm.
+from them, both ways (the key blocks of each query block, the query blocks of each key block). ``flex_attend`` runs
+FlexAttention, compiled once per process on CUDA; ``long_short_flex_attend`` takes the mask from its caches and runs
+it, inside a compiled layer's graph on CUDA and as a compile boundary elsewhere. This file imports nothing from
+Transformers or timm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -203,6 +205,7 @@ def long_short_mask_mod(
     key_valid: Tensor | None = None,
     offsets: Tensor | None = None,
     device: torch.device | str | None = None,
+    geometry: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout``.
 
@@ -211,14 +214,14 @@ def long_short_mask_mod(
     ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``,
     or, with ``extra_key_copies``, where its copy is the query's (``copy_seen``). Keys where ``key_valid`` (B, L + R)
     is False are never seen. ``device``: where the attention runs (by default ``key_valid``'s or ``offsets``', else
-    the CPU).
+    the CPU). ``geometry``: ``mask_geometry(layout, device)``, when the caller has it.
     """
     _batch_size(layout, key_valid, offsets)
     device = _mask_device(device, key_valid, offsets)
     window, causal, has_window = layout.window_size, layout.causal, layout.num_window_keys > 0
     segment_length, rank = layout.segment_length, layout.projection_rank
     copied, queries_per_copy = layout.extra_key_copies > 1, layout.queries_per_copy
-    geometry = mask_geometry(layout, device)
+    geometry = mask_geometry(layout, device) if geometry is None else geometry
 
     def long_short_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         window_keys, q_start, k_start = geometry[0], geometry[1], geometry[2]
@@ -255,6 +258,20 @@ def _mask_device(device: torch.device | str | None, *tensors: Tensor | None) -> 
 
 
 # ------------------------------------------------------------------------------------------------- BlockMask
+# A ``BlockMask``'s tensors: per query block the key blocks it sees partly and fully, then per key block the query
+# blocks that see it so (FlexAttention's backward pass reads those), each as a count and the indices.
+_MASK_TENSORS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
 class _BlockGeometry(NamedTuple):
     """Per (query block, key block), from the window geometry alone (every key valid): the key-index spans
     ``[window_start, window_end)`` and ``[extra_start, extra_end)`` of the block that some query of the block sees
@@ -397,17 +414,14 @@ def _block_mask(
         seen = (valid_keys(grids.window_start, grids.window_end) + valid_keys(grids.extra_start, grids.extra_end)) > 0
         key_blocks_valid = valid_keys(grids.key_start[..., None, :], grids.key_end[..., None, :])
         full = grids.full & (key_blocks_valid == (grids.key_end - grids.key_start)[..., None, :])
-    seen, full = (x.expand(batch, *x.shape[-2:]) for x in (seen, full))
-    kv_num_blocks, kv_indices = _ordered(seen & ~full)
-    full_kv_num_blocks, full_kv_indices = _ordered(full)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks=kv_num_blocks,
-        kv_indices=kv_indices,
-        full_kv_num_blocks=full_kv_num_blocks,
-        full_kv_indices=full_kv_indices,
+    partial, full = (x.expand(batch, *x.shape[-2:]) for x in (seen & ~full, full))
+    # per query block the key blocks it sees, and per key block the query blocks that see it (the backward pass's)
+    by_query, by_key = ([*_ordered(x), *_ordered(full_x)] for x, full_x in ((partial, full), (partial.mT, full.mT)))
+    return BlockMask(
+        seq_lengths=(num_queries, layout.num_keys),
+        **dict(zip(_MASK_TENSORS, [*by_query, *by_key])),
         BLOCK_SIZE=(q_block, kv_block),
         mask_mod=long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets, device=device),
-        seq_lengths=(num_queries, layout.num_keys),
     )
 
 
@@ -498,12 +512,29 @@ def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale
     return (out, aux.lse) if return_lse else out
 
 
-# The padded mask of the last ``long_short_flex_attend`` call that named the source of its key validity, kept for
-# the next call with the same source and layout (the next layer of a forward pass).
+# The padded mask of the last call that named the source of its key validity, kept for the next call with the same
+# source and layout (the next layer of a forward pass).
 _SHARED_MASK = KeptForSameInputs()
 
 
-@torch.compiler.disable
+def _kept_block_mask(
+    query: Tensor, layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | None, key_valid_source: tuple | None
+) -> BlockMask:
+    """``long_short_block_mask`` for ``query``'s queries, from its caches: per shape without padding, and with padding
+    the mask that the last call naming the same ``key_valid_source``, unchanged, with the same layout built."""
+    build = functools.partial(
+        long_short_block_mask,
+        layout,
+        num_queries=query.shape[1],
+        offsets=offsets,
+        key_valid=key_valid,
+        device=query.device,
+    )
+    if key_valid is not None and offsets is None and key_valid_source is not None:
+        return _SHARED_MASK.get(key_valid_source, build, key=(layout, query.shape[1], query.device))
+    return build()
+
+
 def long_short_flex_attend(
     query: Tensor,
     key: Tensor,
@@ -518,32 +549,137 @@ def long_short_flex_attend(
     """``flex_attend`` of query (B, m, H, E) over key and value (B, L + R, H, .) laid out as ``layout`` says, with
     ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, m, H, Ev), and with ``return_lse`` each
     query's log-sum-exp of its scores (B, H, m) float32 too. Token-major, as the projections make them
-    (``flex_attend``'s ``tokens_first``): every tensor that crosses this boundary between compiled regions is then
-    contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of their gradients into a
-    contiguous tensor in the backward pass (four copies of the layer's width per layer).
+    (``flex_attend``'s ``tokens_first``), turned heads first inside the kernel's region.
 
     ``key_valid_source``: what ``key_valid`` is a function of, besides the layout (a layer's attention and global
     masks, and its flags): consecutive calls that name the same source, unchanged, with the same layout share the
     padded mask that the first of them built (the layers of a forward pass: without it every layer builds it again,
     about 130 small operations on the device). Without padding the mask is cached per shape anyway.
 
-    A compile boundary: inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's)
-    the region breaks here, and the mask comes from its caches and runs on the package's compiled kernel, as outside
-    one. Lowered inside a larger graph, FlexAttention miscompiles some of these masks (inductor's CPU kernel, torch
-    2.14: with a cls key, or without window keys but with padding)."""
-    build = functools.partial(
-        long_short_block_mask,
+    Inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's) on
+    ``KERNEL_IN_GRAPH_DEVICES`` the kernel joins the region's graph, its mask's tensors taken from the caches by one
+    operator (``long_short_block_mask_tensors``): one graph a layer, forward and backward. Elsewhere the call is a
+    compile boundary (``_flex_attend_outside_graph``)."""
+    if torch.compiler.is_compiling() and query.device.type in KERNEL_IN_GRAPH_DEVICES:
+        mask = _block_mask_in_graph(query, layout, key_valid=key_valid, offsets=offsets, source=key_valid_source)
+        return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
+    return _flex_attend_outside_graph(
+        query,
+        key,
+        value,
         layout,
-        num_queries=query.shape[1],
-        offsets=offsets,
         key_valid=key_valid,
-        device=query.device,
+        offsets=offsets,
+        return_lse=return_lse,
+        key_valid_source=key_valid_source,
     )
-    if key_valid is not None and offsets is None and key_valid_source is not None:
-        mask = _SHARED_MASK.get(key_valid_source, build, key=(layout, query.shape[1], query.device))
-    else:
-        mask = build()
+
+
+@torch.compiler.disable
+def _flex_attend_outside_graph(
+    query, key, value, layout, *, key_valid, offsets, return_lse, key_valid_source
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``long_short_flex_attend`` as a compile boundary: inside a compiled region the region breaks here, and the mask
+    comes from its caches and runs on the package's compiled kernel, as outside one. Every tensor that crosses the
+    boundary is token-major and contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of
+    their gradients into a contiguous tensor in the backward pass (four copies of the layer's width per layer).
+    Lowered inside a larger graph, FlexAttention miscompiles some of these masks on the CPU (inductor's CPU kernel,
+    torch 2.14: with a cls key, or without window keys but with padding)."""
+    mask = _kept_block_mask(query, layout, key_valid, offsets, key_valid_source)
     return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
+
+
+# ------------------------------------------------------------------------------------ the block mask in a graph
+# Where a compiled region takes the FlexAttention kernel into its own graph (``long_short_flex_attend``). Elsewhere
+# the kernel's call is a compile boundary: two graphs a layer where there would be one.
+KERNEL_IN_GRAPH_DEVICES = ("cuda",)
+
+
+def _mask_tensor_shapes(batch: int, num_queries: int, num_keys: int) -> list[tuple[int, ...]]:
+    """The shapes of ``_MASK_TENSORS`` for a mask of ``DEFAULT_BLOCK_SIZE`` blocks, then ``mask_geometry``'s."""
+    q_blocks, kv_blocks = (-(-size // DEFAULT_BLOCK_SIZE) for size in (num_queries, num_keys))
+    per_query_block = [(batch, 1, q_blocks), (batch, 1, q_blocks, kv_blocks)]
+    per_key_block = [(batch, 1, kv_blocks), (batch, 1, kv_blocks, q_blocks)]
+    return [*per_query_block, *per_query_block, *per_key_block, *per_key_block, (5,)]
+
+
+# The fields of a ``KeyLayout``, in the order an operator takes them (``_layout_fields``).
+_FIELDS = tuple(field.name for field in dataclasses.fields(KeyLayout))
+
+
+def _layout_fields(layout: KeyLayout) -> list[int]:
+    """``layout`` as the ints an operator takes: ``causal`` as 0/1, the causal rows' None as 0."""
+    values = (getattr(layout, name) for name in _FIELDS)
+    return [0 if value is None else int(value) if isinstance(value, bool) else value for value in values]
+
+
+def _layout_from_fields(values: list[int]) -> KeyLayout:
+    """The ``KeyLayout`` that ``_layout_fields`` gave ``values``."""
+    fields = dict(zip(_FIELDS, values))
+    for name in ("segment_length", "projection_rank"):
+        fields[name] = fields[name] or None
+    return KeyLayout(**{**fields, "causal": bool(fields["causal"])})
+
+
+# cudagraph_unsafe: a CUDA graph would replay the copy of the mask it was captured with (inductor's CUDA graphs run
+# around it)
+@torch.library.custom_op(
+    "transformer_ls::long_short_block_mask_tensors", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def long_short_block_mask_tensors(
+    query: Tensor,
+    layout_fields: list[int],
+    key_valid: Tensor | None,
+    offsets: Tensor | None,
+    source_tensors: list[Tensor | None],
+    source_flags: list[bool],
+) -> Tensor:
+    """The tensors of ``long_short_block_mask`` for the layout of ``layout_fields`` (``_layout_fields``) and
+    ``query``'s queries, and ``mask_geometry``'s, in one new int32 tensor (``_MASK_TENSORS``' order): the masks come
+    from their caches, as at the compile boundary (``_kept_block_mask``; ``source_tensors`` and ``source_flags``, the
+    source's tensors and flags). An operator, so that a compiled graph looks up the caches at each call with one
+    call and one copy, instead of computing the mask or breaking."""
+    layout = _layout_from_fields(layout_fields)
+    source = (*source_tensors, *source_flags) or None
+    mask = _kept_block_mask(query, layout, key_valid, offsets, source)
+    parts = [getattr(mask, name).flatten() for name in _MASK_TENSORS]
+    return torch.cat([*parts, mask_geometry(layout, query.device)]).to(torch.int32)
+
+
+@long_short_block_mask_tensors.register_fake
+def _(query, layout_fields, key_valid, offsets, source_tensors, source_flags):
+    """The output's size, from the sizes alone (what a compiled graph's tracing sees)."""
+    layout = dict(zip(_FIELDS, layout_fields))
+    batch = next((x.shape[0] for x in (key_valid, offsets) if x is not None), 1)
+    shapes = _mask_tensor_shapes(batch, query.shape[1], layout["num_window_keys"] + layout["num_extra_keys"])
+    return query.new_empty(sum(math.prod(shape) for shape in shapes), dtype=torch.int32)
+
+
+def _block_mask_in_graph(
+    query: Tensor, layout: KeyLayout, *, key_valid: Tensor | None, offsets: Tensor | None, source: tuple | None
+) -> BlockMask:
+    """``long_short_block_mask`` for ``query``'s queries inside a compiled graph: its tensors from
+    ``long_short_block_mask_tensors``, views of its one output."""
+    source = () if source is None else source
+    packed = long_short_block_mask_tensors(
+        query,
+        _layout_fields(layout),
+        key_valid,
+        offsets,
+        [x for x in source if x is None or isinstance(x, Tensor)],
+        [x for x in source if isinstance(x, bool)],
+    )
+    shapes = _mask_tensor_shapes(_batch_size(layout, key_valid, offsets), query.shape[1], layout.num_keys)
+    *tensors, geometry = (
+        part.view(shape) for part, shape in zip(packed.split([math.prod(shape) for shape in shapes]), shapes)
+    )
+    mask_mod = long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets, device=query.device, geometry=geometry)
+    return BlockMask(
+        seq_lengths=(query.shape[1], layout.num_keys),
+        **dict(zip(_MASK_TENSORS, tensors)),
+        BLOCK_SIZE=(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
+        mask_mod=mask_mod,
+    )
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:

@@ -484,9 +484,9 @@ class LongShortAttention2d(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, feat_size: tuple[int, int], num_extra_keys: int
     ) -> Tensor:
         """FlexAttention of the queries in tile order over [patch keys in tile order; ``num_extra_keys`` extra keys],
-        with the tile block mask (from its cache) and the window bias. A compile boundary, as ``ls_hf``'s
-        ``long_short_flex_attend``: inside a caller's compiled graph the call runs as outside one (lowered inside a
-        larger graph, inductor's CPU kernel refused the heads-first queries, torch 2.14)."""
+        with the tile block mask (from its cache) and the window bias. A compile boundary: inside a caller's compiled
+        graph the call runs as outside one (lowered inside a larger graph, inductor's CPU kernel refused the
+        heads-first queries, torch 2.14)."""
         block_mask = cached_tile_block_mask(feat_size, self.window_size, num_extra_keys, q.device)
         score_mod = self._window_bias_mod(feat_size)
         return flex_attend(q, k, v, block_mask, score_mod=score_mod, static_shapes=True)

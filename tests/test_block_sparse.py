@@ -242,6 +242,13 @@ def test_block_mask_matches_create_block_mask(drawn):
     assert ours.kv_indices.shape == expected.kv_indices.shape
     for got, want, kind in zip(block_classes(ours), block_classes(expected), ("partial", "full")):
         assert torch.equal(got, want), f"{kind} blocks differ at (row, query block, key block) {(got ^ want).nonzero()}"
+    # the query blocks of each key block, as FlexAttention orders them from the key blocks of each query block
+    by_query, by_key = lsb._MASK_TENSORS[:4], lsb._MASK_TENSORS[4:]
+    transposed = BlockMask.from_kv_blocks(
+        *(getattr(ours, name) for name in by_query), BLOCK_SIZE=ours.BLOCK_SIZE, seq_lengths=ours.seq_lengths
+    )
+    for name in by_key:
+        assert torch.equal(getattr(ours, name), getattr(transposed, name)), name
 
 
 def test_block_structure_at_the_benchmark_settings():
@@ -545,3 +552,53 @@ def test_block_mask_is_built_on_the_test_device(causal, device):
     expected = create_block_mask(mask_mod, 2, None, n, n + rows, device=device)
     for got, want in zip(block_classes(ours), block_classes(expected)):
         assert torch.equal(got, want)
+
+
+IN_GRAPH_CASES = {
+    "bidirectional, copies, padding": (
+        {"window_size": 16, "causal": False, "num_extra_keys": 24, "extra_key_copies": 3, "queries_per_copy": 128},
+        300,
+        {"padding": "random", "offsets": "none"},
+    ),
+    "bidirectional, no padding": ({"window_size": 64, "causal": False, "num_extra_keys": 8}, 700, {}),
+    "rows only": ({"window_size": 0, "causal": False, "num_extra_keys": 6}, 130, {"padding": "right"}),
+    "causal rows, left padding": (
+        {"window_size": 16, "causal": True, "num_extra_keys": 2 * 37, "segment_length": 8, "projection_rank": 2},
+        300,
+        {"padding": "left", "offsets": "left padding"},
+    ),
+}
+
+
+@pytest.mark.parametrize("in_graph_case", IN_GRAPH_CASES.values(), ids=IN_GRAPH_CASES)
+def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device):
+    """Inside a compiled graph (dynamo's eager backend, sizes symbolic) the mask's tensors come from the caches through
+    one operator (``long_short_block_mask_tensors``, whose fake output's size the views must match): every tensor, the sizes and
+    the mask_mod's mask equal ``long_short_block_mask``'s, built where the queries are."""
+    fields, n, spec = in_graph_case
+    extra = fields["num_extra_keys"]
+
+    def layout_for(queries):
+        return KeyLayout(**fields, num_window_keys=queries if fields["window_size"] else 0)
+
+    def in_graph(query, key_valid, offsets):
+        layout = layout_for(query.shape[1])  # its lengths symbolic, as the layer's are
+        mask = lsb._block_mask_in_graph(query, layout, key_valid=key_valid, offsets=offsets, source=None)
+        b, q_idx, kv_idx = (torch.arange(size, device=query.device) for size in (len(query), *mask.seq_lengths))
+        keep = mask.mask_mod(b[:, None, None], 0, q_idx[:, None], kv_idx)
+        return [getattr(mask, name) for name in lsb._MASK_TENSORS], mask.seq_lengths, keep
+
+    compiled = torch.compile(in_graph, backend="eager", dynamic=True)
+    for queries in (n, n + 50):
+        defaults = {"batch": 2, "seed": 0, "padding": "none", "offsets": "none", "block_size": lsb.DEFAULT_BLOCK_SIZE}
+        case = build({**layout_for(queries).__dict__, "num_queries": queries}, {**defaults, **spec})
+        key_valid, offsets = (x if x is None else x.to(device) for x in (case.key_valid, case.offsets))
+        query = torch.zeros(2, queries, 1, 8, device=device)
+        tensors, seq_lengths, keep = compiled(query, key_valid, offsets)
+        expected = long_short_block_mask(case.layout, num_queries=queries, key_valid=key_valid, offsets=offsets)
+        assert tuple(seq_lengths) == expected.seq_lengths == (queries, queries * bool(fields["window_size"]) + extra)
+        for name, tensor in zip(lsb._MASK_TENSORS, tensors):
+            assert torch.equal(tensor, getattr(expected, name)), name
+        mask_mod = long_short_mask_mod(case.layout, key_valid=key_valid, offsets=offsets)
+        expected_keep = create_mask(mask_mod, 2, 1, *expected.seq_lengths, device=device)[:, 0]
+        assert torch.equal(keep.expand_as(expected_keep), expected_keep)

@@ -176,10 +176,12 @@ def test_compiled_flex_matches_sdpa(causal):
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
 
 
-def _compile_on_cpu(monkeypatch):
-    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer (forward only), from
-    no earlier compilation: the CPU kernel fails on padded batches once an earlier call made its lengths symbolic
-    (torch 2.14), so the callers order their padded calls first."""
+def _compile_on_cpu(monkeypatch, kernel_in_graph: bool = False):
+    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
+    compilation. ``kernel_in_graph``: the layer's graph takes the attention kernel in, as on CUDA
+    (``KERNEL_IN_GRAPH_DEVICES``); inductor's CPU FlexAttention kernel does not build there (it takes the mask's tensors
+    only as inputs of its own graph, torch 2.14), so the callers that compile so with inductor compute FlexAttention
+    densely (``_dense_flex_attend``). Without it the kernel's call is a compile boundary, as elsewhere."""
     from ls_hf import long_short_attention, long_short_blocks
 
     torch._dynamo.reset()
@@ -187,19 +189,24 @@ def _compile_on_cpu(monkeypatch):
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
     monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
     monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
 
 
 @pytest.mark.compiled
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
-    """The fused path's whole layer compiled as one region (``compiled_attention_layer``, the CPU standing in for
-    CUDA, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the cls
-    token (bidirectional), and then without padding at a second length (symbolic; the CPU kernel fails on padded
-    batches of symbolic length, torch 2.14), the output of the grouped SDPA path. Two layers of the same settings
-    share every compilation of the region, and with right padding the block mask that the first one built."""
+    """The fused path's whole layer compiled as one graph by inductor, the attention kernel in it
+    (``compiled_attention_layer``, the CPU standing in for CUDA, FlexAttention computed densely from the block mask's
+    mask_mod, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the
+    cls token (bidirectional), and then without padding at a second length (symbolic), the output of the grouped SDPA
+    path. Two layers of the same settings share every compilation of the region, and with right padding the block
+    mask that the first one built."""
     from torch._dynamo.utils import counters
 
-    _compile_on_cpu(monkeypatch)
+    from ls_hf import long_short_blocks
+
+    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     built = counting_mask_builds(monkeypatch)
     builds = []  # per call: the block masks it built
     config = {
@@ -227,7 +234,7 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
             torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
     # per padded call, the masks built: the second layer takes the first one's (left padding has offsets, built anew)
     assert builds[:2] == ([1, 1] if causal else [1, 0])
-    assert new_graphs[0] > 0  # the first call compiled the region
+    assert new_graphs[0] == 1  # the first call compiled the region: one graph, the kernel inside
     assert new_graphs[2] > 0  # the second length compiled again, with symbolic lengths
     assert new_graphs[1::2] == [0, 0]  # the second layer reuses the first one's compilations
 
@@ -235,13 +242,13 @@ def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
 @contextlib.contextmanager
 def package_compiled_with(monkeypatch, backend, *cached):
     """While it is open, the package's compiled functions ``cached`` (their ``functools.cache``'d builders) are built
-    afresh with the ``torch.compile`` backend ``backend``, the CPU standing in for CUDA (``_compile_on_cpu``); built
-    again with inductor after it."""
+    afresh with the ``torch.compile`` backend ``backend``, the CPU standing in for CUDA with the attention kernel in
+    the layer's graph (``_compile_on_cpu``); built again with inductor after it."""
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": backend}))
     for compiled in cached:
         compiled.cache_clear()
-    _compile_on_cpu(monkeypatch)
+    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
     try:
         yield
     finally:
@@ -278,14 +285,14 @@ def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
     """Uncached generation feeds the layer one token more each step. With left padding (each row's segments counted
     from its first real token), the compiled causal layer makes its lengths symbolic at the second length and the
     count of projected rows at the first segment boundary after it, and compiles nothing for the later lengths. The
-    layer compiles to one graph before its kernel's call and one after it. ``take_along_dim`` made dynamo specialize
-    on the length, one compilation per token."""
+    layer compiles to one graph, its kernel inside. ``take_along_dim`` made dynamo specialize on the length, one
+    compilation per token."""
     layer = make(hidden=16, heads=2, window=8, rank=2, causal=True, segment_length=4, dtype=torch.float32)
     # segments of 4 tokens: 40 static, 41 symbolic, 44 the rows' count symbolic
     new_graphs = _graphs_compiled_per_length(monkeypatch, layer, range(40, 52), "left")
-    # the layer in one graph before the kernel's call and one after it (dynamo's nested graph breaks; 7 without),
-    # and the kernel's own
-    assert new_graphs[0] == 3 and new_graphs[1] > 0
+    # the layer in one graph, the kernel in it (at a compile boundary: one graph before the kernel's call, one after
+    # it and the kernel's own)
+    assert new_graphs[0] == 1 and new_graphs[1] > 0
     assert new_graphs[5:] == [0] * 7
 
 
@@ -298,7 +305,7 @@ def test_compiled_layer_compiles_once_for_any_number_of_extra_key_copies(monkeyp
 
     monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 8)
     layer = make(hidden=16, heads=2, window=8, rank=2, dtype=torch.float32)
-    assert _graphs_compiled_per_length(monkeypatch, layer, range(40, 60), "right") == [3, 3] + [0] * 18
+    assert _graphs_compiled_per_length(monkeypatch, layer, range(40, 60), "right") == [1, 1] + [0] * 18
 
 
 @pytest.mark.compiled
@@ -307,11 +314,11 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
     padding): its output and its gradients of the input and of every parameter are the grouped SDPA path's, with the
     cls token by default (``LN_L`` applied where the keys are joined) and with ``recompute_window_tiles`` (compiled with
     torch's activation memory budget, which keeps less for the backward pass: not P), and with global tokens and the
-    extra keys apart from the kernel (``long_range_in_kernel=False``)."""
+    extra keys apart from the kernel (``long_range_in_kernel=False``); the kernel in the layer's graph, as on CUDA."""
     from ls_hf import long_short_attention, long_short_blocks
     from tests.test_attention import _saved_storages
 
-    _compile_on_cpu(monkeypatch)
+    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     n, hidden = 150, 32
