@@ -822,9 +822,14 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
     (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token or global tokens
     (bidirectional, their extra keys in 3 copies, one per band of 128 queries: ``extra_key_copies``) and 128-token
     blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input, of W^P
-    (Eq. 3) and of LN_L's gain (Eq. 7)."""
+    (Eq. 3) and of LN_L's gain (Eq. 7). On CUDA the kernel runs inside the compiled layer's graph, crossing no compile
+    boundary."""
     from ls_hf import long_short_attention, long_short_blocks
 
+    boundary_calls, boundary = [], long_short_blocks._flex_attend_outside_graph
+    monkeypatch.setattr(
+        long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: boundary_calls.append(1) or boundary(*a, **k)
+    )
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
     monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 128)
@@ -856,6 +861,7 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
                 out.float().square().sum().backward()
         params = (module.dynamic_projection.weight, module.dual_ln_local.weight)
         outs.append((out.detach(), x_in.grad, *(p.grad for p in params)))
+    assert len(boundary_calls) == (0 if device.type in long_short_blocks.KERNEL_IN_GRAPH_DEVICES else 1)
     for got, expected in zip(*outs):
         if got is not None or grads:
             assert_close(got, expected, atol=EXACT)
