@@ -13,6 +13,9 @@ One attention module each (query/key/value/output projections included; hidden 7
   CUDA the layer compiled with torch's activation memory budget (P computed again);
 * ``long-short-apart``: the same with ``long_range_in_kernel=False``: on CUDA the kernel attends over the window keys
   alone, and a dense softmax over the projected rows is merged with it by log-sum-exp;
+* ``long-short-boundary``: the same with the kernel's call a compile boundary on CUDA too
+  (``long_short_blocks.KERNEL_IN_GRAPH_DEVICES`` empty while it runs): the layer compiled as one graph before the call
+  and one after it, beside the kernel's own, where the default compiles one graph with the kernel inside;
 * ``sdpa``: dense ``F.scaled_dot_product_attention``;
 * ``eager``: dense softmax(Q K^T / sqrt(d)) V, the n x n scores materialised;
 * ``longformer``: Hugging Face ``LongformerSelfAttention`` with attention_window 512 (the same span) and an output
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import unittest.mock
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +67,7 @@ from bench.common import (
     write_json,
 )
 from bench.plot import plot_scaling
+from ls_hf import long_short_blocks
 from ls_hf.long_short_attention import LongShortSelfAttention
 from ls_hf.long_short_rules import create_block_mask, flex_attention
 
@@ -90,6 +95,7 @@ PEERS = (
     "long-short-eager",
     "long-short-kernel",
     "long-short-apart",
+    "long-short-boundary",
 )
 TRAIN_FACTOR = 3  # forward + backward ~ 3x the forward FLOPs
 # (description, peer, baseline peer, n, metric, target): speedup = baseline time / peer time >= target;
@@ -173,6 +179,16 @@ class LongShortAttention(nn.Module):
         return self.attn(x)[0]
 
 
+class LongShortAttentionAtBoundary(LongShortAttention):
+    """``LongShortAttention`` whose kernel's call is a compile boundary on every device, as before the layer's graph
+    took the kernel in (``long_short_blocks.KERNEL_IN_GRAPH_DEVICES``, emptied while it runs forward; its
+    compiled code is dynamo's other cache entry for the layer, the setting being among its guards)."""
+
+    def forward(self, x):
+        with unittest.mock.patch.object(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ()):
+            return super().forward(x)
+
+
 @functools.cache
 def compiled(fn):
     """``torch.compile(fn)`` made once per process, so that every instance shares its compilations (one per shape at
@@ -213,7 +229,8 @@ class FlexWindowAttention(DenseAttention):
 def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:
     hidden, heads = shape.hidden, shape.heads
     if peer.startswith("long-short"):
-        return LongShortAttention(
+        module = LongShortAttentionAtBoundary if peer == "long-short-boundary" else LongShortAttention
+        return module(
             hidden,
             heads,
             shape.window,

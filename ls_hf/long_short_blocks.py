@@ -591,12 +591,14 @@ def _flex_attend_outside_graph(
 
 # ------------------------------------------------------------------------------------ the block mask in a graph
 # Where a compiled region takes the FlexAttention kernel into its own graph (``long_short_flex_attend``). Elsewhere
-# the kernel's call is a compile boundary: two graphs a layer where there would be one.
+# the kernel's call is a compile boundary: a compiled layer runs three graphs (one before the call, the kernel's own,
+# one after it) where it would run one.
 KERNEL_IN_GRAPH_DEVICES = ("cuda",)
 
 
 def _mask_tensor_shapes(batch: int, num_queries: int, num_keys: int) -> list[tuple[int, ...]]:
-    """The shapes of ``_MASK_TENSORS`` for a mask of ``DEFAULT_BLOCK_SIZE`` blocks, then ``mask_geometry``'s."""
+    """The shapes of ``_MASK_TENSORS`` for a mask of ``DEFAULT_BLOCK_SIZE`` blocks, then ``mask_geometry``'s (its 5
+    numbers)."""
     q_blocks, kv_blocks = (-(-size // DEFAULT_BLOCK_SIZE) for size in (num_queries, num_keys))
     per_query_block = [(batch, 1, q_blocks), (batch, 1, q_blocks, kv_blocks)]
     per_key_block = [(batch, 1, kv_blocks), (batch, 1, kv_blocks, q_blocks)]
@@ -643,7 +645,7 @@ def long_short_block_mask_tensors(
     source = (*source_tensors, *source_flags) or None
     mask = _kept_block_mask(query, layout, key_valid, offsets, source)
     parts = [getattr(mask, name).flatten() for name in _MASK_TENSORS]
-    return torch.cat([*parts, mask_geometry(layout, query.device)]).to(torch.int32)
+    return torch.cat([*parts, mask_geometry(layout, query.device)])
 
 
 @long_short_block_mask_tensors.register_fake

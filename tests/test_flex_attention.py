@@ -874,3 +874,31 @@ def test_config_compile_attention_reaches_every_layer():
         layers = [m for m in model.modules() if isinstance(m, LongShortSelfAttention)]
         assert layers and all(layer.compile_attention is setting for layer in layers)
     assert LongShortModel(tiny_config()).config.compile_attention is True
+
+
+@pytest.mark.compiled
+def test_bench_peer_at_the_boundary_crosses_it(monkeypatch):
+    """``bench.bench_attention``'s ``long-short-boundary`` peer beside the default ``long-short``, both compiled where
+    the kernel joins the layer's graph (the CPU standing in for CUDA, dynamo's eager backend): the default's kernel
+    crosses no compile boundary, the peer's does, the setting restored after its call, and the outputs are equal."""
+    from bench.bench_attention import Shape, build_peer
+    from ls_hf import long_short_attention, long_short_blocks
+
+    boundary_calls, boundary = [], long_short_blocks._flex_attend_outside_graph
+    monkeypatch.setattr(
+        long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: boundary_calls.append(1) or boundary(*a, **k)
+    )
+    shape = Shape(hidden=16, heads=2, window=8, rank=2)
+    x = torch.randn(1, 40, 16)
+    outs, calls = {}, {}
+    with package_compiled_with(monkeypatch, "eager", long_short_attention.compiled_attention_layer):
+        for peer in ("long-short", "long-short-boundary"):
+            torch.manual_seed(0)
+            module = build_peer(peer, shape)
+            boundary_calls.clear()
+            with torch.no_grad():
+                outs[peer] = module(x)
+            calls[peer] = len(boundary_calls)
+            assert long_short_blocks.KERNEL_IN_GRAPH_DEVICES == ("cpu",)
+    assert calls == {"long-short": 0, "long-short-boundary": 1}
+    assert_close(outs["long-short-boundary"], outs["long-short"], atol=EXACT)
