@@ -598,7 +598,8 @@ def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device)
         expected = long_short_block_mask(case.layout, num_queries=queries, key_valid=key_valid, offsets=offsets)
         assert tuple(seq_lengths) == expected.seq_lengths == (queries, queries * bool(fields["window_size"]) + extra)
         for name, tensor in zip(lsb._MASK_TENSORS, tensors):
-            assert torch.equal(tensor, getattr(expected, name)), name
+            want = getattr(expected, name)
+            assert tensor.dtype == want.dtype == torch.int32 and torch.equal(tensor, want), name
         mask_mod = long_short_mask_mod(case.layout, key_valid=key_valid, offsets=offsets)
         expected_keep = create_mask(mask_mod, 2, 1, *expected.seq_lengths, device=device)[:, 0]
         assert torch.equal(keep.expand_as(expected_keep), expected_keep)
