@@ -4,6 +4,7 @@ there), with the operators that take the most device time listed per peer.
 
     python -m bench.profile_attention --n 16384                      # CUDA, bf16: long-short and flex-window
     python -m bench.profile_attention --n 4096 --batch 8             # the batch-8 setting of the bars
+    python -m bench.profile_attention --n 4096 --peers long-short long-short-boundary flex-window  # one graph or three
     python -m bench.profile_attention --device cpu --dtype fp32 --n 1024 --steps 2
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --peers long-short long-short-kernel
     python -m bench.profile_attention --device cpu --dtype fp32 --cpu-as-cuda --saved --n 2048 --peers sdpa long-short
