@@ -818,7 +818,7 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
 @pytest.mark.parametrize("kind", ["cls", "global", "causal"])
 def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtype, monkeypatch):
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
-    rest of the layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager"
+    layer compiled with the kernel inside; here on any test device, the CPU standing in, uncompiled) against "eager"
     (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token or global tokens
     (bidirectional, their extra keys in 3 copies, one per band of 128 queries: ``extra_key_copies``) and 128-token
     blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input, of W^P
