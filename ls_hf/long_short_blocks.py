@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -623,11 +624,14 @@ def _layout_from_fields(values: list[int]) -> KeyLayout:
     return KeyLayout(**{**fields, "causal": bool(fields["causal"])})
 
 
+# The operator's name, one per copy of this module: Hub remote code imports its own copy (``transformers_modules...``)
+# beside an installed package, and each copy's operator must run that copy's code and caches.
+_MASK_OPERATOR = "transformer_ls::long_short_block_mask_tensors_" + re.sub(r"\W", "_", __name__)
+
+
 # cudagraph_unsafe: a CUDA graph would replay the copy of the mask it was captured with (inductor's CUDA graphs run
 # around it)
-@torch.library.custom_op(
-    "transformer_ls::long_short_block_mask_tensors", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
-)
+@torch.library.custom_op(_MASK_OPERATOR, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def long_short_block_mask_tensors(
     query: Tensor,
     layout_fields: list[int],

@@ -603,3 +603,34 @@ def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device)
         mask_mod = long_short_mask_mod(case.layout, key_valid=key_valid, offsets=offsets)
         expected_keep = create_mask(mask_mod, 2, 1, *expected.seq_lengths, device=device)[:, 0]
         assert torch.equal(keep.expand_as(expected_keep), expected_keep)
+
+
+def test_each_copy_of_the_module_runs_its_own_operator():
+    """Hub remote code imports its own copy of this module beside an installed package (``transformers_modules...``):
+    each copy registers an operator of its own, whose calls keep their padded mask in that copy's cache (under one
+    name, the copy imported last would run every call)."""
+    import importlib
+    import sys
+    import types
+
+    import ls_hf
+
+    package = types.ModuleType("ls_hf_copy")
+    package.__path__ = list(ls_hf.__path__)
+    sys.modules["ls_hf_copy"] = package
+    try:
+        copy = importlib.import_module("ls_hf_copy.long_short_blocks")
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "ls_hf_copy"]:
+            del sys.modules[name]
+    assert copy is not lsb and copy._MASK_OPERATOR != lsb._MASK_OPERATOR
+    layout = KeyLayout(window_size=4, causal=False, num_window_keys=20, num_extra_keys=2)
+    key_valid = torch.ones(2, 22, dtype=torch.bool)
+    key_valid[1, 15:20] = False
+    query, fields = torch.zeros(2, 20, 1, 8), lsb._layout_fields(layout)
+    packed = []
+    for module in (lsb, copy):
+        module._SHARED_MASK.__init__()  # empty
+        packed.append(module.long_short_block_mask_tensors(query, fields, key_valid, None, [key_valid], []))
+        assert module._SHARED_MASK._kept is not None
+    assert torch.equal(*packed)
