@@ -573,8 +573,8 @@ IN_GRAPH_CASES = {
 @pytest.mark.parametrize("in_graph_case", IN_GRAPH_CASES.values(), ids=IN_GRAPH_CASES)
 def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device):
     """Inside a compiled graph (dynamo's eager backend, sizes symbolic) the mask's tensors come from the caches through
-    one operator (``long_short_block_mask_tensors``, whose fake output's size the views must match): every tensor, the sizes and
-    the mask_mod's mask equal ``long_short_block_mask``'s, built where the queries are."""
+    one operator (``long_short_block_mask_tensors``, whose fake output's size the views must match): every tensor, the
+    sizes and the mask_mod's mask equal ``long_short_block_mask``'s, built where the queries are."""
     fields, n, spec = in_graph_case
     extra = fields["num_extra_keys"]
 

@@ -880,7 +880,8 @@ def test_config_compile_attention_reaches_every_layer():
 def test_bench_peer_at_the_boundary_crosses_it(monkeypatch):
     """``bench.bench_attention``'s ``long-short-boundary`` peer beside the default ``long-short``, both compiled where
     the kernel joins the layer's graph (the CPU standing in for CUDA, dynamo's eager backend): the default's kernel
-    crosses no compile boundary, the peer's does, the setting restored after its call, and the outputs are equal."""
+    crosses no compile boundary, the peer's does, the setting restored after its call, and the outputs are equal
+    (float64: the two calls lay their tensors out differently)."""
     from bench.bench_attention import Shape, build_peer
     from ls_hf import long_short_attention, long_short_blocks
 
@@ -888,13 +889,14 @@ def test_bench_peer_at_the_boundary_crosses_it(monkeypatch):
     monkeypatch.setattr(
         long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: boundary_calls.append(1) or boundary(*a, **k)
     )
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     shape = Shape(hidden=16, heads=2, window=8, rank=2)
-    x = torch.randn(1, 40, 16)
+    x = torch.randn(1, 40, 16, dtype=torch.float64)
     outs, calls = {}, {}
     with package_compiled_with(monkeypatch, "eager", long_short_attention.compiled_attention_layer):
         for peer in ("long-short", "long-short-boundary"):
             torch.manual_seed(0)
-            module = build_peer(peer, shape)
+            module = build_peer(peer, shape).double()
             boundary_calls.clear()
             with torch.no_grad():
                 outs[peer] = module(x)
