@@ -6,6 +6,7 @@ Checked, never timed. Eager FlexAttention warns that it materialises the scores;
 
 import contextlib
 import functools
+import math
 from collections import Counter
 
 import pytest
@@ -176,6 +177,17 @@ def test_compiled_flex_matches_sdpa(causal):
     torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
 
 
+def counting_boundary_calls(monkeypatch) -> list:
+    """A list that grows by one at each call of the FlexAttention kernel that crosses a compile boundary."""
+    from ls_hf import long_short_blocks
+
+    calls, boundary = [], long_short_blocks._flex_attend_outside_graph
+    monkeypatch.setattr(
+        long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: calls.append(1) or boundary(*a, **k)
+    )
+    return calls
+
+
 def _compile_on_cpu(monkeypatch, kernel_in_graph: bool = False):
     """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
     compilation. ``kernel_in_graph``: the layer's graph takes the attention kernel in, as on CUDA
@@ -190,6 +202,118 @@ def _compile_on_cpu(monkeypatch, kernel_in_graph: bool = False):
     monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
     monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
     monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
+
+
+@pytest.fixture
+def lowered_as_for_cuda(monkeypatch):
+    """While the test runs, inductor generates for CPU tensors the code it generates for CUDA, Triton's kernels run in
+    Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py), FlexAttention's Triton templates among them,
+    forward and backward. What stands in the way is turned aside:
+
+    - inductor's FlexAttention lowering sends CPU tensors to its C++ kernel: a copy of it without that branch is
+      registered;
+    - FlexAttention refuses a backward pass on the CPU and has its forward kernel skip the log-sum-exp there, which
+      the backward kernel reads: both as on CUDA;
+    - Triton asks its driver, which finds no GPU, for the target to generate code for: an sm80 CUDA target;
+    - inductor's kernels call CUDA's libdevice, which the interpreter cannot run: ``triton.language.math`` instead;
+    - Triton 3.6's interpreter reads a loop bound given as a one-element array wrongly: read as Triton 3.8 reads it.
+
+    So that the interpreter takes seconds, not minutes, each kernel runs its widest configuration, and FlexAttention's
+    one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80)."""
+    import inspect
+
+    import torch.nn.attention.flex_attention as flex_api
+    import triton
+    import triton.language as tl
+    from torch._inductor import lowering
+    from torch._inductor.kernel.flex import flex_attention as flex_lowering
+    from torch._inductor.runtime import triton_helpers, triton_heuristics
+    from torch.utils import _triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import interpreter
+
+    from ls_hf.long_short_blocks import DEFAULT_BLOCK_SIZE
+
+    cpu_branch = 'if query.get_device().type == "cpu":'
+    source = inspect.getsource(flex_lowering.flex_attention)
+    assert cpu_branch in source, "inductor's FlexAttention lowering no longer picks its CPU kernel as this test knows"
+    flex_op = torch.ops.higher_order.flex_attention
+    monkeypatch.setitem(lowering.lowerings, flex_op, lowering.lowerings[flex_op])  # restored after the test
+    # the lowering's own source, its CPU branch never taken, registered as it registers itself
+    without_cpu_branch = compile(source.replace(cpu_branch, "if False:"), flex_lowering.__file__, "exec")
+    exec(without_cpu_branch, dict(vars(flex_lowering)))  # noqa: S102
+
+    # FlexAttention's tiles, forward and backward
+    tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), DEFAULT_BLOCK_SIZE)
+
+    def kernel_options(*args, apply=flex_api._apply_kernel_options, **kwargs):
+        options = apply(*args, **kwargs)
+        options["OUTPUT_LOGSUMEXP"] = options["OUTPUT_LOGSUMEXP"] or torch.is_grad_enabled()
+        return {**tiles, **options}
+
+    class Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 80, 32)
+
+    def patch_tensor(tensor, scope, patch=interpreter._patch_lang_tensor):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def run_widest(self, *args, run=triton_heuristics.CachingAutotuner.run, **kwargs):
+        self.configs = sorted(self.configs, key=lambda config: -math.prod(config.kwargs.values()))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_heuristics.CachingAutotuner, "run", run_widest)
+    monkeypatch.setattr(flex_api, "_validate_device", lambda query, key, value: None)
+    monkeypatch.setattr(flex_api, "_apply_kernel_options", kernel_options)
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
+    monkeypatch.setattr(triton_helpers, "libdevice", tl.math)
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
+    backend_caches = (_triton.triton_backend, _triton.triton_hash_with_backend)  # they keep the target
+    for cache in backend_caches:
+        cache.cache_clear()
+    with torch._inductor.config.patch(cpu_backend="triton"):
+        yield
+    torch._dynamo.reset()
+    for cache in backend_caches:
+        cache.cache_clear()
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("kind", ["cls", "causal"])
+def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypatch):
+    """The default path's compiled layer as inductor lowers it for CUDA (``KERNEL_IN_GRAPH_DEVICES``), FlexAttention's
+    Triton templates inside the layer's one graph, forward and backward, the block mask's tensors made there by its
+    operator, every kernel run in Triton's interpreter (float32), against the grouped SDPA path, with padding (right;
+    causal: left) and the cls token: the output and the gradients of the input, of W^P (Eq. 3) and of LN_L's gain
+    (Eq. 7). The window is wide enough for key blocks that every query of a block sees (full blocks, which skip the
+    mask_mod). No call crosses a compile boundary."""
+    boundary_calls = counting_boundary_calls(monkeypatch)
+    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    causal = kind == "causal"
+    layer = make(
+        hidden=32,
+        heads=2,
+        window=128,
+        rank=4,
+        causal=causal,
+        segment_length=8 if causal else None,
+        dtype=torch.float32,
+    )
+    x, cls = inputs(layer, 2, 300)
+    mask = make_mask("left" if causal else "right", 2, 300, 40)
+    extra = {} if causal else {"cls_hidden": cls}
+    results = {}
+    for implementation in ("sdpa", "eager"):
+        layer.zero_grad()
+        x_in = x.clone().requires_grad_()
+        out, _ = layer(x_in, mask, attn_implementation=implementation, **extra)
+        out.square().sum().backward()
+        params = (layer.dynamic_projection.weight, layer.dual_ln_local.weight)
+        results[implementation] = (out.detach(), x_in.grad, *(p.grad for p in params))
+    assert not boundary_calls
+    for got, expected in zip(results["sdpa"], results["eager"]):
+        assert_close(got, expected, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.compiled
@@ -826,10 +950,7 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
     boundary."""
     from ls_hf import long_short_attention, long_short_blocks
 
-    boundary_calls, boundary = [], long_short_blocks._flex_attend_outside_graph
-    monkeypatch.setattr(
-        long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: boundary_calls.append(1) or boundary(*a, **k)
-    )
+    boundary_calls = counting_boundary_calls(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
     monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 128)
@@ -885,10 +1006,7 @@ def test_bench_peer_at_the_boundary_crosses_it(monkeypatch):
     from bench.bench_attention import Shape, build_peer
     from ls_hf import long_short_attention, long_short_blocks
 
-    boundary_calls, boundary = [], long_short_blocks._flex_attend_outside_graph
-    monkeypatch.setattr(
-        long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: boundary_calls.append(1) or boundary(*a, **k)
-    )
+    boundary_calls = counting_boundary_calls(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     shape = Shape(hidden=16, heads=2, window=8, rank=2)
     x = torch.randn(1, 40, 16, dtype=torch.float64)
