@@ -282,83 +282,57 @@ def lowered_as_for_cuda(monkeypatch):
 @pytest.mark.compiled
 @pytest.mark.parametrize("kind", ["cls", "causal"])
 def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypatch):
-    """The default path's compiled layer as inductor lowers it for CUDA (``KERNEL_IN_GRAPH_DEVICES``), FlexAttention's
-    Triton templates inside the layer's one graph, forward and backward, the block mask's tensors made there by its
-    operator, every kernel run in Triton's interpreter (float32), against the grouped SDPA path, with padding (right;
-    causal: left) and the cls token: the output and the gradients of the input, of W^P (Eq. 3) and of LN_L's gain
-    (Eq. 7). The window is wide enough for key blocks that every query of a block sees (full blocks, which skip the
-    mask_mod). No call crosses a compile boundary."""
-    boundary_calls = counting_boundary_calls(monkeypatch)
-    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
-    causal = kind == "causal"
-    layer = make(
-        hidden=32,
-        heads=2,
-        window=128,
-        rank=4,
-        causal=causal,
-        segment_length=8 if causal else None,
-        dtype=torch.float32,
-    )
-    x, cls = inputs(layer, 2, 300)
-    mask = make_mask("left" if causal else "right", 2, 300, 40)
-    extra = {} if causal else {"cls_hidden": cls}
-    results = {}
-    for implementation in ("sdpa", "eager"):
-        layer.zero_grad()
-        x_in = x.clone().requires_grad_()
-        out, _ = layer(x_in, mask, attn_implementation=implementation, **extra)
-        out.square().sum().backward()
-        params = (layer.dynamic_projection.weight, layer.dual_ln_local.weight)
-        results[implementation] = (out.detach(), x_in.grad, *(p.grad for p in params))
-    assert not boundary_calls
-    for got, expected in zip(results["sdpa"], results["eager"]):
-        assert_close(got, expected, atol=1e-5 * expected.abs().max().item())
-
-
-@pytest.mark.compiled
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_compiled_layer_matches_sdpa_and_is_shared(causal, monkeypatch):
-    """The fused path's whole layer compiled as one graph by inductor, the attention kernel in it
-    (``compiled_attention_layer``, the CPU standing in for CUDA, FlexAttention computed densely from the block mask's
-    mask_mod, float32, forward): with padding (right; causal: left, counted from each row's first real token) and the
-    cls token (bidirectional), and then without padding at a second length (symbolic), the output of the grouped SDPA
-    path. Two layers of the same settings share every compilation of the region, and with right padding the block
-    mask that the first one built."""
+    """The default path's compiled layer as inductor lowers it for CUDA (``compiled_attention_layer``,
+    ``KERNEL_IN_GRAPH_DEVICES``): FlexAttention's Triton templates inside the layer's one graph, forward and backward,
+    the block mask's tensors made there by its operator, every kernel run in Triton's interpreter (float32). Against
+    the grouped SDPA path, with padding (right; causal: left, counted from each row's first real token) and the cls
+    token: the output and the gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7); then without padding
+    at a second length (symbolic), forward only: the output. The window is wide enough for key blocks that every query of a block sees (full
+    blocks, which skip the mask_mod). No call crosses a compile boundary; two layers of the same settings share every
+    compilation, and with right padding the block mask that the first one built."""
     from torch._dynamo.utils import counters
 
-    from ls_hf import long_short_blocks
-
+    boundary_calls = counting_boundary_calls(monkeypatch)
     _compile_on_cpu(monkeypatch, kernel_in_graph=True)
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     built = counting_mask_builds(monkeypatch)
-    builds = []  # per call: the block masks it built
+    causal = kind == "causal"
     config = {
         "hidden": 32,
         "heads": 2,
-        "window": 16,
+        "window": 128,
         "rank": 4,
         "causal": causal,
         "segment_length": 8 if causal else None,
     }
     layers = [make(**config, seed=seed, dtype=torch.float32) for seed in (0, 1)]
-    new_graphs = []  # per call: the graphs that dynamo compiled for it
-    for n, mask_kind in ((150, "left" if causal else "right"), (170, "none")):
+
+    def output_and_gradients(layer, x, mask, implementation, backward, **extra):
+        layer.zero_grad()
+        x = x.clone().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            out, _ = layer(x, mask, attn_implementation=implementation, **extra)
+        if not backward:
+            return (out,)
+        out.square().sum().backward()
+        return out.detach(), x.grad, layer.dynamic_projection.weight.grad, layer.dual_ln_local.weight.grad
+
+    new_graphs, builds = [], []  # per call of the compiled layer: the graphs dynamo compiled, the masks built
+    for n, padding, backward in ((300, "left" if causal else "right", True), (310, "none", False)):
         x, cls = inputs(layers[0], 2, n)
-        mask = make_mask(mask_kind, 2, n, 40)
+        mask = make_mask(padding, 2, n, 40)
         extra = {} if causal else {"cls_hidden": cls}
         for layer in layers:
-            with torch.no_grad():
-                expected, _ = layer(x, mask, attn_implementation="eager", **extra)
-                before, built_before = counters["stats"]["unique_graphs"], len(built)
-                out, _ = layer(x, mask, **extra)
-                new_graphs.append(counters["stats"]["unique_graphs"] - before)
-                builds.append(len(built) - built_before)
-            scale = expected.abs().max().item()
-            torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+            expected = output_and_gradients(layer, x, mask, "eager", backward, **extra)
+            graphs_before, built_before = counters["stats"]["unique_graphs"], len(built)
+            got = output_and_gradients(layer, x, mask, "sdpa", backward, **extra)
+            new_graphs.append(counters["stats"]["unique_graphs"] - graphs_before)
+            builds.append(len(built) - built_before)
+            for tensor, reference in zip(got, expected):
+                assert_close(tensor, reference, atol=1e-5 * reference.abs().max().item())
+    assert not boundary_calls
     # per padded call, the masks built: the second layer takes the first one's (left padding has offsets, built anew)
     assert builds[:2] == ([1, 1] if causal else [1, 0])
-    assert new_graphs[0] == 1  # the first call compiled the region: one graph, the kernel inside
+    assert new_graphs[0] == 1  # the first call compiled the layer: one graph, the kernel inside
     assert new_graphs[2] > 0  # the second length compiled again, with symbolic lengths
     assert new_graphs[1::2] == [0, 0]  # the second layer reuses the first one's compilations
 
