@@ -287,9 +287,9 @@ def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypat
     the block mask's tensors made there by its operator, every kernel run in Triton's interpreter (float32). Against
     the grouped SDPA path, with padding (right; causal: left, counted from each row's first real token) and the cls
     token: the output and the gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7); then without padding
-    at a second length (symbolic), forward only: the output. The window is wide enough for key blocks that every query of a block sees (full
-    blocks, which skip the mask_mod). No call crosses a compile boundary; two layers of the same settings share every
-    compilation, and with right padding the block mask that the first one built."""
+    at a second length (symbolic), forward only: the output. The window is wide enough for key blocks that every query
+    of a block sees (full blocks, which skip the mask_mod). No call crosses a compile boundary; two layers of the same
+    settings share every compilation, and with right padding the block mask that the first one built."""
     from torch._dynamo.utils import counters
 
     boundary_calls = counting_boundary_calls(monkeypatch)
