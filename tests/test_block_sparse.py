@@ -605,7 +605,7 @@ def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device)
         assert torch.equal(keep.expand_as(expected_keep), expected_keep)
 
 
-def test_each_copy_of_the_module_runs_its_own_operator():
+def test_each_copy_of_the_module_runs_its_own_operator(monkeypatch):
     """Hub remote code imports its own copy of this module beside an installed package (``transformers_modules...``):
     each copy registers an operator of its own, whose calls keep their padded mask in that copy's cache (under one
     name, the copy imported last would run every call)."""
@@ -630,7 +630,7 @@ def test_each_copy_of_the_module_runs_its_own_operator():
     query, fields = torch.zeros(2, 20, 1, 8), lsb._layout_fields(layout)
     packed = []
     for module in (lsb, copy):
-        module._SHARED_MASK.__init__()  # empty
+        monkeypatch.setattr(module, "_SHARED_MASK", type(module._SHARED_MASK)())  # empty, the cache restored after
         packed.append(module.long_short_block_mask_tensors(query, fields, key_valid, None, [key_valid], []))
         assert module._SHARED_MASK._kept is not None
     assert torch.equal(*packed)
