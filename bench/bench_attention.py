@@ -209,9 +209,10 @@ def sliding_window(window: int):
 
 class FlexWindowAttention(DenseAttention):
     """FlexAttention's sliding window: the dense peer's projections, keys at most ``window`` positions from the query,
-    a block mask per length and, on CUDA, the compiled kernel (``compiled``; the CPU runs FlexAttention eagerly, forward
-    only). The mask is built compiled on CUDA: built eagerly, ``create_block_mask`` evaluates every (query, key) pair
-    (10 GiB at 32,768 tokens), which would dwarf the attention's own memory."""
+    a block mask per length and, where the package compiles its own kernel (``long_short_blocks.COMPILED_DEVICES``:
+    CUDA), the compiled kernel (``compiled``; the CPU runs FlexAttention eagerly, forward only). The mask is built
+    compiled there: built eagerly, ``create_block_mask`` evaluates every (query, key) pair (10 GiB at 32,768 tokens),
+    which would dwarf the attention's own memory."""
 
     def __init__(self, hidden: int, heads: int, window: int):
         super().__init__(hidden, heads, eager=False)
@@ -219,11 +220,11 @@ class FlexWindowAttention(DenseAttention):
         self.masks = {}
 
     def attend(self, q, k, v):
-        n, on_cuda = q.shape[-2], q.device.type == "cuda"
+        n, compile_here = q.shape[-2], q.device.type in long_short_blocks.COMPILED_DEVICES
         if n not in self.masks:
-            build = compiled(create_block_mask) if on_cuda else create_block_mask
+            build = compiled(create_block_mask) if compile_here else create_block_mask
             self.masks[n] = build(sliding_window(self.window), None, None, n, n, device=q.device)
-        return (compiled(flex_attention) if on_cuda else flex_attention)(q, k, v, block_mask=self.masks[n])
+        return (compiled(flex_attention) if compile_here else flex_attention)(q, k, v, block_mask=self.masks[n])
 
 
 def build_peer(peer: str, shape: Shape = SHAPE) -> nn.Module:

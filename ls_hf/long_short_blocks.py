@@ -68,6 +68,9 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (forward only; torch 2.11-2.14 build the CPU kernel for maps and sequences of any size, except padded 1-D batches once
 # an earlier call made the lengths symbolic).
 COMPILED_DEVICES = ("cuda",)
+# Where compiled FlexAttention refuses views of its inputs (inductor's CPU kernel, torch 2.14): it gets contiguous
+# copies there. Inductor's CUDA kernel reads the views where they lie.
+CONTIGUOUS_INPUT_DEVICES = ("cpu",)
 DEFAULT_BLOCK_SIZE = 128
 # Queries per copy of the bidirectional extra keys (``extra_key_copies``): 8 query blocks of ``DEFAULT_BLOCK_SIZE``.
 EXTRA_KEY_BAND = 1024
@@ -496,11 +499,11 @@ def compiled_flex_attention(static_shapes: bool = False) -> Callable:
 def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool, tokens_first=False):
     """``flex(query, key, value, ...)``: the output, or with ``return_lse`` the output and the log-sum-exp (asked for
     as FlexAttention's auxiliary output). ``tokens_first``: query, key and value are (B, m, H, E) and the output is
-    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies on the CPU, whose compiled kernel
-    refuses views), and its output, laid out as the query, is handed back as a view too."""
+    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies on ``CONTIGUOUS_INPUT_DEVICES``), and
+    its output, laid out as the query, is handed back as a view too."""
     if tokens_first:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        if query.device.type == "cpu":
+        if query.device.type in CONTIGUOUS_INPUT_DEVICES:
             query, key, value = (x.contiguous() for x in (query, key, value))
     if return_lse:
         out, aux = flex(
@@ -728,8 +731,7 @@ def flex_attend(
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))
-    # compiled for the CPU, FlexAttention refuses views of its inputs (torch 2.14)
-    if compiled and query.device.type == "cpu":
+    if compiled and query.device.type in CONTIGUOUS_INPUT_DEVICES:
         query, key, value = (x.contiguous() for x in (query, key, value))
     out = kernel(
         query,

@@ -21,8 +21,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import ls_timm  # noqa: F401  (registers the cvt_ls_* and vil_ls_* models)
 from bench import gpu_bars
 from bench.common import side_by_side
+from bench.cuda_lowered import compile_on_cpu
 from bench.gpu_bars import BARS, UNITS, CompilingAhead, bar_rows, compile_units, table, time_limit, verdict
-from tests.test_flex_attention import _compile_on_cpu
 
 
 def test_verdict_on_made_up_numbers():
@@ -219,7 +219,7 @@ def test_code_compiled_ahead_is_what_the_measurement_runs(monkeypatch, tmp_path)
     ahead.wait([unit])
     note = ahead.close()
     assert note.startswith("1 of 1 compiled"), note
-    _compile_on_cpu(monkeypatch)
+    compile_on_cpu(monkeypatch)
     setting = next(
         setting for setting in gpu_bars.attention_settings(gpu_bars.SMOKE) if setting.key("long-short") == unit
     )

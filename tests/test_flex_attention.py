@@ -6,7 +6,6 @@ Checked, never timed. Eager FlexAttention warns that it materialises the scores;
 
 import contextlib
 import functools
-import math
 from collections import Counter
 
 import pytest
@@ -17,6 +16,8 @@ from torch.nn.attention.flex_attention import create_mask
 from transformers import AutoModel, AutoModelForCausalLM
 
 import ls_hf.long_short_rules as rules
+from bench import cuda_lowered
+from bench.cuda_lowered import compile_on_cpu
 from ls_hf import LongShortForCausalLM, LongShortModel
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
 from tests.devices import assert_close
@@ -188,95 +189,12 @@ def counting_boundary_calls(monkeypatch) -> list:
     return calls
 
 
-def _compile_on_cpu(monkeypatch, kernel_in_graph: bool = False):
-    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
-    compilation. ``kernel_in_graph``: the layer's graph takes the attention kernel in, as on CUDA
-    (``KERNEL_IN_GRAPH_DEVICES``); inductor's CPU FlexAttention kernel does not build there (it takes the mask's tensors
-    only as inputs of its own graph, torch 2.14), so the callers that compile so with inductor compute FlexAttention
-    densely (``_dense_flex_attend``). Without it the kernel's call is a compile boundary, as elsewhere."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    torch._dynamo.reset()
-
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
-
-
 @pytest.fixture
 def lowered_as_for_cuda(monkeypatch):
-    """While the test runs, inductor generates for CPU tensors the code it generates for CUDA, Triton's kernels run in
-    Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py), FlexAttention's Triton templates among them,
-    forward and backward. What stands in the way is turned aside:
-
-    - inductor's FlexAttention lowering sends CPU tensors to its C++ kernel: a copy of it without that branch is
-      registered;
-    - FlexAttention refuses a backward pass on the CPU and has its forward kernel skip the log-sum-exp there, which
-      the backward kernel reads: both as on CUDA;
-    - Triton asks its driver, which finds no GPU, for the target to generate code for: an sm80 CUDA target;
-    - inductor's kernels call CUDA's libdevice, which the interpreter cannot run: ``triton.language.math`` instead;
-    - Triton 3.6's interpreter reads a loop bound given as a one-element array wrongly: read as Triton 3.8 reads it.
-
-    So that the interpreter takes seconds, not minutes, each kernel runs its widest configuration, and FlexAttention's
-    one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80)."""
-    import inspect
-
-    import torch.nn.attention.flex_attention as flex_api
-    import triton
-    import triton.language as tl
-    from torch._inductor import lowering
-    from torch._inductor.kernel.flex import flex_attention as flex_lowering
-    from torch._inductor.runtime import triton_helpers, triton_heuristics
-    from torch.utils import _triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import interpreter
-
-    from ls_hf.long_short_blocks import DEFAULT_BLOCK_SIZE
-
-    cpu_branch = 'if query.get_device().type == "cpu":'
-    source = inspect.getsource(flex_lowering.flex_attention)
-    assert cpu_branch in source, "inductor's FlexAttention lowering no longer picks its CPU kernel as this test knows"
-    flex_op = torch.ops.higher_order.flex_attention
-    monkeypatch.setitem(lowering.lowerings, flex_op, lowering.lowerings[flex_op])  # restored after the test
-    # the lowering's own source, its CPU branch never taken, registered as it registers itself
-    without_cpu_branch = compile(source.replace(cpu_branch, "if False:"), flex_lowering.__file__, "exec")
-    exec(without_cpu_branch, dict(vars(flex_lowering)))  # noqa: S102
-
-    # FlexAttention's tiles, forward and backward
-    tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), DEFAULT_BLOCK_SIZE)
-
-    def kernel_options(*args, apply=flex_api._apply_kernel_options, **kwargs):
-        options = apply(*args, **kwargs)
-        options["OUTPUT_LOGSUMEXP"] = options["OUTPUT_LOGSUMEXP"] or torch.is_grad_enabled()
-        return {**tiles, **options}
-
-    class Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 80, 32)
-
-    def patch_tensor(tensor, scope, patch=interpreter._patch_lang_tensor):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def run_widest(self, *args, run=triton_heuristics.CachingAutotuner.run, **kwargs):
-        self.configs = sorted(self.configs, key=lambda config: -math.prod(config.kwargs.values()))
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton_heuristics.CachingAutotuner, "run", run_widest)
-    monkeypatch.setattr(flex_api, "_validate_device", lambda query, key, value: None)
-    monkeypatch.setattr(flex_api, "_apply_kernel_options", kernel_options)
-    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
-    monkeypatch.setattr(triton_helpers, "libdevice", tl.math)
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
-    backend_caches = (_triton.triton_backend, _triton.triton_hash_with_backend)  # they keep the target
-    for cache in backend_caches:
-        cache.cache_clear()
-    with torch._inductor.config.patch(cpu_backend="triton"):
+    """While the test runs, inductor generates for CPU tensors the code it generates for CUDA, and Triton's
+    interpreter runs its kernels (``bench.cuda_lowered.lowered_as_for_cuda``)."""
+    with cuda_lowered.lowered_as_for_cuda(monkeypatch):
         yield
-    torch._dynamo.reset()
-    for cache in backend_caches:
-        cache.cache_clear()
 
 
 @pytest.mark.compiled
@@ -293,7 +211,7 @@ def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypat
     from torch._dynamo.utils import counters
 
     boundary_calls = counting_boundary_calls(monkeypatch)
-    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    compile_on_cpu(monkeypatch, kernel_in_graph=True)
     built = counting_mask_builds(monkeypatch)
     causal = kind == "causal"
     config = {
@@ -342,12 +260,12 @@ def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypat
 def package_compiled_with(monkeypatch, backend, *cached):
     """While it is open, the package's compiled functions ``cached`` (their ``functools.cache``'d builders) are built
     afresh with the ``torch.compile`` backend ``backend``, the CPU standing in for CUDA with the attention kernel in
-    the layer's graph (``_compile_on_cpu``); built again with inductor after it."""
+    the layer's graph (``compile_on_cpu``); built again with inductor after it."""
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": backend}))
     for compiled in cached:
         compiled.cache_clear()
-    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    compile_on_cpu(monkeypatch, kernel_in_graph=True)
     try:
         yield
     finally:
@@ -417,7 +335,7 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
     from ls_hf import long_short_attention, long_short_blocks
     from tests.test_attention import _saved_storages
 
-    _compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    compile_on_cpu(monkeypatch, kernel_in_graph=True)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     n, hidden = 150, 32
@@ -568,6 +486,60 @@ def test_fused_path_hands_the_kernel_token_major_contiguous_tensors(causal, monk
     x, _ = inputs(default, 2, 21)
     torch.testing.assert_close(default(x)[0], eager(x)[0], atol=EXACT, rtol=0)
     assert calls == [(True, [True, True, True])]
+
+
+class _Adapted(torch.nn.Linear):
+    """A Linear that adds to its output, as an adapter does: a subclass whose forward is more than ``F.linear``."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.5 * x[..., : self.out_features]
+
+
+@pytest.mark.parametrize("linears", ["plain", "no_bias", "hooked", "adapted", "global"])
+def test_fused_path_computes_keys_values_and_scores_in_one_product(linears, monkeypatch):
+    """Bidirectionally, where the window keys are joined with the projected rows, the fused path computes ``x W_K``,
+    ``x W_V`` and Eq. 3's scores ``x W^P`` in one product (``_fused_keys_values``): ``F.linear`` runs 3 times a
+    forward pass (the query, the product, the output) where the Linears take 5, and without biases 4 (W^P keeps its
+    own). A Linear that does more than ``F.linear`` runs its own forward: one with a forward hook that changes its
+    output, one of a subclass (an adapter). With global tokens the scores are reordered with the tokens. The output
+    and every gradient are the SDPA path's (float64, FlexAttention computed densely)."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    settings = {"bias": False} if linears == "no_bias" else {}
+    default, eager = (
+        make(hidden=12, heads=3, window=3, rank=2, **settings, attn_implementation=name) for name in ("sdpa", "eager")
+    )
+    for module in (default, eager):
+        if linears == "hooked":
+            module.value.register_forward_hook(lambda linear, args, out: 1.5 * out)
+        if linears == "adapted":
+            adapted = _Adapted(12, 12, dtype=torch.float64)
+            adapted.load_state_dict(module.key.state_dict())
+            module.key = adapted
+    x, _ = inputs(default, 2, 21)
+    mask = make_mask("right", 2, 21, 4)
+    extra = {"global_attention_mask": torch.zeros(2, 21).index_fill_(1, torch.tensor([0, 9]), 1)}
+    extra = extra if linears == "global" else {}
+    linear, calls = torch.nn.functional.linear, []
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda *args, **kwargs: calls.append(1) or linear(*args, **kwargs)
+    )
+    grads = []
+    for module in (default, eager):
+        calls.clear()
+        x_in = x.clone().requires_grad_()
+        out, _ = module(x_in, mask, **extra)
+        if module is default:
+            expected_calls = {"plain": 3, "no_bias": 4, "global": 3}.get(linears, 5)
+            # with global tokens, their own keys and values too (the layer's key and value Linears)
+            assert len(calls) == expected_calls + (2 if linears == "global" else 0)
+        out.square().sum().backward()
+        grads.append({"output": out, "input": x_in.grad, **{k: p.grad for k, p in module.named_parameters()}})
+    for key, expected in grads[1].items():
+        torch.testing.assert_close(grads[0][key], expected, atol=1e-9, rtol=0, msg=key)
 
 
 @pytest.mark.parametrize("long_range", ["in_kernel", "in_kernel_copies", "apart"])

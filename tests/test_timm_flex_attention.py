@@ -11,11 +11,12 @@ import timm
 import torch
 
 import ls_hf.long_short_rules as rules
+from bench.cuda_lowered import compile_on_cpu
 from ls_hf import long_short_attention, long_short_blocks
 from ls_timm import long_short_attention_2d, long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.devices import assert_close
-from tests.test_flex_attention import _compile_on_cpu, _dense_flex_attend, package_compiled_with
+from tests.test_flex_attention import _dense_flex_attend, package_compiled_with
 from tests.test_timm_attention import CASES, _randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -97,7 +98,7 @@ def test_compiled_layer_matches_sdpa_and_is_shared(monkeypatch):
     parameter, are the SDPA layouts'; a second module of the same settings reuses every compilation."""
     from torch._dynamo.utils import counters
 
-    _compile_on_cpu(monkeypatch)
+    compile_on_cpu(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_attention_2d, "flex_attend", _dense_flex_attend)
     compiled_layers = []

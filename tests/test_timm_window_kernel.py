@@ -16,6 +16,7 @@ import pytest
 import timm
 import torch
 
+from bench.cuda_lowered import compile_on_cpu
 from ls_hf import long_short_attention
 from ls_timm import long_short_attention_2d, window_kernel_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
@@ -28,7 +29,6 @@ from ls_timm.window_kernel_2d import (
     window_attention_2d,
 )
 from tests.devices import RELATIVE_ATOL, assert_close
-from tests.test_flex_attention import _compile_on_cpu
 from tests.test_timm_attention import CASES, _randomise
 
 pytestmark = pytest.mark.skipif(not has_window_kernel(), reason="Triton is not installed")
@@ -230,7 +230,7 @@ def test_compiled_layer_calls_the_kernels(compiled_by, monkeypatch):
     backward operators run): by the package (the fused path's ``compiled_attention_layer_2d``, static shapes) or by
     the caller (``torch.compile`` of a module with ``compile_attention=False``, as timm's training script compiles a
     model); float32: the SDPA layouts' output and gradients, tolerance scaled to their magnitudes."""
-    _compile_on_cpu(monkeypatch)
+    compile_on_cpu(monkeypatch)
     monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float32,))
     long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
     sdpa = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, attn_implementation="eager")

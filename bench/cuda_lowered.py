@@ -1,0 +1,117 @@
+"""Inductor's code for CUDA on a CPU: ``lowered_as_for_cuda`` makes inductor generate for CPU tensors the code it
+generates for CUDA, and Triton's interpreter run it (``TRITON_INTERPRET=1``, set before Triton is imported), or only
+launch it; ``compile_on_cpu`` lets the CPU take CUDA's choices of the package's paths. The tests check the fused path's
+compiled layer so (``tests/test_flex_attention.py``), and ``bench.host_time`` times the host's part of its steps."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+
+
+def compile_on_cpu(monkeypatch, kernel_in_graph: bool = False) -> None:
+    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
+    compilation (``monkeypatch``: a ``pytest.MonkeyPatch``, which undoes it). ``kernel_in_graph``: the layer's graph
+    takes the attention kernel in, as on CUDA (``KERNEL_IN_GRAPH_DEVICES``); inductor's CPU FlexAttention kernel does
+    not build there (it takes the mask's tensors only as inputs of its own graph, torch 2.14), so what compiles so with
+    inductor computes FlexAttention otherwise: densely, or as for CUDA (``lowered_as_for_cuda``). Without it the
+    kernel's call is a compile boundary, as elsewhere."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    torch._dynamo.reset()
+
+    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
+
+
+@contextlib.contextmanager
+def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
+    """While it is open, inductor generates for CPU tensors the code it generates for CUDA, and Triton's interpreter
+    runs its kernels, FlexAttention's Triton templates among them, forward and backward (``monkeypatch``: a
+    ``pytest.MonkeyPatch``, which undoes what is patched here). What stands in the way is turned aside:
+
+    - inductor's FlexAttention lowering sends CPU tensors to its C++ kernel: a copy of it without that branch is
+      registered;
+    - FlexAttention refuses a backward pass on the CPU and has its forward kernel skip the log-sum-exp there, which
+      the backward kernel reads: both as on CUDA;
+    - Triton asks its driver, which finds no GPU, for the target to generate code for: an sm80 CUDA target;
+    - inductor's kernels call CUDA's libdevice, which the interpreter cannot run: ``triton.language.math`` instead;
+    - Triton 3.6's interpreter reads a loop bound given as a one-element array wrongly: read as Triton 3.8 reads it;
+    - the package gives inductor's CPU FlexAttention kernel contiguous copies of its inputs: the views instead, as on
+      CUDA (``CONTIGUOUS_INPUT_DEVICES``).
+
+    So that the interpreter takes seconds, not minutes, each kernel runs its widest configuration, and FlexAttention's
+    one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80). One difference stays:
+    inductor concatenates CPU tensors with a copy kernel per input, CUDA's often in one kernel.
+
+    ``run_kernels=False``: each Triton kernel's launch returns at once, its outputs left unwritten: the host's work
+    alone. Yields the list of the kernels launched so (by name, in order), for the caller to read and clear."""
+    import torch.nn.attention.flex_attention as flex_api
+    import triton
+    import triton.language as tl
+    from torch._inductor import lowering
+    from torch._inductor.kernel.flex import flex_attention as flex_lowering
+    from torch._inductor.runtime import triton_helpers, triton_heuristics
+    from torch.utils import _triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import interpreter
+
+    from ls_hf import long_short_blocks
+    from ls_hf.long_short_blocks import DEFAULT_BLOCK_SIZE
+
+    launches = []
+
+    cpu_branch = 'if query.get_device().type == "cpu":'
+    source = inspect.getsource(flex_lowering.flex_attention)
+    assert cpu_branch in source, "inductor's FlexAttention lowering no longer picks its CPU kernel as this module knows"
+    flex_op = torch.ops.higher_order.flex_attention
+    monkeypatch.setitem(lowering.lowerings, flex_op, lowering.lowerings[flex_op])  # monkeypatch restores it
+    # the lowering's own source, its CPU branch never taken, registered as it registers itself
+    without_cpu_branch = compile(source.replace(cpu_branch, "if False:"), flex_lowering.__file__, "exec")
+    exec(without_cpu_branch, dict(vars(flex_lowering)))  # noqa: S102
+
+    # FlexAttention's tiles, forward and backward
+    tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), DEFAULT_BLOCK_SIZE)
+
+    def kernel_options(*args, apply=flex_api._apply_kernel_options, **kwargs):
+        options = apply(*args, **kwargs)
+        options["OUTPUT_LOGSUMEXP"] = options["OUTPUT_LOGSUMEXP"] or torch.is_grad_enabled()
+        return {**tiles, **options}
+
+    class Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 80, 32)
+
+    def patch_tensor(tensor, scope, patch=interpreter._patch_lang_tensor):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def run_widest(self, *args, run=triton_heuristics.CachingAutotuner.run, **kwargs):
+        self.configs = sorted(self.configs, key=lambda config: -math.prod(config.kwargs.values()))
+        return run(self, *args, **kwargs)
+
+    def launch_only(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+
+    monkeypatch.setattr(triton_heuristics.CachingAutotuner, "run", run_widest if run_kernels else launch_only)
+    monkeypatch.setattr(flex_api, "_validate_device", lambda query, key, value: None)
+    monkeypatch.setattr(flex_api, "_apply_kernel_options", kernel_options)
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
+    monkeypatch.setattr(triton_helpers, "libdevice", tl.math)
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
+    monkeypatch.setattr(long_short_blocks, "CONTIGUOUS_INPUT_DEVICES", ())
+    backend_caches = (_triton.triton_backend, _triton.triton_hash_with_backend)  # they keep the target
+    for cache in backend_caches:
+        cache.cache_clear()
+    try:
+        with torch._inductor.config.patch(cpu_backend="triton"):
+            yield launches
+    finally:  # no later compilation sees the CUDA lowering
+        torch._dynamo.reset()
+        for cache in backend_caches:
+            cache.cache_clear()

@@ -1,0 +1,102 @@
+"""The host's part of an attention layer's training step on a GPU, measured on the CPU.
+
+At 4,096 tokens a training step of the attention module on a GPU is bound by the host (bench/RESULTS.md: the
+FlexAttention peers' GPU work is a fraction of their step), so its time is that of the Python, dynamo's guards,
+AOTAutograd's wrappers, inductor's launches and allocations and the operators the host dispatches. This script times
+that part on the CPU: inductor generates for CPU tensors the code it generates for CUDA (``bench.cuda_lowered``), and
+each Triton kernel's launch returns at once, so that a step's time is the host's alone; the GEMMs and the eager
+operators still run on the CPU, at a small width (hidden 32, 2 heads of 16, w = 128, r = 4, batch 1, 512 tokens, one
+thread), where each takes microseconds. Peers, as ``bench.bench_attention`` builds them:
+
+* ``long-short``: the default path, the layer compiled as one graph with the FlexAttention kernel inside;
+* ``long-short-boundary``: the kernel's call a compile boundary (three graphs a pass);
+* ``long-short-separate``: the default path with its key, value and W^P Linears each taking its own product (a
+  forward hook on the key Linear, which does nothing, keeps the three apart: ``_fused_keys_values``);
+* ``flex-window``: FlexAttention's own sliding window on eager projections, the kernel compiled.
+
+    python -m bench.host_time                   # 200 rounds, the four peers in turn (about a minute)
+    python -m bench.host_time --repeats 20      # a quick look
+
+Prints each peer's median time a step, the Triton kernels it launches a step and its ratio to ``flex-window``, and
+writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound on a GPU, the ratios estimate the GPU's;
+a GPU charges each kernel's launch too (here free), and its host may be slower or faster than this CPU. Needs the
+test extras (``pytest.MonkeyPatch`` undoes the patches) and Triton (run in its interpreter mode, which this module
+sets before Triton is imported). Times are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
+
+import argparse
+import statistics
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.bench_attention import Shape, build_peer, step
+from bench.common import interleaved_times, results_path, run_meta, write_json
+from bench.cuda_lowered import compile_on_cpu, lowered_as_for_cuda
+
+SHAPE = Shape(hidden=32, heads=2, window=128, rank=4)
+PEERS = ("long-short", "long-short-boundary", "long-short-separate", "flex-window")
+BASELINE = "flex-window"
+
+
+def build(peer: str) -> torch.nn.Module:
+    """``peer``'s module at ``SHAPE``, float32 on the CPU."""
+    if peer == "long-short-separate":
+        module = build_peer("long-short", SHAPE)
+        module.attn.key.register_forward_hook(lambda linear, args, output: None)
+        return module
+    return build_peer(peer, SHAPE)
+
+
+def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
+    """Each of ``peers``' median host time of a training step (forward + backward) at ``n`` tokens, and the Triton
+    kernels it launches a step, the peers taking their steps in turn (``interleaved_times``)."""
+    torch.manual_seed(0)
+    x = torch.randn(SHAPE.batch, n, SHAPE.hidden, requires_grad=True)
+    grad = torch.randn(SHAPE.batch, n, SHAPE.hidden)
+    with pytest.MonkeyPatch.context() as monkeypatch, lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched:
+        compile_on_cpu(monkeypatch, kernel_in_graph=True)
+        # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
+        warnings.filterwarnings("ignore", "Could not find an active CPU backend")
+        modules = {peer: build(peer) for peer in peers}
+        steps = {peer: (lambda module=module: step(module, x, grad)) for peer, module in modules.items()}
+        launches = {}
+        for peer, run in steps.items():
+            run()  # compiles
+            launched.clear()
+            run()
+            launches[peer] = len(launched)
+        times = interleaved_times(steps, repeats, warmups=2)
+    return {peer: {"time_s": statistics.median(times[peer]), "triton_launches": launches[peer]} for peer in peers}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    parser.add_argument("--n", type=int, default=512, help="tokens (default 512: four query blocks)")
+    parser.add_argument("--repeats", type=int, default=200, help="timed rounds (default 200)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/host_time_cpu.json)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = measure(args.peers, args.n, args.repeats)
+    baseline = rows.get(BASELINE, {}).get("time_s")
+    print(f"| peer | host ms / step | Triton launches / step | / {BASELINE} |\n|---|---|---|---|")
+    for peer, row in rows.items():
+        row["ratio_to_baseline"] = None if baseline is None else row["time_s"] / baseline
+        ratio = "-" if baseline is None else f"{row['ratio_to_baseline']:.2f}x"
+        print(f"| {peer} | {1e3 * row['time_s']:.3f} | {row['triton_launches']} | {ratio} |")
+    results = {"meta": run_meta("host_time", argv, n=args.n, shape=vars(SHAPE)), "rows": rows}
+    write_json(results_path("host_time_cpu", quick=False) if args.out is None else args.out, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
