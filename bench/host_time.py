@@ -14,7 +14,7 @@ thread), where each takes microseconds. Peers, as ``bench.bench_attention`` buil
   forward hook on the key Linear, which does nothing, keeps the three apart: ``_fused_keys_values``);
 * ``flex-window``: FlexAttention's own sliding window on eager projections, the kernel compiled.
 
-    python -m bench.host_time                   # 200 rounds, the four peers in turn (about a minute)
+    python -m bench.host_time                   # 200 rounds, the four peers in turn (under a minute)
     python -m bench.host_time --repeats 20      # a quick look
 
 Prints each peer's median time a step, the Triton kernels it launches a step and its ratio to ``flex-window``, and
