@@ -10,11 +10,9 @@ thread), where each takes microseconds. Peers, as ``bench.bench_attention`` buil
 
 * ``long-short``: the default path, the layer compiled as one graph with the FlexAttention kernel inside;
 * ``long-short-boundary``: the kernel's call a compile boundary (three graphs a pass);
-* ``long-short-separate``: the default path with its key, value and W^P Linears each taking its own product (a
-  forward hook on the key Linear, which does nothing, keeps the three apart: ``_fused_keys_values``);
 * ``flex-window``: FlexAttention's own sliding window on eager projections, the kernel compiled.
 
-    python -m bench.host_time                   # 200 rounds, the four peers in turn (under a minute)
+    python -m bench.host_time                   # 200 rounds, the three peers in turn (under a minute)
     python -m bench.host_time --repeats 20      # a quick look
 
 Prints each peer's median time a step, the Triton kernels it launches a step and its ratio to ``flex-window``, and
@@ -43,17 +41,8 @@ from bench.common import interleaved_times, results_path, run_meta, write_json
 from bench.cuda_lowered import compile_on_cpu, lowered_as_for_cuda
 
 SHAPE = Shape(hidden=32, heads=2, window=128, rank=4)
-PEERS = ("long-short", "long-short-boundary", "long-short-separate", "flex-window")
+PEERS = ("long-short", "long-short-boundary", "flex-window")
 BASELINE = "flex-window"
-
-
-def build(peer: str) -> torch.nn.Module:
-    """``peer``'s module at ``SHAPE``, float32 on the CPU."""
-    if peer == "long-short-separate":
-        module = build_peer("long-short", SHAPE)
-        module.attn.key.register_forward_hook(lambda linear, args, output: None)
-        return module
-    return build_peer(peer, SHAPE)
 
 
 def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
@@ -66,7 +55,7 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
         compile_on_cpu(monkeypatch, kernel_in_graph=True)
         # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
         warnings.filterwarnings("ignore", "Could not find an active CPU backend")
-        modules = {peer: build(peer) for peer in peers}
+        modules = {peer: build_peer(peer, SHAPE) for peer in peers}
         steps = {peer: (lambda module=module: step(module, x, grad)) for peer, module in modules.items()}
         launches = {}
         for peer, run in steps.items():

@@ -66,7 +66,6 @@ from .long_short_rules import (
     KeptForSameInputs,
     check_attn_implementation,
     check_flex_call,
-    is_plain_tensor,
     masked_sdpa,
     project_rows,
     projection_weights,
@@ -190,22 +189,6 @@ def _take(x: Tensor, index: Tensor) -> Tensor:
     ``take_along_dim``, does not make ``torch.compile`` specialize on L (a recompilation per length)."""
     index = index.view(index.shape + (1,) * (x.dim() - 2))
     return x.gather(1, index.expand(x.shape[0], index.shape[1], *x.shape[2:]))
-
-
-def _plain_linear(linear: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether calling ``linear`` computes ``F.linear`` of its own weight and bias in ``dtype`` and nothing else: an
-    ``nn.Linear`` itself (not a subclass or a wrapper: a LoRA adapter, a quantized layer), of plain tensors (not
-    sharded ones), with no hook on it or on every module (an offloading hook loads the weights in one)."""
-    nn_hooks = nn.modules.module
-    return (
-        type(linear) is nn.Linear
-        and linear.weight.dtype == dtype
-        and all(x is None or is_plain_tensor(x) for x in (linear.weight, linear.bias))
-        and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks)
-        and not (linear._backward_pre_hooks or nn_hooks._global_forward_hooks)
-        and not (nn_hooks._global_forward_pre_hooks or nn_hooks._global_backward_hooks)
-        and not nn_hooks._global_backward_pre_hooks
-    )
 
 
 def _pad_seq(x: Tensor, left: int, right: int) -> Tensor:
@@ -469,27 +452,6 @@ class LongShortSelfAttention(nn.Module):
             self._split(self._dual_ln(x.flatten(2), local=True, is_key=is_key)) for x, is_key in ((k, True), (v, False))
         )
 
-    def _fused_keys_values(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """Where the fused path joins the window keys with the projected rows bidirectionally: ``x W_K``, ``x W_V``
-        (B, n, H, d) and Eq. 3's scores ``x W^P`` (B, n, H r), as views of one product of x with the three Linears'
-        weights side by side, one GEMM forward and two backward where each Linear takes one and two (on a GPU the
-        layer's step is bound by its launches below 16k tokens). ``JoinedProjectedKeys`` and P's softmax read the
-        views, and keep their own outputs, not the product. W^P stays apart where the other Linears have no bias
-        (its scores are then None); the query keeps its own Linear (the attention kernel keeps the query, and as a
-        view it would keep the whole product). None elsewhere, and where a Linear does more than ``F.linear``
-        (``_plain_linear``: a LoRA adapter, a quantized layer, a hook), which must run its own forward."""
-        if self.causal or not self._joins_keys("flex", cached=False):
-            return None
-        linears = [self.key, self.value, self.dynamic_projection]
-        if not all(_plain_linear(linear, self.key.weight.dtype) for linear in linears):
-            return None
-        if self.key.bias is None:
-            linears.pop()
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = None if self.key.bias is None else torch.cat([linear.bias for linear in linears])
-        k, v, *scores = F.linear(hidden, weight, bias).split([linear.out_features for linear in linears], -1)
-        return self._split(k), self._split(v), scores[0] if scores else None
-
     def _extra_key_copies(self, num_queries: int) -> int:
         """How many copies of the extra keys the fused path's kernel takes for ``num_queries`` queries: one per band
         of ``EXTRA_KEY_BAND`` queries bidirectionally with the extra keys in the kernel (``extra_key_copies``: a
@@ -552,11 +514,9 @@ class LongShortSelfAttention(nn.Module):
             valid=self._rows_valid(seg_valid, B, S, keys.device),
         )
 
-    def _projection_scores(self, hidden: Tensor, segments: int, scores: Tensor | None = None) -> Tensor:
-        """The scores ``X W^P`` of Eq. 3 of hidden X (B, S*l, D) in S segments: (B, S, H, r, l); ``scores``: those
-        of X (B, S*l, H r), computed already."""
-        scores = self.dynamic_projection(hidden) if scores is None else scores
-        return segments_heads_first(self._split(scores), segments).transpose(-1, -2)
+    def _projection_scores(self, hidden: Tensor, segments: int) -> Tensor:
+        """The scores ``X W^P`` of Eq. 3 of hidden X (B, S*l, D) in S segments: (B, S, H, r, l)."""
+        return segments_heads_first(self._split(self.dynamic_projection(hidden)), segments).transpose(-1, -2)
 
     def _rows_valid(self, seg_valid: Tensor | None, batch: int, segments: int, device: torch.device) -> Tensor:
         """(B, S*r): a projected row exists where its segment (valid (B, S, l), or None: all valid) has a valid
@@ -576,7 +536,6 @@ class LongShortSelfAttention(nn.Module):
         *,
         local_norm: bool = False,
         copies: int = 1,
-        scores: Tensor | None = None,
     ) -> tuple[ExtraKeys, ExtraKeys]:
         """The fused path's extra keys [prefix; projected rows] built with the window keys (B, n, H, d) in one tensor
         each (``JoinedProjectedKeys``), and the projected rows alone, as views of those tensors. The rows: Eq. 3 over
@@ -584,12 +543,11 @@ class LongShortSelfAttention(nn.Module):
         ``segment``: causal, Eq. 5 over each of its m / l segments of l tokens (the caller marks each row's
         segment). ``local_norm``: keys and values are the Linears' outputs, and ``LN_L`` is applied there (the
         normalized window keys are the joined tensors' first n rows). ``copies``: the joined tensors hold that many
-        copies of [prefix; rows] (``extra_key_copies``); the returned keys and values are the first. ``scores``: the
-        scores ``X W^P`` of hidden X (B, m, H r), where they are computed already (``_fused_keys_values``)."""
+        copies of [prefix; rows] (``extra_key_copies``); the returned keys and values are the first."""
         B, n = keys.shape[:2]
         S = 1 if segment is None else hidden.shape[1] // segment
         seg_valid = None if valid is None else valid.view(B, S, -1)
-        weights = projection_weights(self._projection_scores(hidden, S, scores), seg_valid)
+        weights = projection_weights(self._projection_scores(hidden, S), seg_valid)
         joined = []
         for name, window, is_key in (("keys", keys, True), ("values", values, False)):
             local, norm = (self._dual_ln_norm(local=is_local, is_key=is_key) for is_local in (True, False))
@@ -722,14 +680,7 @@ class LongShortSelfAttention(nn.Module):
         gains). ``mask_source``: the masks and flags that the keys' validity follows from, besides the layout (None
         with a cache, whose keys' validity is the cache's too)."""
         q = self._split(self.query(hidden_states))
-        fused = self._fused_keys_values(hidden_states) if backend == "flex" else None
-        if fused is None:
-            k, v = self._local_keys_values(hidden_states, lean=backend == "lean", normalize=not local_norm_joined)
-            projection_scores = None
-        else:
-            k, v, projection_scores = fused
-            if not local_norm_joined:
-                k, v = self._normalized_local(k, v)
+        k, v = self._local_keys_values(hidden_states, lean=backend == "lean", normalize=not local_norm_joined)
         if self.causal:
             context, attn = self._causal(
                 q=q,
@@ -755,7 +706,6 @@ class LongShortSelfAttention(nn.Module):
                 backend=backend,
                 local_norm=local_norm_joined,
                 mask_source=mask_source,
-                projection_scores=projection_scores,
             )
         return self.output(context.flatten(2)), attn
 
@@ -831,11 +781,9 @@ class LongShortSelfAttention(nn.Module):
         backend,
         local_norm=False,
         mask_source=None,
-        projection_scores=None,
     ):
         """``local_norm``: k, v are the Linears' outputs, normalized by ``LN_L`` where they are joined with the
-        projected rows (``_joins_local_norm``). ``mask_source``: as ``JointInputs``'. ``projection_scores``: Eq. 3's
-        ``X W^P`` (B, n, H r), computed with the keys and values (``_fused_keys_values``), or None."""
+        projected rows (``_joins_local_norm``). ``mask_source``: as ``JointInputs``'."""
         B, n = q.shape[:2]
         K = global_count
         masked = valid is not None
@@ -845,10 +793,7 @@ class LongShortSelfAttention(nn.Module):
         if K:  # the other tokens first, in their order, then the global ones (the window and projection skip them)
             order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
             q, k, v, valid, is_global = (_take(x, order) for x in (q, k, v, valid, is_global))
-            if projection_scores is not None:
-                projection_scores = _take(projection_scores, order)
-            elif self.projection_rank:
-                projection_inputs = _take(hidden_states, order)
+            projection_inputs = _take(hidden_states, order) if self.projection_rank else None
             local = valid & ~is_global
         extra = []  # global tokens' keys first, then the projected rows
         if cls_hidden is not None:
@@ -868,7 +813,6 @@ class LongShortSelfAttention(nn.Module):
                     prefix=extra,
                     local_norm=local_norm,
                     copies=self._extra_key_copies(n),
-                    scores=projection_scores,
                 )
                 k, v = (x[:, :n] for x in extra.joined)
             else:

@@ -8,12 +8,11 @@ from bench import host_time
 
 @pytest.mark.compiled
 def test_host_time_reports_each_peer_against_flexattentions_window(tmp_path):
-    """Two rounds of the default path, its Linears apart, and FlexAttention's window: each peer's time and Triton
-    launches a step, and its ratio to the window's, written to the JSON file asked for. The default path launches
-    the kernels of its one compiled graph, forward and backward (FlexAttention's among them); the window's peer only
-    its kernel's."""
+    """Two rounds of the default path and FlexAttention's window: each peer's time and Triton launches a step, and
+    its ratio to the window's, written to the JSON file asked for. The default path launches the kernels of its one
+    compiled graph, forward and backward (FlexAttention's among them); the window's peer only its kernel's."""
     out = tmp_path / "host.json"
-    peers = ["long-short", "long-short-separate", "flex-window"]
+    peers = ["long-short", "flex-window"]
     results = host_time.main(["--peers", *peers, "--n", "256", "--repeats", "2", "--out", str(out)])
     rows = results["rows"]
     assert list(rows) == peers and out.exists()

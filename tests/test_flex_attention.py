@@ -488,60 +488,6 @@ def test_fused_path_hands_the_kernel_token_major_contiguous_tensors(causal, monk
     assert calls == [(True, [True, True, True])]
 
 
-class _Adapted(torch.nn.Linear):
-    """A Linear that adds to its output, as an adapter does: a subclass whose forward is more than ``F.linear``."""
-
-    def forward(self, x):
-        return super().forward(x) + 0.5 * x[..., : self.out_features]
-
-
-@pytest.mark.parametrize("linears", ["plain", "no_bias", "hooked", "adapted", "global"])
-def test_fused_path_computes_keys_values_and_scores_in_one_product(linears, monkeypatch):
-    """Bidirectionally, where the window keys are joined with the projected rows, the fused path computes ``x W_K``,
-    ``x W_V`` and Eq. 3's scores ``x W^P`` in one product (``_fused_keys_values``): ``F.linear`` runs 3 times a
-    forward pass (the query, the product, the output) where the Linears take 5, and without biases 4 (W^P keeps its
-    own). A Linear that does more than ``F.linear`` runs its own forward: one with a forward hook that changes its
-    output, one of a subclass (an adapter). With global tokens the scores are reordered with the tokens. The output
-    and every gradient are the SDPA path's (float64, FlexAttention computed densely)."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
-    settings = {"bias": False} if linears == "no_bias" else {}
-    default, eager = (
-        make(hidden=12, heads=3, window=3, rank=2, **settings, attn_implementation=name) for name in ("sdpa", "eager")
-    )
-    for module in (default, eager):
-        if linears == "hooked":
-            module.value.register_forward_hook(lambda linear, args, out: 1.5 * out)
-        if linears == "adapted":
-            adapted = _Adapted(12, 12, dtype=torch.float64)
-            adapted.load_state_dict(module.key.state_dict())
-            module.key = adapted
-    x, _ = inputs(default, 2, 21)
-    mask = make_mask("right", 2, 21, 4)
-    extra = {"global_attention_mask": torch.zeros(2, 21).index_fill_(1, torch.tensor([0, 9]), 1)}
-    extra = extra if linears == "global" else {}
-    linear, calls = torch.nn.functional.linear, []
-    monkeypatch.setattr(
-        torch.nn.functional, "linear", lambda *args, **kwargs: calls.append(1) or linear(*args, **kwargs)
-    )
-    grads = []
-    for module in (default, eager):
-        calls.clear()
-        x_in = x.clone().requires_grad_()
-        out, _ = module(x_in, mask, **extra)
-        if module is default:
-            expected_calls = {"plain": 3, "no_bias": 4, "global": 3}.get(linears, 5)
-            # with global tokens, their own keys and values too (the layer's key and value Linears)
-            assert len(calls) == expected_calls + (2 if linears == "global" else 0)
-        out.square().sum().backward()
-        grads.append({"output": out, "input": x_in.grad, **{k: p.grad for k, p in module.named_parameters()}})
-    for key, expected in grads[1].items():
-        torch.testing.assert_close(grads[0][key], expected, atol=1e-9, rtol=0, msg=key)
-
-
 @pytest.mark.parametrize("long_range", ["in_kernel", "in_kernel_copies", "apart"])
 @pytest.mark.parametrize("extra", ["none", "cls", "global", "causal"])
 @pytest.mark.parametrize(
