@@ -446,15 +446,17 @@ def compile_in_package(
     fn: Callable, *, activation_memory_budget: float | None = None, static_shapes: bool = False
 ) -> Callable:
     """``torch.compile(fn)``, called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while it runs. Its
-    compilations count against a limit of its own, not against those of any other compiled function in the
-    process. Dynamo's ``nested_graph_breaks`` is on while it runs: a compile boundary deep in ``fn`` (the attention
-    kernel's call, three calls down in the layer) splits it into one graph before and one after, not a graph before
-    and after in every frame on the way (about 6 forward graphs a layer, each with its guards and its autograd node,
-    to 2). ``activation_memory_budget``: compiled by inductor with torch's setting of that name
+    compilations count against a limit of its own, not against those of any other compiled function in the process.
+    Dynamo's ``nested_graph_breaks`` is on while it runs: a compile boundary deep in ``fn`` (the attention kernel's
+    call, three calls down in the layer) splits it into one graph before and one after, not a graph before and after in
+    every frame on the way (about 6 forward graphs a layer, each with its guards and its autograd node, to 2). Dynamo
+    guards on module hooks while it runs (off by default: ``skip_nnmodule_hook_guards``): the code compiled for one
+    module serves another of the same settings, and a module whose Linear has a forward hook, or loses it, gets code of
+    its own that runs its hooks. ``activation_memory_budget``: compiled by inductor with torch's setting of that name
     (``inductor_with_memory_budget``), whose code dynamo keeps apart from the default backend's. ``static_shapes``:
-    every new input shape compiles code specialised to it (``torch.compile(dynamic=False)``), for inputs of few
-    shapes (images); by default the sizes become symbolic after the first that differs, so that text of any length
-    compiles a few times at most."""
+    every new input shape compiles code specialised to it (``torch.compile(dynamic=False)``), for inputs of few shapes
+    (images); by default the sizes become symbolic after the first that differs, so that text of any length compiles a
+    few times at most."""
     backend = (
         "inductor"
         if activation_memory_budget is None
@@ -462,7 +464,9 @@ def compile_in_package(
     )
     compiled = torch.compile(fn, backend=backend, dynamic=False if static_shapes else None)
     # made once: entering a patch made anew costs about 3x as much host time (70 us a call on a 2-core CPU)
-    settings = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, nested_graph_breaks=True)
+    settings = torch._dynamo.config.patch(
+        recompile_limit=RECOMPILE_LIMIT, nested_graph_breaks=True, skip_nnmodule_hook_guards=False
+    )
 
     @functools.wraps(fn)
     def run(*args, **kwargs):

@@ -298,6 +298,27 @@ def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> li
 
 
 @pytest.mark.compiled
+def test_compiled_layer_runs_each_modules_hooks(monkeypatch):
+    """Every module of the same settings shares the compiled layer; one whose Linear has a forward hook gets code that
+    calls it, not the code compiled first for a module without one (dynamo guards on module hooks while the package's
+    compiled code runs: ``compile_in_package``): the hook runs and changes the output as on the portable path."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    layers = [make(hidden=16, heads=2, window=8, rank=2, seed=seed, dtype=torch.float32) for seed in (0, 1)]
+    calls = []
+    layers[1].value.register_forward_hook(lambda linear, args, out: calls.append(1) or 1.5 * out)
+    x, _ = inputs(layers[0], 2, 40)
+    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
+    with package_compiled_with(monkeypatch, "eager", *cached), torch.no_grad():
+        layers[0](x)  # compiles the layer without a hook
+        expected, _ = layers[1](x, attn_implementation="eager")
+        calls.clear()
+        out, _ = layers[1](x)
+    assert calls == [1]
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.compiled
 def test_compiled_layer_compiles_no_more_for_each_longer_input(monkeypatch):
     """Uncached generation feeds the layer one token more each step. With left padding (each row's segments counted
     from its first real token), the compiled causal layer makes its lengths symbolic at the second length and the
