@@ -51,7 +51,11 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
     torch.manual_seed(0)
     x = torch.randn(SHAPE.batch, n, SHAPE.hidden, requires_grad=True)
     grad = torch.randn(SHAPE.batch, n, SHAPE.hidden)
-    with pytest.MonkeyPatch.context() as monkeypatch, lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched:
+    with (
+        pytest.MonkeyPatch.context() as monkeypatch,
+        lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched,
+        warnings.catch_warnings(),  # the filter below ends with the measurement
+    ):
         compile_on_cpu(monkeypatch, kernel_in_graph=True)
         # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
         warnings.filterwarnings("ignore", "Could not find an active CPU backend")
