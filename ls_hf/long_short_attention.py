@@ -68,6 +68,7 @@ from .long_short_rules import (
     check_flex_call,
     masked_sdpa,
     project_rows,
+    projection_scores,
     projection_weights,
     segment_keep,
     takes_grad,
@@ -515,8 +516,10 @@ class LongShortSelfAttention(nn.Module):
         )
 
     def _projection_scores(self, hidden: Tensor, segments: int) -> Tensor:
-        """The scores ``X W^P`` of Eq. 3 of hidden X (B, S*l, D) in S segments: (B, S, H, r, l)."""
-        return segments_heads_first(self._split(self.dynamic_projection(hidden)), segments).transpose(-1, -2)
+        """The scores ``X W^P`` of Eq. 3 of hidden X (B, S*l, D) in S segments: (B, S, H, r, l), each segment's l
+        scores contiguous (``projection_scores``)."""
+        scores = projection_scores(self.dynamic_projection, hidden)  # (B, H r, S l)
+        return scores.unflatten(1, (self.num_heads, -1)).unflatten(-1, (segments, -1)).permute(0, 3, 1, 2, 4)
 
     def _rows_valid(self, seg_valid: Tensor | None, batch: int, segments: int, device: torch.device) -> Tensor:
         """(B, S*r): a projected row exists where its segment (valid (B, S, l), or None: all valid) has a valid

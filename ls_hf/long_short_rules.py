@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:  # FlexAttention runs on CPU from torch 2.6 (this package needs torch >= 2.11 anyway)
@@ -41,6 +41,7 @@ __all__ = [
     "masked_sdpa",
     "project_rows",
     "projected",
+    "projection_scores",
     "projection_weights",
     "segment_keep",
     "segment_rule",
@@ -279,6 +280,31 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
     """
     prob = projection_weights(scores, valid)
     return projected(prob, keys), projected(prob, values)
+
+
+def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
+    """The scores ``X W^P`` of Eq. 3 for tokens x (B, n, D), transposed: (B, H r, n), the n scores of each of the
+    H r columns contiguous, so that P's softmax over the tokens reads rows, not a strided column (which inductor
+    computes with three kernels and a float32 copy). One product ``W^P X^T`` for the batch where ``projection`` is a
+    plain ``nn.Linear`` (no hooks, parameters no subclass); else its own forward runs (an adapter's, a quantized
+    weight's, a hook's) and its output is transposed."""
+    hooks = (
+        projection._forward_hooks,
+        projection._forward_pre_hooks,
+        nn.modules.module._global_forward_hooks,
+        nn.modules.module._global_forward_pre_hooks,
+    )
+    plain = type(projection) is nn.Linear and all(is_plain_tensor(p) for p in projection.parameters(recurse=False))
+    if not plain or any(hooks):
+        return projection(x).transpose(-1, -2)
+    B, n, D = x.shape
+    rows = x.reshape(B * n, D).T
+    scores = (
+        torch.mm(projection.weight, rows)
+        if projection.bias is None
+        else torch.addmm(projection.bias[:, None], projection.weight, rows)
+    )  # (H r, B n)
+    return scores.view(-1, B, n).transpose(0, 1)
 
 
 def projected(weights: Tensor, x: Tensor) -> Tensor:

@@ -59,6 +59,7 @@ from ls_hf.long_short_rules import (
     check_attn_implementation,
     check_flex_call,
     project_rows,
+    projection_scores,
     window_extent,
     window_rule,
 )
@@ -384,9 +385,7 @@ class LongShortAttention2d(nn.Module):
         head's i-th row), from the patch tokens and their keys/values (B, HW, .)."""
         if self.dp_conv is not None:
             patches = self.dp_conv(x_map).flatten(2).transpose(1, 2)
-        # the scores X W^P computed transposed, (B, heads * r, HW), so that the softmax over HW runs on contiguous rows
-        weight, bias = self.dynamic_projection.weight, self.dynamic_projection.bias
-        scores = torch.baddbmm(bias[:, None], weight.expand(patches.shape[0], -1, -1), patches.transpose(1, 2))
+        scores = projection_scores(self.dynamic_projection, patches)  # (B, heads * r, HW)
         rows_k, rows_v = (
             rows.transpose(1, 2).flatten(2)
             for rows in project_rows(scores.unflatten(1, (self.num_heads, -1)), self._heads(k), self._heads(v))

@@ -654,6 +654,38 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("kind", ["plain", "no_bias", "forward_hook", "subclass"])
+def test_projection_scores_are_the_linears_output_transposed(kind):
+    """``projection_scores`` gives ``W^P``'s output transposed, (B, H r, n), and its gradients, computed as one product
+    with n contiguous for a plain Linear; a Linear with a hook or of a subclass runs its own forward (the hook's
+    change of the output shows in the scores)."""
+    generator = torch.Generator().manual_seed(0)
+    projection = torch.nn.Linear(8, 6, bias=kind != "no_bias", dtype=torch.float64)
+    if kind == "forward_hook":
+        projection.register_forward_hook(lambda module, args, out: 2 * out)
+    if kind == "subclass":
+        projection.__class__ = type(
+            "DoubledLinear", (torch.nn.Linear,), {"forward": lambda self, x: 2 * F.linear(x, self.weight, self.bias)}
+        )
+    hidden = torch.randn(3, 5, 8, dtype=torch.float64, generator=generator)
+    grad = torch.randn(3, 6, 5, dtype=torch.float64, generator=generator)
+    results = []
+    for transposed in (True, False):
+        x = hidden.clone().requires_grad_()
+        projection.zero_grad()
+        if transposed:
+            scores = long_short_rules.projection_scores(projection, x)
+        else:
+            scale = 1 if kind in ("plain", "no_bias") else 2
+            scores = scale * F.linear(x, projection.weight, projection.bias).transpose(-1, -2)
+        scores.backward(grad)
+        results.append([scores.detach(), x.grad, *(p.grad.clone() for p in projection.parameters())])
+        if transposed:
+            assert scores.shape == (3, 6, 5) and (scores.stride(-1) == 1) == (kind in ("plain", "no_bias"))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
 def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps, copies=1):
     """[window; prefix; LN_G(P window)] as ``project_rows``, ``nn.LayerNorm`` and a cat build it, [prefix; rows]
     ``copies`` times; given LN_L's gain and bias, the window is normalized first."""
