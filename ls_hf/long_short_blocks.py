@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import math
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -623,8 +624,9 @@ def _layout_fields(layout: KeyLayout) -> list[int]:
     return [0 if value is None else int(value) if isinstance(value, bool) else value for value in values]
 
 
-def _layout_from_fields(values: list[int]) -> KeyLayout:
-    """The ``KeyLayout`` that ``_layout_fields`` gave ``values``."""
+@functools.lru_cache(maxsize=256)
+def _layout_from_fields(values: tuple[int, ...]) -> KeyLayout:
+    """The ``KeyLayout`` that ``_layout_fields`` gave ``values`` (kept: an operator's call decodes it each time)."""
     fields = dict(zip(_FIELDS, values))
     for name in ("segment_length", "projection_rank"):
         fields[name] = fields[name] or None
@@ -652,11 +654,20 @@ def long_short_block_mask_tensors(
     from their caches, as at the compile boundary (``_kept_block_mask``; ``source_tensors`` and ``source_flags``, the
     source's tensors and flags). An operator, so that a compiled graph looks up the caches at each call with one
     call and one copy, instead of computing the mask or breaking."""
-    layout = _layout_from_fields(layout_fields)
+    layout = _layout_from_fields(tuple(layout_fields))
     source = (*source_tensors, *source_flags) or None
     mask = _kept_block_mask(query, layout, key_valid, offsets, source)
-    parts = [getattr(mask, name).flatten() for name in _MASK_TENSORS]
-    return torch.cat([*parts, mask_geometry(layout, query.device)])
+    packed = _PACKED_MASKS.get(mask)
+    if packed is None:
+        with torch.inference_mode(False):  # a cached mask serves later calls in training too
+            parts = [getattr(mask, name).flatten() for name in _MASK_TENSORS]
+            packed = torch.cat([*parts, mask_geometry(layout, query.device)])
+        _PACKED_MASKS[mask] = packed
+    return packed.clone()  # new: the graph may write over its outputs once they are read
+
+
+# Each block mask's tensors as ``long_short_block_mask_tensors`` packs them, kept while the mask is (its caches')
+_PACKED_MASKS = weakref.WeakKeyDictionary()
 
 
 @long_short_block_mask_tensors.register_fake

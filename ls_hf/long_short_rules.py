@@ -294,16 +294,17 @@ def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
         nn.modules.module._global_forward_hooks,
         nn.modules.module._global_forward_pre_hooks,
     )
-    plain = type(projection) is nn.Linear and all(is_plain_tensor(p) for p in projection.parameters(recurse=False))
-    if not plain or any(hooks):
+    plain = (
+        type(projection) is nn.Linear
+        and not any(hooks)
+        and all(p is None or is_plain_tensor(p) for p in (projection.weight, projection.bias))
+    )
+    if not plain:
         return projection(x).transpose(-1, -2)
+    weight, bias = projection.weight, projection.bias
     B, n, D = x.shape
     rows = x.reshape(B * n, D).T
-    scores = (
-        torch.mm(projection.weight, rows)
-        if projection.bias is None
-        else torch.addmm(projection.bias[:, None], projection.weight, rows)
-    )  # (H r, B n)
+    scores = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)  # (H r, B n)
     return scores.view(-1, B, n).transpose(0, 1)
 
 

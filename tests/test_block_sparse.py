@@ -9,6 +9,7 @@ wrong block class would show in the outputs. Checked, never timed.
 """
 
 from typing import NamedTuple
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -603,6 +604,21 @@ def test_block_mask_in_a_compiled_graph_is_the_cached_one(in_graph_case, device)
         mask_mod = long_short_mask_mod(case.layout, key_valid=key_valid, offsets=offsets)
         expected_keep = create_mask(mask_mod, 2, 1, *expected.seq_lengths, device=device)[:, 0]
         assert torch.equal(keep.expand_as(expected_keep), expected_keep)
+
+
+def test_mask_operator_packs_a_mask_once_and_returns_new_tensors(monkeypatch):
+    """The operator packs a cached mask's tensors once (kept while the mask is) and returns a new copy at each call:
+    a graph that writes over its output once read leaves the next call's mask intact."""
+    layout = KeyLayout(window_size=4, causal=False, num_window_keys=20, num_extra_keys=2)
+    query, fields = torch.zeros(1, 20, 1, 8), lsb._layout_fields(layout)
+    monkeypatch.setattr(lsb, "_PACKED_MASKS", type(lsb._PACKED_MASKS)())  # empty, the cache restored after
+    first = lsb.long_short_block_mask_tensors(query, fields, None, None, [], [])
+    expected = first.clone()
+    assert len(lsb._PACKED_MASKS) == 1
+    first.fill_(-1)
+    with patch.object(torch, "cat", side_effect=AssertionError("packed again")):
+        second = lsb.long_short_block_mask_tensors(query, fields, None, None, [], [])
+    assert torch.equal(second, expected) and second.data_ptr() != first.data_ptr()
 
 
 def test_each_copy_of_the_module_runs_its_own_operator(monkeypatch):
