@@ -633,15 +633,23 @@ def _layout_from_fields(values: tuple[int, ...]) -> KeyLayout:
     return KeyLayout(**{**fields, "causal": bool(fields["causal"])})
 
 
-# The operator's name, one per copy of this module: Hub remote code imports its own copy (``transformers_modules...``)
-# beside an installed package, and each copy's operator must run that copy's code and caches.
-_MASK_OPERATOR = "transformer_ls::long_short_block_mask_tensors_" + re.sub(r"\W", "_", __name__)
-
-
+# The operator, one per copy of this module: Hub remote code imports its own copy (``transformers_modules...``) beside
+# an installed package, and each copy's operator must run that copy's code and caches. Defined through
+# ``torch.library.Library`` with one kernel for every device (``CompositeExplicitAutograd``), not ``custom_op``, whose
+# autograd layer in Python took a tenth of the layer's host time a forward pass for an output without gradients;
 # cudagraph_unsafe: a CUDA graph would replay the copy of the mask it was captured with (inductor's CUDA graphs run
-# around it)
-@torch.library.custom_op(_MASK_OPERATOR, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def long_short_block_mask_tensors(
+# around it).
+_MASK_OPERATOR_NAME = "long_short_block_mask_tensors_" + re.sub(r"\W", "_", __name__)
+_MASK_OPERATOR = "transformer_ls::" + _MASK_OPERATOR_NAME
+_LIBRARY = torch.library.Library("transformer_ls", "FRAGMENT")  # the operator lives as long as this module
+_LIBRARY.define(
+    _MASK_OPERATOR_NAME + "(Tensor query, SymInt[] layout_fields, Tensor? key_valid, Tensor? offsets, "
+    "Tensor?[] source_tensors, bool[] source_flags) -> Tensor",
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
+
+
+def _block_mask_tensors(
     query: Tensor,
     layout_fields: list[int],
     key_valid: Tensor | None,
@@ -652,8 +660,8 @@ def long_short_block_mask_tensors(
     """The tensors of ``long_short_block_mask`` for the layout of ``layout_fields`` (``_layout_fields``) and
     ``query``'s queries, and ``mask_geometry``'s, in one new int32 tensor (``_MASK_TENSORS``' order): the masks come
     from their caches, as at the compile boundary (``_kept_block_mask``; ``source_tensors`` and ``source_flags``, the
-    source's tensors and flags). An operator, so that a compiled graph looks up the caches at each call with one
-    call and one copy, instead of computing the mask or breaking."""
+    source's tensors and flags). The operator's kernel (``long_short_block_mask_tensors``), so that a compiled graph
+    looks up the caches at each call with one call and one copy, instead of computing the mask or breaking."""
     layout = _layout_from_fields(tuple(layout_fields))
     source = (*source_tensors, *source_flags) or None
     mask = _kept_block_mask(query, layout, key_valid, offsets, source)
@@ -666,17 +674,21 @@ def long_short_block_mask_tensors(
     return packed.clone()  # new: the graph may write over its outputs once they are read
 
 
-# Each block mask's tensors as ``long_short_block_mask_tensors`` packs them, kept while the mask is (its caches')
+# Each block mask's tensors as ``_block_mask_tensors`` packs them, kept while the mask is (its caches')
 _PACKED_MASKS = weakref.WeakKeyDictionary()
+_LIBRARY.impl(_MASK_OPERATOR_NAME, _block_mask_tensors, "CompositeExplicitAutograd")
 
 
-@long_short_block_mask_tensors.register_fake
+@torch.library.register_fake(_MASK_OPERATOR, lib=_LIBRARY)
 def _(query, layout_fields, key_valid, offsets, source_tensors, source_flags):
     """The output's size, from the sizes alone (what a compiled graph's tracing sees)."""
     layout = dict(zip(_FIELDS, layout_fields))
     batch = next((x.shape[0] for x in (key_valid, offsets) if x is not None), 1)
     shapes = _mask_tensor_shapes(batch, query.shape[1], layout["num_window_keys"] + layout["num_extra_keys"])
     return query.new_empty(sum(math.prod(shape) for shape in shapes), dtype=torch.int32)
+
+
+long_short_block_mask_tensors = getattr(torch.ops.transformer_ls, _MASK_OPERATOR_NAME).default
 
 
 def _block_mask_in_graph(
