@@ -264,8 +264,7 @@ def take_cuda_choices_on_cpu() -> None:
     """Let the CPU take CUDA's choices in this process: the fused path, its compiled kernel and compiled layer. Not
     the kernel inside the layer's graph (``KERNEL_IN_GRAPH_DEVICES``), which inductor's CPU kernel does not build: the
     layer compiles around the kernel's call there, one graph more before it and after it."""
-    from ls_hf import long_short_attention, long_short_blocks
+    from bench.cuda_lowered import fused_path_settings
 
-    long_short_attention.FUSED_DEVICES = (*long_short_attention.FUSED_DEVICES, "cpu")
-    long_short_attention.COMPILED_LAYER_DEVICES = (*long_short_attention.COMPILED_LAYER_DEVICES, "cpu")
-    long_short_blocks.COMPILED_DEVICES = (*long_short_blocks.COMPILED_DEVICES, "cpu")
+    for module, name in fused_path_settings():
+        setattr(module, name, (*getattr(module, name), "cpu"))

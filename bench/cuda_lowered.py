@@ -12,6 +12,18 @@ import math
 import torch
 
 
+def fused_path_settings() -> list[tuple[object, str]]:
+    """The package's settings that name the devices of the fused path, its compiled kernel and its compiled layer (CUDA
+    by default), as (module, name)."""
+    from ls_hf import long_short_attention, long_short_blocks
+
+    return [
+        (long_short_attention, "FUSED_DEVICES"),
+        (long_short_attention, "COMPILED_LAYER_DEVICES"),
+        (long_short_blocks, "COMPILED_DEVICES"),
+    ]
+
+
 def compile_on_cpu(monkeypatch, kernel_in_graph: bool = False) -> None:
     """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
     compilation (``monkeypatch``: a ``pytest.MonkeyPatch``, which undoes it). ``kernel_in_graph``: the layer's graph
@@ -19,13 +31,12 @@ def compile_on_cpu(monkeypatch, kernel_in_graph: bool = False) -> None:
     not build there (it takes the mask's tensors only as inputs of its own graph, torch 2.14), so what compiles so with
     inductor computes FlexAttention otherwise: densely, or as for CUDA (``lowered_as_for_cuda``). Without it the
     kernel's call is a compile boundary, as elsewhere."""
-    from ls_hf import long_short_attention, long_short_blocks
+    from ls_hf import long_short_blocks
 
     torch._dynamo.reset()
 
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
+    for module, name in fused_path_settings():
+        monkeypatch.setattr(module, name, ("cpu",))
     monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
 
 
