@@ -218,7 +218,7 @@ def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
     the host at every layer. Run outside any compilation (the answers kept are this function's state)."""
     if any(norm.weight is None or norm.bias is None for norm in norms):
         return False
-    gains = [norm.weight for norm in norms]
+    gains = [norm.weight for norm in dict.fromkeys(norms)]  # a norm given twice (keys' and values') read once
     with _GAIN_READS_LOCK:
         answers = [_known_answer(gain) for gain in gains]
         if None in answers:
