@@ -15,8 +15,8 @@ thread), where each takes microseconds. Peers, as ``bench.bench_attention`` buil
     python -m bench.host_time                   # 200 rounds, the three peers in turn (under a minute)
     python -m bench.host_time --repeats 20      # a quick look
 
-Prints each peer's median time a step, the Triton kernels it launches a step and its ratio to ``flex-window``, and
-writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound on a GPU, the ratios estimate the GPU's;
+Prints each peer's median time a step, and of its forward and backward passes apart, the Triton kernels it launches a
+step and its ratio to ``flex-window``, and writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound on a GPU, the ratios estimate the GPU's;
 a GPU charges each kernel's launch too (here free), and its host may be slower or faster than this CPU. Needs the
 test extras (``pytest.MonkeyPatch`` undoes the patches) and Triton (run in its interpreter mode, which this module
 sets before Triton is imported). Times are never asserted anywhere.
@@ -30,13 +30,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
 import argparse
 import statistics
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.bench_attention import Shape, build_peer, step
+from bench.bench_attention import Shape, build_peer
 from bench.common import interleaved_times, results_path, run_meta, write_json
 from bench.cuda_lowered import compile_on_cpu, lowered_as_for_cuda
 
@@ -45,9 +46,21 @@ PEERS = ("long-short", "long-short-boundary", "flex-window")
 BASELINE = "flex-window"
 
 
+def timed_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, passes: list) -> None:
+    """One forward + backward step (as ``bench_attention.step``), the times of its two passes appended to ``passes``."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    start = time.perf_counter()
+    out = module(x)
+    middle = time.perf_counter()
+    out.backward(grad)
+    passes.append((middle - start, time.perf_counter() - middle))
+
+
 def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
-    """Each of ``peers``' median host time of a training step (forward + backward) at ``n`` tokens, and the Triton
-    kernels it launches a step, the peers taking their steps in turn (``interleaved_times``)."""
+    """Each of ``peers``' median host time of a training step (forward + backward) at ``n`` tokens, and of its two
+    passes apart, and the Triton kernels it launches a step, the peers taking their steps in turn
+    (``interleaved_times``)."""
     torch.manual_seed(0)
     x = torch.randn(SHAPE.batch, n, SHAPE.hidden, requires_grad=True)
     grad = torch.randn(SHAPE.batch, n, SHAPE.hidden)
@@ -60,7 +73,11 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
         # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
         warnings.filterwarnings("ignore", "Could not find an active CPU backend")
         modules = {peer: build_peer(peer, SHAPE) for peer in peers}
-        steps = {peer: (lambda module=module: step(module, x, grad)) for peer, module in modules.items()}
+        passes = {peer: [] for peer in peers}
+        steps = {
+            peer: (lambda module=module, record=passes[peer]: timed_step(module, x, grad, record))
+            for peer, module in modules.items()
+        }
         launches = {}
         for peer, run in steps.items():
             run()  # compiles
@@ -68,7 +85,15 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
             run()
             launches[peer] = len(launched)
         times = interleaved_times(steps, repeats, warmups=2)
-    return {peer: {"time_s": statistics.median(times[peer]), "triton_launches": launches[peer]} for peer in peers}
+    return {
+        peer: {
+            "time_s": statistics.median(times[peer]),
+            "forward_s": statistics.median(forward for forward, _ in passes[peer][-repeats:]),
+            "backward_s": statistics.median(backward for _, backward in passes[peer][-repeats:]),
+            "triton_launches": launches[peer],
+        }
+        for peer in peers
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,11 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     rows = measure(args.peers, args.n, args.repeats)
     baseline = rows.get(BASELINE, {}).get("time_s")
-    print(f"| peer | host ms / step | Triton launches / step | / {BASELINE} |\n|---|---|---|---|")
+    print(
+        f"| peer | host ms / step | forward / backward ms | Triton launches / step | / {BASELINE} |\n"
+        "|---|---|---|---|---|"
+    )
     for peer, row in rows.items():
         row["ratio_to_baseline"] = None if baseline is None else row["time_s"] / baseline
         ratio = "-" if baseline is None else f"{row['ratio_to_baseline']:.2f}x"
-        print(f"| {peer} | {1e3 * row['time_s']:.3f} | {row['triton_launches']} | {ratio} |")
+        passes = f"{1e3 * row['forward_s']:.3f} / {1e3 * row['backward_s']:.3f}"
+        print(f"| {peer} | {1e3 * row['time_s']:.3f} | {passes} | {row['triton_launches']} | {ratio} |")
     results = {"meta": run_meta("host_time", argv, n=args.n, shape=vars(SHAPE)), "rows": rows}
     write_json(results_path("host_time_cpu", quick=False) if args.out is None else args.out, results)
     return results
