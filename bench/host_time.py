@@ -16,10 +16,10 @@ thread), where each takes microseconds. Peers, as ``bench.bench_attention`` buil
     python -m bench.host_time --repeats 20      # a quick look
 
 Prints each peer's median time a step, and of its forward and backward passes apart, the Triton kernels it launches a
-step and its ratio to ``flex-window``, and writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound on a GPU, the ratios estimate the GPU's;
-a GPU charges each kernel's launch too (here free), and its host may be slower or faster than this CPU. Needs the
-test extras (``pytest.MonkeyPatch`` undoes the patches) and Triton (run in its interpreter mode, which this module
-sets before Triton is imported). Times are never asserted anywhere.
+step and its ratio to ``flex-window``, and writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound
+on a GPU, the ratios estimate the GPU's; a GPU charges each kernel's launch too (here free), and its host may be slower
+or faster than this CPU. Needs the test extras (``pytest.MonkeyPatch`` undoes the patches) and Triton (run in its
+interpreter mode, which this module sets before Triton is imported). Times are never asserted anywhere.
 """
 
 from __future__ import annotations

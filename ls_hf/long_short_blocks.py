@@ -647,6 +647,8 @@ _LIBRARY.define(
     "Tensor?[] source_tensors, bool[] source_flags) -> Tensor",
     tags=(torch.Tag.cudagraph_unsafe,),
 )
+# Each block mask's tensors as ``_block_mask_tensors`` packs them, kept while the mask is (in its caches, 33 at most)
+_PACKED_MASKS = weakref.WeakKeyDictionary()
 
 
 def _block_mask_tensors(
@@ -674,8 +676,6 @@ def _block_mask_tensors(
     return packed.clone()  # new: the graph may write over its outputs once they are read
 
 
-# Each block mask's tensors as ``_block_mask_tensors`` packs them, kept while the mask is (its caches')
-_PACKED_MASKS = weakref.WeakKeyDictionary()
 _LIBRARY.impl(_MASK_OPERATOR_NAME, _block_mask_tensors, "CompositeExplicitAutograd")
 
 
