@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -189,20 +190,28 @@ def isolated(device: str, fn, *args, threads: int = 0) -> dict:
 
 
 def interleaved_times(
-    steps: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None, warmups: int = 1
+    steps: dict[str, Callable[[], None]],
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+    warmups: int = 1,
+    host_times: dict[str, list] | None = None,
 ) -> dict:
     """Times of the peers' ``steps`` side by side: ``warmups`` warm-up rounds, then ``repeats`` rounds in which every
     peer takes one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run
-    order}."""
+    order}. ``host_times``: filled with each peer's times until its step returned, before ``sync``: on a GPU, the
+    host's part (a step that is as long as its host's part is bound by the host)."""
     times = {peer: [] for peer in steps}
     for round_ in range(warmups + repeats):
         for peer, step in steps.items():
             sync()
             start = time.perf_counter()
             step()
+            returned = time.perf_counter()
             sync()
             if round_ >= warmups:
                 times[peer].append(time.perf_counter() - start)
+                if host_times is not None:
+                    host_times.setdefault(peer, []).append(returned - start)
     return times
 
 
@@ -227,8 +236,9 @@ def side_by_side(
     peak memory over one step of its own (``peak_step_memory``; every peer's weights and inputs are held), then
     ``repeats`` timed rounds taken in turn (``interleaved_times``), these two inside ``timed()`` (which compiles
     nothing: ``bench.gpu_bars`` stops its compiling processes there). Returns {peer: {"status": "ok", "time_s":
-    median, "times_s": in run order, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error"
-    and its ``reason``, and leaves the rounds."""
+    median, "times_s": in run order, "host_s": the median time until the step returned, before waiting for the
+    device, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error" and its ``reason``, and
+    leaves the rounds."""
     results, live = {}, dict(steps)
 
     def drop(peer: str, error: Exception) -> None:  # reported in the results, not raised
@@ -250,13 +260,15 @@ def side_by_side(
                 results[peer] = {"status": "ok", "peak_mem_bytes": peak_step_memory(step, device)}
             except MEASUREMENT_ERRORS as error:
                 drop(peer, error)
+        host_times = {}
         try:
-            times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0)
+            times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0, host_times=host_times)
         except MEASUREMENT_ERRORS as error:  # rare after a clean warm-up; the failing peer is not known: all marked
             times = {}
             results |= {peer: failure(error) for peer in live}
     for peer, peer_times in times.items():
-        results[peer] |= {"time_s": sorted(peer_times)[len(peer_times) // 2], "times_s": peer_times}
+        median = sorted(peer_times)[len(peer_times) // 2]
+        results[peer] |= {"time_s": median, "times_s": peer_times, "host_s": statistics.median(host_times[peer])}
     return {peer: results[peer] for peer in steps}
 
 

@@ -399,6 +399,7 @@ BARS = (
 # quantity -> (unit, scale) for the table
 UNITS = {
     "time_s": ("ms", 1e3),
+    "host_s": ("ms on the host", 1e3),
     "peak_mem_bytes": ("MiB", 2**-20),
     "tokens_per_s": ("tokens/s", 1.0),
     "per_token_s": ("ms/token", 1e3),

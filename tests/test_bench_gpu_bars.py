@@ -102,6 +102,7 @@ def test_side_by_side_reports_a_failing_peer_and_measures_the_others():
     assert results["broken"] == {"status": "error", "reason": "this peer breaks"}
     ok = results["matmul"]
     assert ok["status"] == "ok" and len(ok["times_s"]) == 3 and ok["time_s"] == sorted(ok["times_s"])[1]
+    assert 0 < ok["host_s"] <= max(ok["times_s"])  # the time until the step returned, within the step's
     assert ok["peak_mem_bytes"] >= 64 * 64 * 4  # the product's output
 
 
