@@ -285,9 +285,12 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
 def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
     """The scores ``X W^P`` of Eq. 3 for tokens x (B, n, D), transposed: (B, H r, n), the n scores of each of the
     H r columns contiguous, so that P's softmax over the tokens reads rows, not a strided column (which inductor
-    computes with three kernels and a float32 copy). One product ``W^P X^T`` for the batch where ``projection`` is a
-    plain ``nn.Linear`` (no hooks, parameters no subclass); else its own forward runs (an adapter's, a quantized
-    weight's, a hook's) and its output is transposed."""
+    computes with three kernels and a float32 copy). Computed as ``W^P X^T``: one product for the whole batch where
+    that needs no copy of x and the output's layout is free (one sample, or token-major x in a compiled graph), so
+    that W^P's gradient is one product too; else one per sample, reading x as it is laid out (a channels-first map's
+    transposed view) into a contiguous output (what an eager softmax reads without a copy). A ``projection`` that is
+    not a plain ``nn.Linear`` (hooks, a subclass such as an adapter's or a quantized one, parameters of a tensor
+    subclass) runs its own forward, its output transposed after."""
     hooks = (
         projection._forward_hooks,
         projection._forward_pre_hooks,
@@ -303,9 +306,12 @@ def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
         return projection(x).transpose(-1, -2)
     weight, bias = projection.weight, projection.bias
     B, n, D = x.shape
-    rows = x.reshape(B * n, D).T
-    scores = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)  # (H r, B n)
-    return scores.view(-1, B, n).transpose(0, 1)
+    if B == 1 or (x.is_contiguous() and torch.compiler.is_compiling()):
+        rows = x.reshape(B * n, D).T
+        scores = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)  # (H r, B n)
+        return scores.view(-1, B, n).transpose(0, 1)
+    weights, columns = weight.expand(B, -1, -1), x.transpose(1, 2)
+    return torch.bmm(weights, columns) if bias is None else torch.baddbmm(bias[:, None], weights, columns)
 
 
 def projected(weights: Tensor, x: Tensor) -> Tensor:

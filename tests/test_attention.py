@@ -654,11 +654,24 @@ def test_dynamic_projection_matches_autograd(valid_kind, bias):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
-@pytest.mark.parametrize("kind", ["plain", "no_bias", "forward_hook", "subclass"])
-def test_projection_scores_are_the_linears_output_transposed(kind):
-    """``projection_scores`` gives ``W^P``'s output transposed, (B, H r, n), and its gradients, computed as one product
-    with n contiguous for a plain Linear; a Linear with a hook or of a subclass runs its own forward (the hook's
+PROJECTION_CASES = {  # (W^P, batch, x laid out channels-first, compiled)
+    "plain": ("plain", 3, False, False),
+    "no bias": ("no_bias", 3, False, False),
+    "one sample": ("plain", 1, False, False),
+    "channels-first": ("plain", 3, True, False),
+    "compiled": ("plain", 3, False, True),
+    "forward hook": ("forward_hook", 3, False, False),
+    "subclass": ("subclass", 3, False, False),
+}
+
+
+@pytest.mark.parametrize("case", PROJECTION_CASES.values(), ids=PROJECTION_CASES)
+def test_projection_scores_are_the_linears_output_transposed(case):
+    """``projection_scores`` gives ``W^P``'s output transposed, (B, H r, n), and its gradients, n contiguous for a
+    plain Linear: eagerly or compiled (dynamo's eager backend), for one sample or several, token-major or a
+    channels-first map's transposed view; a Linear with a hook or of a subclass runs its own forward (the hook's
     change of the output shows in the scores)."""
+    kind, batch, channels_first, compiled = case
     generator = torch.Generator().manual_seed(0)
     projection = torch.nn.Linear(8, 6, bias=kind != "no_bias", dtype=torch.float64)
     if kind == "forward_hook":
@@ -667,21 +680,26 @@ def test_projection_scores_are_the_linears_output_transposed(kind):
         projection.__class__ = type(
             "DoubledLinear", (torch.nn.Linear,), {"forward": lambda self, x: 2 * F.linear(x, self.weight, self.bias)}
         )
-    hidden = torch.randn(3, 5, 8, dtype=torch.float64, generator=generator)
-    grad = torch.randn(3, 6, 5, dtype=torch.float64, generator=generator)
+    hidden = torch.randn(batch, 5, 8, dtype=torch.float64, generator=generator)
+    grad = torch.randn(batch, 6, 5, dtype=torch.float64, generator=generator)
+    scores_of = long_short_rules.projection_scores
+    if compiled:
+        torch._dynamo.reset()
+        scores_of = torch.compile(scores_of, backend="eager", fullgraph=True)
     results = []
     for transposed in (True, False):
-        x = hidden.clone().requires_grad_()
+        x = hidden.transpose(1, 2).contiguous().transpose(1, 2) if channels_first else hidden.clone()
+        x.requires_grad_()
         projection.zero_grad()
         if transposed:
-            scores = long_short_rules.projection_scores(projection, x)
+            scores = scores_of(projection, x)
         else:
             scale = 1 if kind in ("plain", "no_bias") else 2
             scores = scale * F.linear(x, projection.weight, projection.bias).transpose(-1, -2)
         scores.backward(grad)
         results.append([scores.detach(), x.grad, *(p.grad.clone() for p in projection.parameters())])
         if transposed:
-            assert scores.shape == (3, 6, 5) and (scores.stride(-1) == 1) == (kind in ("plain", "no_bias"))
+            assert scores.shape == (batch, 6, 5) and (scores.stride(-1) == 1) == (kind in ("plain", "no_bias"))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
