@@ -37,6 +37,7 @@ __all__ = [
     "finished_segments",
     "flex_attention",
     "is_int",
+    "is_plain_linear",
     "is_plain_tensor",
     "masked_sdpa",
     "project_rows",
@@ -282,6 +283,21 @@ def project_rows(scores: Tensor, keys: Tensor, values: Tensor, valid: Tensor | N
     return projected(prob, keys), projected(prob, values)
 
 
+def is_plain_linear(linear: nn.Module) -> bool:
+    """Whether calling ``linear`` computes ``F.linear`` of its own weight and bias and nothing else, so that a product
+    with them may stand in for the call: an ``nn.Linear`` itself (not a subclass or a wrapper: a LoRA adapter, a
+    quantized layer), of plain tensors (not sharded ones), with no forward or backward hook on it or on every module
+    (an offloading hook loads the weights in one)."""
+    hooks = nn.modules.module
+    return (
+        type(linear) is nn.Linear
+        and all(x is None or is_plain_tensor(x) for x in (linear.weight, linear.bias))
+        and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks)
+        and not (linear._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+        and not (hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+    )
+
+
 def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
     """The scores ``X W^P`` of Eq. 3 for tokens x (B, n, D), transposed: (B, H r, n), the n scores of each of the
     H r columns contiguous, so that P's softmax over the tokens reads rows, not a strided column (which inductor
@@ -289,20 +305,8 @@ def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
     that needs no copy of x and the output's layout is free (one sample, or token-major x in a compiled graph), so
     that W^P's gradient is one product too; else one per sample, reading x as it is laid out (a channels-first map's
     transposed view) into a contiguous output (what an eager softmax reads without a copy). A ``projection`` that is
-    not a plain ``nn.Linear`` (hooks, a subclass such as an adapter's or a quantized one, parameters of a tensor
-    subclass) runs its own forward, its output transposed after."""
-    hooks = (
-        projection._forward_hooks,
-        projection._forward_pre_hooks,
-        nn.modules.module._global_forward_hooks,
-        nn.modules.module._global_forward_pre_hooks,
-    )
-    plain = (
-        type(projection) is nn.Linear
-        and not any(hooks)
-        and all(p is None or is_plain_tensor(p) for p in (projection.weight, projection.bias))
-    )
-    if not plain:
+    not a plain ``nn.Linear`` (``is_plain_linear``) runs its own forward, its output transposed after."""
+    if not is_plain_linear(projection):
         return projection(x).transpose(-1, -2)
     weight, bias = projection.weight, projection.bias
     B, n, D = x.shape

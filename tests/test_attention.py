@@ -661,6 +661,7 @@ PROJECTION_CASES = {  # (W^P, batch, x laid out channels-first, compiled)
     "channels-first": ("plain", 3, True, False),
     "compiled": ("plain", 3, False, True),
     "forward hook": ("forward_hook", 3, False, False),
+    "backward hook": ("backward_hook", 3, False, False),
     "subclass": ("subclass", 3, False, False),
 }
 
@@ -669,13 +670,15 @@ PROJECTION_CASES = {  # (W^P, batch, x laid out channels-first, compiled)
 def test_projection_scores_are_the_linears_output_transposed(case):
     """``projection_scores`` gives ``W^P``'s output transposed, (B, H r, n), and its gradients, n contiguous for a
     plain Linear: eagerly or compiled (dynamo's eager backend), for one sample or several, token-major or a
-    channels-first map's transposed view; a Linear with a hook or of a subclass runs its own forward (the hook's
-    change of the output shows in the scores)."""
+    channels-first map's transposed view; a Linear with a hook or of a subclass runs its own forward (a forward hook's
+    change of the output shows in the scores, a backward hook's in the input's gradient)."""
     kind, batch, channels_first, compiled = case
     generator = torch.Generator().manual_seed(0)
     projection = torch.nn.Linear(8, 6, bias=kind != "no_bias", dtype=torch.float64)
     if kind == "forward_hook":
         projection.register_forward_hook(lambda module, args, out: 2 * out)
+    if kind == "backward_hook":  # doubles the gradient reaching the input
+        projection.register_full_backward_hook(lambda module, grad_input, grad_output: (2 * grad_input[0],))
     if kind == "subclass":
         projection.__class__ = type(
             "DoubledLinear", (torch.nn.Linear,), {"forward": lambda self, x: 2 * F.linear(x, self.weight, self.bias)}
@@ -694,10 +697,11 @@ def test_projection_scores_are_the_linears_output_transposed(case):
         if transposed:
             scores = scores_of(projection, x)
         else:
-            scale = 1 if kind in ("plain", "no_bias") else 2
+            scale = 2 if kind in ("forward_hook", "subclass") else 1
             scores = scale * F.linear(x, projection.weight, projection.bias).transpose(-1, -2)
         scores.backward(grad)
-        results.append([scores.detach(), x.grad, *(p.grad.clone() for p in projection.parameters())])
+        x_grad = 2 * x.grad if kind == "backward_hook" and not transposed else x.grad
+        results.append([scores.detach(), x_grad, *(p.grad.clone() for p in projection.parameters())])
         if transposed:
             assert scores.shape == (batch, 6, 5) and (scores.stride(-1) == 1) == (kind in ("plain", "no_bias"))
     for got, expected in zip(*results):
