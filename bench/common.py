@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -267,8 +266,8 @@ def side_by_side(
             times = {}
             results |= {peer: failure(error) for peer in live}
     for peer, peer_times in times.items():
-        median = sorted(peer_times)[len(peer_times) // 2]
-        results[peer] |= {"time_s": median, "times_s": peer_times, "host_s": statistics.median(host_times[peer])}
+        time_s, host_s = (sorted(values)[len(values) // 2] for values in (peer_times, host_times[peer]))
+        results[peer] |= {"time_s": time_s, "times_s": peer_times, "host_s": host_s}
     return {peer: results[peer] for peer in steps}
 
 
