@@ -301,20 +301,19 @@ def is_plain_linear(linear: nn.Module) -> bool:
 def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
     """The scores ``X W^P`` of Eq. 3 for tokens x (B, n, D), transposed: (B, H r, n), the n scores of each of the
     H r columns contiguous, so that P's softmax over the tokens reads rows, not a strided column (which inductor
-    computes with three kernels and a float32 copy). Computed as ``W^P X^T``: one product for the whole batch where
-    that needs no copy of x and the output's layout is free (one sample, or token-major x in a compiled graph), so
-    that W^P's gradient is one product too; else one per sample, reading x as it is laid out (a channels-first map's
-    transposed view) into a contiguous output (what an eager softmax reads without a copy). A ``projection`` that is
-    not a plain ``nn.Linear`` (``is_plain_linear``) runs its own forward, its output transposed after."""
+    computes with three kernels and a float32 copy). Computed as ``W^P X^T``: for one sample one product, else one per
+    sample in one batched product, reading x as it is laid out (a channels-first map's transposed view) into a
+    contiguous (B, H r, n): the batch's scores side by side, (H r, B n), would make the softmax's rows and P's
+    (B, H, r, n) run in different orders, which inductor computes in two passes with a float32 copy. A
+    ``projection`` that is not a plain ``nn.Linear`` (``is_plain_linear``) runs its own forward, its output
+    transposed after."""
     if not is_plain_linear(projection):
         return projection(x).transpose(-1, -2)
     weight, bias = projection.weight, projection.bias
-    B, n, D = x.shape
-    if B == 1 or (x.is_contiguous() and torch.compiler.is_compiling()):
-        rows = x.reshape(B * n, D).T
-        scores = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)  # (H r, B n)
-        return scores.view(-1, B, n).transpose(0, 1)
-    weights, columns = weight.expand(B, -1, -1), x.transpose(1, 2)
+    if x.shape[0] == 1:
+        columns = x[0].T
+        return (torch.mm(weight, columns) if bias is None else torch.addmm(bias[:, None], weight, columns))[None]
+    weights, columns = weight.expand(x.shape[0], -1, -1), x.transpose(1, 2)
     return torch.bmm(weights, columns) if bias is None else torch.baddbmm(bias[:, None], weights, columns)
 
 
