@@ -30,6 +30,7 @@ FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "KeptForSameInputs",
+    "TransposedScores",
     "cached_outside_compile",
     "check_attn_implementation",
     "check_flex_call",
@@ -298,23 +299,53 @@ def is_plain_linear(linear: nn.Module) -> bool:
     )
 
 
+def _per_sample(a: Tensor, b: Tensor) -> Tensor:
+    """The products ``a[i] @ b[i]`` of two batches, (B, ., .): one GEMM for one sample, else one batched GEMM."""
+    return torch.mm(a[0], b[0])[None] if a.shape[0] == 1 else torch.bmm(a, b)
+
+
+class TransposedScores(torch.autograd.Function):
+    """``W X^T`` for each sample of x (B, n, D) and a weight W (R, D): (B, R, n), contiguous, with x's gradient
+    ``dS^T W`` laid out as x is, token-major or a channels-first map's transposed view (autograd's product rule gives
+    a token-major x's as a transposed view, which the layer before, its LayerNorm for one, would copy), and W's the
+    batch's products summed. Differentiable twice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return _per_sample(weight.expand(x.shape[0], -1, -1), x.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:  # in the product's dtype (autocast's, if it ran under autocast), then x's
+            weights = weight.to(grad.dtype).expand(x.shape[0], -1, -1)
+            if x.transpose(1, 2).is_contiguous():  # a channels-first map's view: the gradient laid out as it
+                grad_x = _per_sample(weights.transpose(1, 2), grad).transpose(1, 2)
+            else:
+                grad_x = _per_sample(grad.transpose(1, 2), weights)
+            grad_x = grad_x.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            products = _per_sample(grad, x.to(grad.dtype))
+            grad_weight = (products[0] if x.shape[0] == 1 else products.sum(0)).to(weight.dtype)
+        return grad_x, grad_weight
+
+
 def projection_scores(projection: nn.Linear, x: Tensor) -> Tensor:
     """The scores ``X W^P`` of Eq. 3 for tokens x (B, n, D), transposed: (B, H r, n), the n scores of each of the
     H r columns contiguous, so that P's softmax over the tokens reads rows, not a strided column (which inductor
-    computes with three kernels and a float32 copy). Computed as ``W^P X^T``: for one sample one product, else one per
-    sample in one batched product, reading x as it is laid out (a channels-first map's transposed view) into a
-    contiguous (B, H r, n): the batch's scores side by side, (H r, B n), would make the softmax's rows and P's
-    (B, H, r, n) run in different orders, which inductor computes in two passes with a float32 copy. A
-    ``projection`` that is not a plain ``nn.Linear`` (``is_plain_linear``) runs its own forward, its output
-    transposed after."""
+    computes with three kernels and a float32 copy). Computed as ``W^P X^T`` (``TransposedScores``), one product per
+    sample in one batched product, reading x as it is laid out (a channels-first map's transposed view): the batch's
+    scores side by side, (H r, B n), would make the softmax's rows and P's (B, H, r, n) run in different orders, which
+    inductor computes in two passes with a float32 copy. The bias is added after the product, where a compiled
+    softmax takes it in (``addmm`` with a bias per row, as this one is, first copies it over its whole output on CUDA,
+    for its GEMM to read again). A ``projection`` that is not a plain ``nn.Linear`` (``is_plain_linear``) runs its
+    own forward, its output transposed after."""
     if not is_plain_linear(projection):
         return projection(x).transpose(-1, -2)
-    weight, bias = projection.weight, projection.bias
-    if x.shape[0] == 1:
-        columns = x[0].T
-        return (torch.mm(weight, columns) if bias is None else torch.addmm(bias[:, None], weight, columns))[None]
-    weights, columns = weight.expand(x.shape[0], -1, -1), x.transpose(1, 2)
-    return torch.bmm(weights, columns) if bias is None else torch.baddbmm(bias[:, None], weights, columns)
+    scores = TransposedScores.apply(x, projection.weight)
+    return scores if projection.bias is None else scores + projection.bias[:, None]
 
 
 def projected(weights: Tensor, x: Tensor) -> Tensor:

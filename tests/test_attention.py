@@ -694,6 +694,8 @@ def test_projection_scores_are_the_linears_output_transposed(case):
         x = hidden.transpose(1, 2).contiguous().transpose(1, 2) if channels_first else hidden.clone()
         x.requires_grad_()
         projection.zero_grad()
+        incoming = []  # the gradient reaching x, before autograd lays it out as the leaf x
+        x.register_hook(lambda grad, seen=incoming: seen.append(grad.stride()))
         if transposed:
             scores = scores_of(projection, x)
         else:
@@ -704,8 +706,19 @@ def test_projection_scores_are_the_linears_output_transposed(case):
         results.append([scores.detach(), x_grad, *(p.grad.clone() for p in projection.parameters())])
         if transposed:
             assert scores.shape == (batch, 6, 5) and (scores.stride(-1) == 1) == (kind in ("plain", "no_bias"))
+            if kind in ("plain", "no_bias"):  # laid out as x is (a layer's input, or a channels-first map's view)
+                assert incoming == [x.stride()]
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+def test_transposed_scores_differentiate_twice():
+    """``TransposedScores``' gradients, and their own gradients, against finite differences (float64)."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = (torch.randn(*shape, dtype=torch.float64, generator=generator) for shape in ((2, 5, 4), (3, 4)))
+    inputs = (x.requires_grad_(), weight.requires_grad_())
+    assert torch.autograd.gradcheck(long_short_rules.TransposedScores.apply, inputs)
+    assert torch.autograd.gradgradcheck(long_short_rules.TransposedScores.apply, inputs)
 
 
 def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps, copies=1):
