@@ -61,7 +61,8 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     inductor concatenates CPU tensors with a copy kernel per input, CUDA's often in one kernel.
 
     ``run_kernels=False``: each Triton kernel's launch returns at once, its outputs left unwritten: the host's work
-    alone. Yields the list of the kernels launched so (by name, in order), for the caller to read and clear."""
+    alone. Yields the list of the kernels launched so (inductor's ``CachingAutotuner``, in order: ``fn.__name__``
+    names each, ``inductor_meta`` holds what inductor estimated of it), for the caller to read and clear."""
     import torch.nn.attention.flex_attention as flex_api
     import triton
     import triton.language as tl
@@ -107,7 +108,7 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
         return run(self, *args, **kwargs)
 
     def launch_only(self, *args, **kwargs):
-        launches.append(self.fn.__name__)
+        launches.append(self)
 
     monkeypatch.setattr(triton_heuristics.CachingAutotuner, "run", run_widest if run_kernels else launch_only)
     monkeypatch.setattr(flex_api, "_validate_device", lambda query, key, value: None)

@@ -1,0 +1,31 @@
+"""``bench.gpu_work``: the GPU's work of the attention module's training step, counted in inductor's CUDA code on
+the CPU. Checked to count what the peers compute, never timed."""
+
+import pytest
+
+from bench import gpu_work
+
+
+@pytest.mark.compiled
+def test_gpu_work_counts_each_peers_gemms_and_memory(tmp_path):
+    """At 256 tokens x 2 (the bars' width: hidden 768, r = 64): every GEMM's FLOPs, as the peers' products make them
+    (FlexAttention's window: four Linears, three GEMMs each a step; Long-Short: five, and Eq. 3's two products with
+    their four gradients), the bytes of Long-Short's Triton kernels and of the window's eager sums of its Linears'
+    gradients, and both FlexAttention kernels' bytes, written to the JSON file asked for."""
+    out = tmp_path / "work.json"
+    tokens, batch, hidden, rank = 256, 2, 768, 64
+    rows = gpu_work.main(["--settings", f"{tokens}x{batch}", "--out", str(out)])["rows"]
+    assert list(rows) == [f"{tokens}x{batch} long-short", f"{tokens}x{batch} flex-window"] and out.exists()
+    long_short, window = rows.values()
+    linear = 2 * batch * tokens * hidden * hidden / 1e12
+    projection = 2 * batch * tokens * rank * hidden / 1e12
+    assert window["gemm_tflop"] == pytest.approx(12 * linear, rel=1e-9)
+    assert long_short["gemm_tflop"] == pytest.approx(15 * linear + 6 * projection, rel=1e-9)
+    assert long_short["triton_kernels"] > window["triton_kernels"] > 0
+    assert long_short["triton_gb"] > 0 and window["eager_gb"] > 0
+    assert long_short["flex_attention_gb"] > 0 and window["flex_attention_gb"] > 0
+
+
+def test_gpu_work_refuses_a_setting_it_cannot_read():
+    with pytest.raises(SystemExit):
+        gpu_work.main(["--settings", "4096"])
