@@ -209,13 +209,13 @@ _GAIN_READS = WeakIdKeyDictionary()
 _GAIN_READS_LOCK = threading.Lock()
 
 
-@torch.compiler.disable
 def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
     """Whether the normalized input ``x_hat = (y - beta) / gamma`` can be recovered from each LayerNorm's output y:
     gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. Each gain's answer holds until the gain changes;
     one not known is read from the device (``_read_gains``), which waits for it, with every other gain read before
     that changed since: in training, one read a step for a whole model's layers, where a read per layer would stall
-    the host at every layer. Run outside any compilation (the answers kept are this function's state)."""
+    the host at every layer. Called outside any compilation only (the answers kept are this function's state): its
+    caller asks ``torch.compiler.is_compiling()`` first, where ``torch.compiler.disable`` would cost every call."""
     if any(norm.weight is None or norm.bias is None for norm in norms):
         return False
     gains = [norm.weight for norm in dict.fromkeys(norms)]  # a norm given twice (keys' and values') read once
