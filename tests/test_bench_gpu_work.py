@@ -26,6 +26,10 @@ def test_gpu_work_counts_each_peers_gemms_and_memory(tmp_path):
     assert long_short["flex_attention_gb"] > 0 and window["flex_attention_gb"] > 0
 
 
-def test_gpu_work_refuses_a_setting_it_cannot_read():
-    with pytest.raises(SystemExit):
-        gpu_work.main(["--settings", "4096"])
+def test_gpu_work_refuses_a_setting_it_cannot_read(capsys, tmp_path):
+    """A setting without its batch size stops before any work, the message naming the parameter and its form."""
+    out = tmp_path / "work.json"
+    with pytest.raises(SystemExit) as exit_:
+        gpu_work.main(["--settings", "4096", "--out", str(out)])
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--settings" in error and "4096x8" in error and not out.exists()
