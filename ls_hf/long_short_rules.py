@@ -308,12 +308,17 @@ class TransposedScores(torch.autograd.Function):
     """``W X^T`` for each sample of x (B, n, D) and a weight W (R, D): (B, R, n), contiguous, with x's gradient
     ``dS^T W`` laid out as x is, token-major or a channels-first map's transposed view (autograd's product rule gives
     a token-major x's as a transposed view, which the layer before, its LayerNorm for one, would copy), and W's the
-    batch's products summed. Differentiable twice."""
+    batch's products summed. Differentiable twice, and under ``torch.func``'s transforms."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(x: Tensor, weight: Tensor) -> Tensor:
         return _per_sample(weight.expand(x.shape[0], -1, -1), x.transpose(1, 2))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -712,13 +712,24 @@ def test_projection_scores_are_the_linears_output_transposed(case):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
-def test_transposed_scores_differentiate_twice():
-    """``TransposedScores``' gradients, and their own gradients, against finite differences (float64)."""
+def test_transposed_scores_differentiate_twice_and_under_vmap():
+    """``TransposedScores``' gradients, and their own gradients, against finite differences (float64); under
+    ``torch.func.vmap`` with its gradient (``torch.func.grad``), the per-example results of a loop."""
+    scores_of = long_short_rules.TransposedScores.apply
     generator = torch.Generator().manual_seed(0)
     x, weight = (torch.randn(*shape, dtype=torch.float64, generator=generator) for shape in ((2, 5, 4), (3, 4)))
     inputs = (x.requires_grad_(), weight.requires_grad_())
-    assert torch.autograd.gradcheck(long_short_rules.TransposedScores.apply, inputs)
-    assert torch.autograd.gradgradcheck(long_short_rules.TransposedScores.apply, inputs)
+    assert torch.autograd.gradcheck(scores_of, inputs)
+    assert torch.autograd.gradgradcheck(scores_of, inputs)
+    examples = torch.randn(3, 2, 5, 4, dtype=torch.float64, generator=generator)
+
+    def loss(x, weight):
+        return scores_of(x, weight).square().sum()
+
+    mapped = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(examples, weight.detach())
+    looped = [torch.func.grad(loss, argnums=(0, 1))(example, weight.detach()) for example in examples]
+    for got, expected in zip(mapped, zip(*looped)):
+        torch.testing.assert_close(got, torch.stack(expected), atol=1e-12, rtol=1e-10)
 
 
 def _joined_by_composition(window, prefix, weights, local_weight, local_bias, norm_weight, norm_bias, eps, copies=1):
