@@ -16,7 +16,8 @@ thread), where each takes microseconds. Peers, as ``bench.bench_attention`` buil
     python -m bench.host_time --repeats 20      # a quick look
 
 Prints each peer's median time a step, and of its forward and backward passes apart, the Triton kernels it launches a
-step and its ratio to ``flex-window``, and writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound
+step and its ratio to ``flex-window`` (the median of the rounds' ratios: on a shared machine the load moves between
+rounds more than within one), and writes ``bench/results/host_time_cpu.json``. Where every peer is host-bound
 on a GPU, the ratios estimate the GPU's; a GPU charges each kernel's launch too (here free), and its host may be slower
 or faster than this CPU. Needs the test extras (``pytest.MonkeyPatch`` undoes the patches) and Triton (run in its
 interpreter mode, which this module sets before Triton is imported). Times are never asserted anywhere.
@@ -59,8 +60,8 @@ def timed_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, pas
 
 def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
     """Each of ``peers``' median host time of a training step (forward + backward) at ``n`` tokens, and of its two
-    passes apart, and the Triton kernels it launches a step, the peers taking their steps in turn
-    (``interleaved_times``)."""
+    passes apart, the Triton kernels it launches a step, and its ratio to ``BASELINE``'s (when measured), the peers
+    taking their steps in turn (``interleaved_times``)."""
     torch.manual_seed(0)
     x = torch.randn(SHAPE.batch, n, SHAPE.hidden, requires_grad=True)
     grad = torch.randn(SHAPE.batch, n, SHAPE.hidden)
@@ -85,9 +86,14 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
             run()
             launches[peer] = len(launched)
         times = interleaved_times(steps, repeats, warmups=2)
+    baseline = times.get(BASELINE)
     return {
         peer: {
             "time_s": statistics.median(times[peer]),
+            # each round's steps run back to back: a change in the machine's load between rounds cancels out
+            "ratio_to_baseline": None
+            if baseline is None
+            else statistics.median(time / base for time, base in zip(times[peer], baseline)),
             "forward_s": statistics.median(forward for forward, _ in passes[peer][-repeats:]),
             "backward_s": statistics.median(backward for _, backward in passes[peer][-repeats:]),
             "triton_launches": launches[peer],
@@ -105,14 +111,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = measure(args.peers, args.n, args.repeats)
-    baseline = rows.get(BASELINE, {}).get("time_s")
     print(
         f"| peer | host ms / step | forward / backward ms | Triton launches / step | / {BASELINE} |\n"
         "|---|---|---|---|---|"
     )
     for peer, row in rows.items():
-        row["ratio_to_baseline"] = None if baseline is None else row["time_s"] / baseline
-        ratio = "-" if baseline is None else f"{row['ratio_to_baseline']:.2f}x"
+        ratio = "-" if row["ratio_to_baseline"] is None else f"{row['ratio_to_baseline']:.2f}x"
         passes = f"{1e3 * row['forward_s']:.3f} / {1e3 * row['backward_s']:.3f}"
         print(f"| {peer} | {1e3 * row['time_s']:.3f} | {passes} | {row['triton_launches']} | {ratio} |")
     results = {"meta": run_meta("host_time", argv, n=args.n, shape=vars(SHAPE)), "rows": rows}
