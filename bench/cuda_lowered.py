@@ -127,3 +127,25 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
         torch._dynamo.reset()
         for cache in backend_caches:
             cache.cache_clear()
+
+
+@contextlib.contextmanager
+def launched_as_for_cuda():
+    """While it is open, the package's fused path compiles on the CPU as it does on CUDA, its layer's graph with the
+    kernel inside (``compile_on_cpu``), and inductor's code for CUDA launches each Triton kernel without running it
+    (``lowered_as_for_cuda(run_kernels=False)``): the host's work and inductor's estimates alone. Yields the list of
+    the kernels launched, as ``lowered_as_for_cuda`` does. Needs the test extras (``pytest.MonkeyPatch`` undoes the
+    patches)."""
+    import warnings
+
+    import pytest
+
+    with (
+        pytest.MonkeyPatch.context() as monkeypatch,
+        lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched,
+        warnings.catch_warnings(),  # the filter below ends with the context
+    ):
+        compile_on_cpu(monkeypatch, kernel_in_graph=True)
+        # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
+        warnings.filterwarnings("ignore", "Could not find an active CPU backend")
+        yield launched

@@ -27,16 +27,14 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
 import argparse
-import warnings
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
-from bench.bench_attention import Shape, build_peer
+from bench.bench_attention import Shape, build_peer, step
 from bench.common import results_path, run_meta, write_json
-from bench.cuda_lowered import compile_on_cpu, lowered_as_for_cuda
+from bench.cuda_lowered import launched_as_for_cuda
 
 PEERS = ("long-short", "flex-window")
 SETTINGS = ("4096x8", "32768x1")
@@ -81,16 +79,10 @@ def _counted_eagerly(event) -> bool:
 def count_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, launched: list) -> dict:
     """One training step of ``module`` (after one that compiles), counted: its Triton kernels (``launched``, as
     ``lowered_as_for_cuda`` records them), its GEMMs' FLOPs and its eager elementwise operators' bytes."""
-
-    def step():
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        module(x).backward(grad)
-
-    step()
+    step(module, x, grad)
     launched.clear()
     with torch.profiler.profile(record_shapes=True, with_flops=True) as profile:
-        step()
+        step(module, x, grad)
     events = profile.events()
     kernels = Counter()
     flex_gb = 0.0
@@ -117,13 +109,9 @@ def measure(peers: list[str], settings: list[tuple[int, int]], dtype: torch.dtyp
     """``count_step`` of each peer at each (tokens, batch) setting."""
     rows = {}
     with (
-        pytest.MonkeyPatch.context() as monkeypatch,
-        lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched,
+        launched_as_for_cuda() as launched,
         torch._inductor.config.patch(benchmark_kernel=True),  # each kernel's estimated bytes
-        warnings.catch_warnings(),
     ):
-        compile_on_cpu(monkeypatch, kernel_in_graph=True)
-        warnings.filterwarnings("ignore", "Could not find an active CPU backend")
         for n, batch in settings:
             torch._dynamo.reset()  # compiled for this shape: inductor's estimates are for the shapes it compiled
             shape = Shape(batch=batch)

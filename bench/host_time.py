@@ -32,15 +32,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 import argparse
 import statistics
 import time
-import warnings
 from pathlib import Path
 
-import pytest
 import torch
 
 from bench.bench_attention import Shape, build_peer
 from bench.common import interleaved_times, results_path, run_meta, write_json
-from bench.cuda_lowered import compile_on_cpu, lowered_as_for_cuda
+from bench.cuda_lowered import launched_as_for_cuda
 
 SHAPE = Shape(hidden=32, heads=2, window=128, rank=4)
 PEERS = ("long-short", "long-short-boundary", "flex-window")
@@ -65,14 +63,7 @@ def measure(peers: list[str], n: int, repeats: int) -> dict[str, dict]:
     torch.manual_seed(0)
     x = torch.randn(SHAPE.batch, n, SHAPE.hidden, requires_grad=True)
     grad = torch.randn(SHAPE.batch, n, SHAPE.hidden)
-    with (
-        pytest.MonkeyPatch.context() as monkeypatch,
-        lowered_as_for_cuda(monkeypatch, run_kernels=False) as launched,
-        warnings.catch_warnings(),  # the filter below ends with the measurement
-    ):
-        compile_on_cpu(monkeypatch, kernel_in_graph=True)
-        # inductor warns that code generated with Triton as the CPU backend cannot run here: it is not run
-        warnings.filterwarnings("ignore", "Could not find an active CPU backend")
+    with launched_as_for_cuda() as launched:
         modules = {peer: build_peer(peer, SHAPE) for peer in peers}
         passes = {peer: [] for peer in peers}
         steps = {
