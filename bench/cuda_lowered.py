@@ -54,7 +54,11 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     - inductor's kernels call CUDA's libdevice, which the interpreter cannot run: ``triton.language.math`` instead;
     - Triton 3.6's interpreter reads a loop bound given as a one-element array wrongly: read as Triton 3.8 reads it;
     - the package gives inductor's CPU FlexAttention kernel contiguous copies of its inputs: the views instead, as on
-      CUDA (``CONTIGUOUS_INPUT_DEVICES``).
+      CUDA (``CONTIGUOUS_INPUT_DEVICES``);
+    - inductor schedules and fuses a CPU's kernels otherwise (no loop reordering after fusion, no mix-order reductions
+      such as a LayerNorm's two gradients in one pass, no addmm split for its epilogue's fusion, no padding of
+      strides): its lowering, fusion passes and scheduler take a CPU for a GPU (``_as_gpu``), except where they create a
+      device's backend or guard, which a GPU has by index.
 
     So that the interpreter takes seconds, not minutes, each kernel runs its widest configuration, and FlexAttention's
     one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80). One difference stays:
@@ -77,6 +81,7 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     from ls_hf.long_short_blocks import DEFAULT_BLOCK_SIZE
 
     launches = []
+    _as_gpu(monkeypatch)
 
     cpu_branch = 'if query.get_device().type == "cpu":'
     source = inspect.getsource(flex_lowering.flex_attention)
@@ -127,6 +132,30 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
         torch._dynamo.reset()
         for cache in backend_caches:
             cache.cache_clear()
+
+
+def _as_gpu(monkeypatch) -> None:
+    """Inductor's lowering, fusion passes and scheduler take a CPU for a GPU whose backend is Triton, so that they make
+    for CPU tensors the choices they make for CUDA's, but create the CPU's backend and device guards as a CPU's."""
+    from torch._inductor import compile_fx, ir, lowering, scheduler, utils
+    from torch._inductor.fx_passes import post_grad
+
+    def is_gpu(device: str | None, gpu=utils.is_gpu) -> bool:
+        return device == "cpu" or gpu(device)
+
+    for module in (compile_fx, ir, lowering, post_grad, scheduler):
+        monkeypatch.setattr(module, "is_gpu", is_gpu)
+    monkeypatch.setattr(scheduler.BaseSchedulerNode, "is_cpu", lambda self: False)
+    if hasattr(scheduler, "_is_gpu_triton_backend"):  # torch 2.11 checks the device inline: no mix-order reductions
+        monkeypatch.setattr(scheduler, "_is_gpu_triton_backend", lambda node1, node2: True)
+
+    def create_backend(self, device, create=scheduler.Scheduler.create_backend):
+        with contextlib.ExitStack() as undo:  # a CPU's backend, which has no device index
+            undo.callback(setattr, scheduler, "is_gpu", scheduler.is_gpu)
+            scheduler.is_gpu = utils.is_gpu
+            return create(self, device)
+
+    monkeypatch.setattr(scheduler.Scheduler, "create_backend", create_backend)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,9 @@ GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 # Eager operators that move memory, counted where the compiled code does not run them (its kernels are Triton's)
 ELEMENTWISE = ("aten::add", "aten::add_", "aten::copy_", "aten::fill_", "aten::sum", "aten::mul", "aten::cat")
 TOP_KERNELS = 8
+# Inductor's estimates come from each kernel's benchmark harness, which torch 2.11 writes for CPU kernels so that it
+# does not import (a device guard ``with pass:``); written with 2.14
+TORCH_NEEDED = "2.14"
 
 
 # Element sizes by the profiler's names of dtypes (others: 4)
@@ -136,6 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not (n.isdigit() and batch.isdigit()):
             parser.error(f"--settings takes TOKENSxBATCH, such as 4096x8; got {setting!r}")
         settings.append((int(n), int(batch)))
+    if torch.torch_version.TorchVersion(torch.__version__) < TORCH_NEEDED:
+        parser.error(
+            f"needs torch {TORCH_NEEDED} or later, whose inductor writes its CPU kernels' benchmark harness (where the "
+            f"estimates are read) so that it imports; got torch {torch.__version__}"
+        )
     rows = measure(args.peers, settings, torch.bfloat16)
     print(
         "| tokens x batch, peer | Triton kernels | Triton GB (FlexAttention's apart) | FlexAttention's GB | eager GB | "
