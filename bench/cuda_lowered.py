@@ -10,6 +10,7 @@ import inspect
 import math
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 def fused_path_settings() -> list[tuple[object, str]]:
@@ -83,14 +84,10 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     launches = []
     _as_gpu(monkeypatch)
 
-    cpu_branch = 'if query.get_device().type == "cpu":'
-    source = inspect.getsource(flex_lowering.flex_attention)
-    assert cpu_branch in source, "inductor's FlexAttention lowering no longer picks its CPU kernel as this module knows"
-    flex_op = torch.ops.higher_order.flex_attention
-    monkeypatch.setitem(lowering.lowerings, flex_op, lowering.lowerings[flex_op])  # monkeypatch restores it
-    # the lowering's own source, its CPU branch never taken, registered as it registers itself
-    without_cpu_branch = compile(source.replace(cpu_branch, "if False:"), flex_lowering.__file__, "exec")
-    exec(without_cpu_branch, dict(vars(flex_lowering)))  # noqa: S102
+    _register_rewritten(
+        monkeypatch, flex_lowering.flex_attention, old='if query.get_device().type == "cpu":', new="if False:"
+    )
+    _register_rewritten(monkeypatch, lowering.cat, old='cpu_device = inputs[0].get_device().type == "cpu"')
 
     # FlexAttention's tiles, forward and backward
     tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), DEFAULT_BLOCK_SIZE)
@@ -126,12 +123,28 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     for cache in backend_caches:
         cache.cache_clear()
     try:
-        with torch._inductor.config.patch(cpu_backend="triton"):
+        with torch._inductor.config.patch(cpu_backend="triton", post_grad_custom_post_pass=_OnlineSoftmax()):
             yield launches
     finally:  # no later compilation sees the CUDA lowering
         torch._dynamo.reset()
         for cache in backend_caches:
             cache.cache_clear()
+
+
+def _register_rewritten(monkeypatch, lowering_fn, *, old: str, new: str = "cpu_device = False") -> None:
+    """Register inductor's lowering ``lowering_fn`` again as it registers itself, from its own source with ``old``
+    (where it takes a CPU's branch) replaced by ``new``; ``monkeypatch`` restores every lowering it replaces."""
+    from torch._inductor import lowering
+
+    source = inspect.getsource(lowering_fn)
+    assert old in source, f"inductor's lowering {lowering_fn.__name__} no longer reads as this module knows"
+    module = inspect.getmodule(lowering_fn)
+    before = dict(lowering.lowerings)
+    exec(compile(source.replace(old, new), module.__file__, "exec"), dict(vars(module)))  # noqa: S102
+    for key, registered in list(lowering.lowerings.items()):
+        if before.get(key) is not registered:
+            lowering.lowerings[key] = before[key]
+            monkeypatch.setitem(lowering.lowerings, key, registered)
 
 
 def _as_gpu(monkeypatch) -> None:
@@ -156,6 +169,32 @@ def _as_gpu(monkeypatch) -> None:
             return create(self, device)
 
     monkeypatch.setattr(scheduler.Scheduler, "create_backend", create_backend)
+
+
+class _OnlineSoftmax(CustomGraphPass):
+    """Inductor's rewrite of a softmax's max and sum into one online reduction, which it makes for CUDA's and XPU's
+    tensors only (``prepare_softmax_extra_check``), for a CPU's too: a post-grad pass."""
+
+    def __init__(self):
+        from torch._inductor.fx_passes import post_grad
+        from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
+
+        self.patterns = PatternMatcherPass()
+        register_replacement(
+            post_grad.prepare_softmax_pattern,
+            post_grad.prepare_softmax_replacement,
+            [torch.empty(4, 8)],
+            scalar_workaround={"dim": -1},
+            trace_fn=fwd_only,
+            pass_dicts=self.patterns,
+            extra_check=lambda match: torch._inductor.config.online_softmax,
+        )
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.patterns.apply(graph)
+
+    def uuid(self) -> str:
+        return "online softmax as on CUDA"
 
 
 @contextlib.contextmanager
