@@ -47,8 +47,8 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     runs its kernels, FlexAttention's Triton templates among them, forward and backward (``monkeypatch``: a
     ``pytest.MonkeyPatch``, which undoes what is patched here). What stands in the way is turned aside:
 
-    - inductor's FlexAttention lowering sends CPU tensors to its C++ kernel: a copy of it without that branch is
-      registered;
+    - inductor's FlexAttention lowering sends CPU tensors to its C++ kernel, and its concatenation's lowering takes a
+      CPU's branch: copies of both without those branches are registered (``_register_rewritten``);
     - FlexAttention refuses a backward pass on the CPU and has its forward kernel skip the log-sum-exp there, which
       the backward kernel reads: both as on CUDA;
     - Triton asks its driver, which finds no GPU, for the target to generate code for: an sm80 CUDA target;
@@ -59,11 +59,12 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     - inductor schedules and fuses a CPU's kernels otherwise (no loop reordering after fusion, no mix-order reductions
       such as a LayerNorm's two gradients in one pass, no addmm split for its epilogue's fusion, no padding of
       strides): its lowering, fusion passes and scheduler take a CPU for a GPU (``_as_gpu``), except where they create a
-      device's backend or guard, which a GPU has by index.
+      device's backend or guard, which a GPU has by index;
+    - inductor makes a softmax's max and sum one online reduction for CUDA's tensors only: for the CPU's too
+      (``_OnlineSoftmax``).
 
     So that the interpreter takes seconds, not minutes, each kernel runs its widest configuration, and FlexAttention's
-    one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80). One difference stays:
-    inductor concatenates CPU tensors with a copy kernel per input, CUDA's often in one kernel.
+    one tile a block of the mask; the code is otherwise what inductor generates for CUDA (sm80).
 
     ``run_kernels=False``: each Triton kernel's launch returns at once, its outputs left unwritten: the host's work
     alone. Yields the list of the kernels launched so (inductor's ``CachingAutotuner``, in order: ``fn.__name__``
