@@ -50,3 +50,31 @@ def test_gpu_work_refuses_a_torch_too_old(capsys, monkeypatch, tmp_path):
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and f"torch {gpu_work.TORCH_NEEDED}" in error and "2.11.0" in error
     assert not out.exists()
+
+
+@pytest.mark.compiled
+def test_cpu_code_is_scheduled_as_cudas():
+    """Inductor's code for CPU tensors makes CUDA's choices while ``bench.cuda_lowered`` lowers them so: a softmax's
+    max and sum in one online reduction, and a LayerNorm's input and gain gradients (reductions over rows and over
+    columns of the same 8,192 x 768 tensors) in one mix-order kernel (not under torch 2.11, whose check reads the
+    device); afterwards inductor is as it was."""
+    from torch._inductor import metrics, scheduler, utils
+
+    from bench.cuda_lowered import launched_as_for_cuda
+
+    def step(x, weight):
+        probabilities = torch.softmax(x, dim=-1)
+        normed = torch.nn.functional.layer_norm(x, (x.shape[-1],), weight)
+        (normed * probabilities).sum().backward()
+
+    x = torch.randn(8192, 768, requires_grad=True)
+    weight = torch.ones(768, requires_grad=True)
+    torch._dynamo.reset()
+    metrics.reset()
+    is_cpu = scheduler.BaseSchedulerNode.is_cpu
+    with launched_as_for_cuda() as launched:
+        torch.compile(step)(x, weight)
+    assert any("prepare_softmax_online" in kernel.fn.__name__ for kernel in launched)
+    assert (metrics.codegen_mix_order_reduction > 0) == hasattr(scheduler, "_is_gpu_triton_backend")
+    assert scheduler.is_gpu is utils.is_gpu and scheduler.BaseSchedulerNode.is_cpu is is_cpu
+    assert torch._inductor.config.post_grad_custom_post_pass is None
