@@ -17,7 +17,7 @@ Peers, as ``bench.bench_attention`` builds them, at the bars' width (hidden 768,
 Prints, for each setting and peer, the Triton kernels a step, their GB (FlexAttention's apart), the eager
 operators' GB, the GEMMs' TFLOP, and the kernels that move the most; writes ``bench/results/gpu_work_cpu.json``. A
 count, not a time: the attention kernels' own compute is not in it, and how fast each kernel runs is the GPU's to
-say. Needs the test extras and Triton, as ``bench.host_time``.
+say. Needs the test extras and Triton, as ``bench.host_time``, and torch 2.14 or later (``TORCH_NEEDED``).
 """
 
 from __future__ import annotations
