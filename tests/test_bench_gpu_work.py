@@ -75,6 +75,10 @@ def test_cpu_code_is_scheduled_as_cudas():
     with launched_as_for_cuda() as launched:
         torch.compile(step)(x, weight)
     assert any("prepare_softmax_online" in kernel.fn.__name__ for kernel in launched)
-    assert (metrics.codegen_mix_order_reduction > 0) == hasattr(scheduler, "_is_gpu_triton_backend")
+    # from torch 2.14 on, a device check of the mix-order fusion that the lowering no longer reaches fails here
+    mixes_orders = torch.torch_version.TorchVersion(torch.__version__) >= "2.14" or hasattr(
+        scheduler, "_is_gpu_triton_backend"
+    )
+    assert (metrics.codegen_mix_order_reduction > 0) == mixes_orders
     assert scheduler.is_gpu is utils.is_gpu and scheduler.BaseSchedulerNode.is_cpu is is_cpu
     assert torch._inductor.config.post_grad_custom_post_pass is None
