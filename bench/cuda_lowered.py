@@ -143,8 +143,11 @@ def _register_rewritten(monkeypatch, lowering_fn, *, old: str, new: str = "cpu_d
     before = dict(lowering.lowerings)
     exec(compile(source.replace(old, new), module.__file__, "exec"), dict(vars(module)))  # noqa: S102
     for key, registered in list(lowering.lowerings.items()):
-        if before.get(key) is not registered:
-            lowering.lowerings[key] = before[key]
+        if before.get(key) is not registered:  # put back as it was, then replaced through monkeypatch, which undoes it
+            if key in before:
+                lowering.lowerings[key] = before[key]
+            else:
+                del lowering.lowerings[key]
             monkeypatch.setitem(lowering.lowerings, key, registered)
 
 
