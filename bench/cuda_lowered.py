@@ -88,7 +88,9 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
     _register_rewritten(
         monkeypatch, flex_lowering.flex_attention, old='if query.get_device().type == "cpu":', new="if False:"
     )
-    _register_rewritten(monkeypatch, lowering.cat, old='cpu_device = inputs[0].get_device().type == "cpu"')
+    _register_rewritten(
+        monkeypatch, lowering.cat, old='cpu_device = inputs[0].get_device().type == "cpu"', new="cpu_device = False"
+    )
 
     # FlexAttention's tiles, forward and backward
     tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), DEFAULT_BLOCK_SIZE)
@@ -132,7 +134,7 @@ def lowered_as_for_cuda(monkeypatch, *, run_kernels: bool = True):
             cache.cache_clear()
 
 
-def _register_rewritten(monkeypatch, lowering_fn, *, old: str, new: str = "cpu_device = False") -> None:
+def _register_rewritten(monkeypatch, lowering_fn, *, old: str, new: str) -> None:
     """Register inductor's lowering ``lowering_fn`` again as it registers itself, from its own source with ``old``
     (where it takes a CPU's branch) replaced by ``new``; ``monkeypatch`` restores every lowering it replaces."""
     from torch._inductor import lowering
@@ -167,10 +169,11 @@ def _as_gpu(monkeypatch) -> None:
         monkeypatch.setattr(scheduler, "_is_gpu_triton_backend", lambda node1, node2: True)
 
     def create_backend(self, device, create=scheduler.Scheduler.create_backend):
-        with contextlib.ExitStack() as undo:  # a CPU's backend, which has no device index
-            undo.callback(setattr, scheduler, "is_gpu", scheduler.is_gpu)
-            scheduler.is_gpu = utils.is_gpu
+        scheduler.is_gpu = utils.is_gpu  # a CPU's backend, which has no device index
+        try:
             return create(self, device)
+        finally:
+            scheduler.is_gpu = is_gpu
 
     monkeypatch.setattr(scheduler.Scheduler, "create_backend", create_backend)
 
