@@ -597,11 +597,13 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
 
     ``forward(input_ids, memory=previous.memory)`` continues the streams of the previous call (training with
     truncated backpropagation through time, or streaming evaluation); ``generate`` decodes with a
-    ``LongShortXLCache`` and matches the full forward. Inputs are unpadded streams: an ``attention_mask`` with zeros
+    ``LongShortXLCache`` and matches the full forward; the cache cannot be cropped, so assisted and prompt-lookup
+    decoding are refused. Inputs are unpadded streams: an ``attention_mask`` with zeros
     is refused.
     """
 
     _tied_weights_keys: ClassVar[dict] = {"lm_head.weight": "long_short.embeddings.weight"}
+    _is_stateful = True  # the cache keeps compressed segments and a memory: it cannot be cropped
 
     def __init__(self, config: LongShortXLConfig):
         super().__init__(config)

@@ -8,6 +8,7 @@ import torch
 from ls_hf import LongShortCache, LongShortForCausalLM, LongShortModel
 from ls_hf.modeling_long_short import roberta_position_ids
 
+from .test_char_lm_xl import tiny_xl
 from .test_modeling import HEADS, head_inputs, tiny_config, tokens
 
 
@@ -120,12 +121,14 @@ def test_generate_first_step_matches_forward(causal_lm):
     torch.testing.assert_close(out.logits[1].double(), second, atol=1e-7, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"prompt_lookup_num_tokens": 2}, {"assistant": True}], ids=["prompt_lookup", "assisted"]
-)
-def test_assisted_decoding_is_refused_up_front(causal_lm, kwargs):
-    """The cache cannot be cropped (``_is_stateful``): Transformers' own error before any decoding step."""
-    if kwargs.pop("assistant", False):
-        kwargs["assistant_model"] = causal_lm
-    with pytest.raises(ValueError, match="not supported with stateful models"):
-        causal_lm.generate(tokens(1, 6), max_new_tokens=3, do_sample=False, **kwargs)
+@pytest.mark.parametrize("model_name", ["long_short", "long_short_xl"])
+@pytest.mark.parametrize("decoding", ["prompt_lookup", "assisted"])
+def test_assisted_decoding_is_refused_before_any_token(causal_lm, model_name, decoding):
+    """The cache cannot be cropped, so Transformers refuses assisted and prompt-lookup decoding before any token:
+    up front by ``_is_stateful`` (Transformers < 5.25), or after the prompt's forward by the cache layers'
+    ``is_croppable``."""
+    model = causal_lm if model_name == "long_short" else tiny_xl()
+    kwargs = {"prompt_lookup_num_tokens": 2} if decoding == "prompt_lookup" else {"assistant_model": model}
+    prompt = tokens(1, 6) % model.config.vocab_size
+    with pytest.raises(ValueError, match="not supported with stateful models|requires a cache that can be cropped"):
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False, **kwargs)
