@@ -621,9 +621,9 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     ``generate`` decodes with a ``LongShortCache``; positions are RoBERTa's (``pad_token_id + 1`` onwards), by the
     one rule of ``roberta_position_ids`` (real tokens from the attention mask) in ``forward``, a cached step and
     ``generate`` alike. The cache cannot be cropped (``_is_stateful``, ``is_croppable``), so ``generate`` refuses
-    assisted and prompt-lookup decoding before any token. Left-padded batches, the way Transformers batches prompts, generate for each row
-    what the row generates alone: each row counts its windows and projection segments from its first real token, in
-    the prompt's forward and in every cached step.
+    assisted and prompt-lookup decoding before any token. Left-padded batches, the way Transformers batches prompts,
+    generate for each row what the row generates alone: each row counts its windows and projection segments from its
+    first real token, in the prompt's forward and in every cached step.
     """
 
     _is_stateful = True  # finished segments are compressed into projected rows: the cache cannot be cropped

@@ -598,8 +598,7 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
     ``forward(input_ids, memory=previous.memory)`` continues the streams of the previous call (training with
     truncated backpropagation through time, or streaming evaluation); ``generate`` decodes with a
     ``LongShortXLCache`` and matches the full forward; the cache cannot be cropped, so assisted and prompt-lookup
-    decoding are refused. Inputs are unpadded streams: an ``attention_mask`` with zeros
-    is refused.
+    decoding are refused. Inputs are unpadded streams: an ``attention_mask`` with zeros is refused.
     """
 
     _tied_weights_keys: ClassVar[dict] = {"lm_head.weight": "long_short.embeddings.weight"}
