@@ -626,7 +626,7 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
     first real token, in the prompt's forward and in every cached step.
     """
 
-    _is_stateful = True  # finished segments are compressed into projected rows: the cache cannot be cropped
+    _is_stateful = True  # the cache cannot be cropped, told to Transformers < 5.25 (later: the layers' is_croppable)
 
     def __init__(self, config: LongShortConfig):
         if not config.is_decoder:

@@ -602,7 +602,7 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
     """
 
     _tied_weights_keys: ClassVar[dict] = {"lm_head.weight": "long_short.embeddings.weight"}
-    _is_stateful = True  # the cache keeps compressed segments and a memory: it cannot be cropped
+    _is_stateful = True  # the cache cannot be cropped, told to Transformers < 5.25 (later: the layers' is_croppable)
 
     def __init__(self, config: LongShortXLConfig):
         super().__init__(config)
