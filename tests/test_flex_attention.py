@@ -16,10 +16,10 @@ from torch.nn.attention.flex_attention import create_mask
 from transformers import AutoModel, AutoModelForCausalLM
 
 import ls_hf.long_short_rules as rules
-from bench import cuda_lowered
-from bench.cuda_lowered import compile_on_cpu
 from ls_hf import LongShortForCausalLM, LongShortModel
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
+from tests import cuda_lowered
+from tests.cuda_lowered import compile_on_cpu
 from tests.devices import assert_close
 from tests.test_attention import (
     PROPERTY,

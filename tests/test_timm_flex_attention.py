@@ -11,10 +11,10 @@ import timm
 import torch
 
 import ls_hf.long_short_rules as rules
-from bench.cuda_lowered import compile_on_cpu
 from ls_hf import long_short_attention, long_short_blocks
 from ls_timm import long_short_attention_2d, long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
+from tests.cuda_lowered import compile_on_cpu
 from tests.devices import assert_close
 from tests.test_flex_attention import _dense_flex_attend, package_compiled_with
 from tests.test_timm_attention import CASES, _randomise

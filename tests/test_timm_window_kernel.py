@@ -16,7 +16,6 @@ import pytest
 import timm
 import torch
 
-from bench.cuda_lowered import compile_on_cpu
 from ls_hf import long_short_attention
 from ls_timm import long_short_attention_2d, window_kernel_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
@@ -28,6 +27,7 @@ from ls_timm.window_kernel_2d import (
     query_rectangle,
     window_attention_2d,
 )
+from tests.cuda_lowered import compile_on_cpu
 from tests.devices import RELATIVE_ATOL, assert_close
 from tests.test_timm_attention import CASES, _randomise
 
