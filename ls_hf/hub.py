@@ -17,8 +17,11 @@ REMOTE_CODE_FILES = (
     "modeling_long_short.py",
     "long_short_attention.py",
     "long_short_blocks.py",
+    "long_short_fused.py",
     "long_short_kernels.py",
+    "long_short_plan.py",
     "long_short_rules.py",
+    "long_short_tiles.py",
 )
 # LongShortXLForCausalLM's folders also need its own file (which imports those above).
 REMOTE_CODE_FILES_XL = (*REMOTE_CODE_FILES, "modeling_long_short_xl.py")

@@ -15,18 +15,15 @@ The rules are those of ``long_short_rules``: ``window_bounds`` (the window keys 
 ``mask_mod``; ``long_short_block_mask`` applies them to the first and last query of each query block, which bound
 every query's keys in between (the window's ends do not decrease with the position), and builds the ``BlockMask``
 from them, both ways (the key blocks of each query block, the query blocks of each key block). ``flex_attend`` runs
-FlexAttention, compiled once per process on CUDA; ``long_short_flex_attend`` takes the mask from its caches and runs
-it, inside a compiled layer's graph on CUDA and as a compile boundary elsewhere. This file imports nothing from
-Transformers or timm.
+FlexAttention, compiled once per process on CUDA; ``long_short_flex_attend`` runs it with a given mask, inside a
+compiled layer's graph on CUDA and as a compile boundary elsewhere. This file imports nothing from Transformers or
+timm.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import re
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,7 +35,6 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from .long_short_rules import (
-    KeptForSameInputs,
     cached_outside_compile,
     finished_segments,
     is_int,
@@ -48,8 +44,8 @@ from .long_short_rules import (
 )
 
 __all__ = [
-    "COMPILED_DEVICES",
     "FLEX_MIN_HEAD_DIM",
+    "FUSED_DEVICES",
     "FUSED_DTYPES",
     "KeyLayout",
     "compile_in_package",
@@ -65,13 +61,11 @@ __all__ = [
 FLEX_MIN_HEAD_DIM = 16
 # The dtypes compiled FlexAttention takes on CUDA (Triton's kernel fails to build for float64, torch 2.11).
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Where ``flex_attend`` runs ``compiled_flex_attention`` by default. Add "cpu" to compile the kernel there too
-# (forward only; torch 2.11-2.14 build the CPU kernel for maps and sequences of any size, except padded 1-D batches once
-# an earlier call made the lengths symbolic).
-COMPILED_DEVICES = ("cuda",)
-# Where compiled FlexAttention refuses views of its inputs (inductor's CPU kernel, torch 2.14): it gets contiguous
-# copies there. Inductor's CUDA kernel reads the views where they lie.
-CONTIGUOUS_INPUT_DEVICES = ("cpu",)
+# The one device rule: where attn_implementation="sdpa" (the default) runs the fused FlexAttention path, its kernel
+# compiled (``flex_attend``) and, with ``compile_attention``, the rest of the layer compiled around it, the kernel
+# inside the layer's graph. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md), and a kernel
+# compiled there on request gets contiguous inputs (inductor's CPU kernel refuses views, torch 2.14).
+FUSED_DEVICES = ("cuda",)
 DEFAULT_BLOCK_SIZE = 128
 # Queries per copy of the bidirectional extra keys (``extra_key_copies``): 8 query blocks of ``DEFAULT_BLOCK_SIZE``.
 EXTRA_KEY_BAND = 1024
@@ -210,7 +204,6 @@ def long_short_mask_mod(
     key_valid: Tensor | None = None,
     offsets: Tensor | None = None,
     device: torch.device | str | None = None,
-    geometry: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout``.
 
@@ -219,14 +212,14 @@ def long_short_mask_mod(
     ``segment_length`` l and ``projection_rank`` r, by ``segment_rule`` for the row's segment ``(kv_idx - L) // r``,
     or, with ``extra_key_copies``, where its copy is the query's (``copy_seen``). Keys where ``key_valid`` (B, L + R)
     is False are never seen. ``device``: where the attention runs (by default ``key_valid``'s or ``offsets``', else
-    the CPU). ``geometry``: ``mask_geometry(layout, device)``, when the caller has it.
+    the CPU).
     """
     _batch_size(layout, key_valid, offsets)
     device = _mask_device(device, key_valid, offsets)
     window, causal, has_window = layout.window_size, layout.causal, layout.num_window_keys > 0
     segment_length, rank = layout.segment_length, layout.projection_rank
     copied, queries_per_copy = layout.extra_key_copies > 1, layout.queries_per_copy
-    geometry = mask_geometry(layout, device) if geometry is None else geometry
+    geometry = mask_geometry(layout, device)
 
     def long_short_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         window_keys, q_start, k_start = geometry[0], geometry[1], geometry[2]
@@ -504,11 +497,11 @@ def compiled_flex_attention(static_shapes: bool = False) -> Callable:
 def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool, tokens_first=False):
     """``flex(query, key, value, ...)``: the output, or with ``return_lse`` the output and the log-sum-exp (asked for
     as FlexAttention's auxiliary output). ``tokens_first``: query, key and value are (B, m, H, E) and the output is
-    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies on ``CONTIGUOUS_INPUT_DEVICES``), and
+    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies off ``FUSED_DEVICES``), and
     its output, laid out as the query, is handed back as a view too."""
     if tokens_first:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        if query.device.type in CONTIGUOUS_INPUT_DEVICES:
+        if query.device.type not in FUSED_DEVICES:
             query, key, value = (x.contiguous() for x in (query, key, value))
     if return_lse:
         out, aux = flex(
@@ -521,201 +514,31 @@ def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale
     return (out, aux.lse) if return_lse else out
 
 
-# The padded mask of the last call that named the source of its key validity, kept for the next call with the same
-# source and layout (the next layer of a forward pass).
-_SHARED_MASK = KeptForSameInputs()
-
-
-def _kept_block_mask(
-    query: Tensor, layout: KeyLayout, key_valid: Tensor | None, offsets: Tensor | None, key_valid_source: tuple | None
-) -> BlockMask:
-    """``long_short_block_mask`` for ``query``'s queries, from its caches: per shape without padding, and with padding
-    the mask that the last call naming the same ``key_valid_source``, unchanged, with the same layout built."""
-    build = functools.partial(
-        long_short_block_mask,
-        layout,
-        num_queries=query.shape[1],
-        offsets=offsets,
-        key_valid=key_valid,
-        device=query.device,
-    )
-    if key_valid is not None and offsets is None and key_valid_source is not None:
-        return _SHARED_MASK.get(key_valid_source, build, key=(layout, query.shape[1], query.device))
-    return build()
-
-
 def long_short_flex_attend(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    layout: KeyLayout,
-    *,
-    key_valid: Tensor | None = None,
-    offsets: Tensor | None = None,
-    return_lse: bool = False,
-    key_valid_source: tuple | None = None,
+    query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, return_lse: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """``flex_attend`` of query (B, m, H, E) over key and value (B, L + R, H, .) laid out as ``layout`` says, with
-    ``long_short_block_mask(layout, key_valid=..., offsets=...)``: (B, m, H, Ev), and with ``return_lse`` each
-    query's log-sum-exp of its scores (B, H, m) float32 too. Token-major, as the projections make them
-    (``flex_attend``'s ``tokens_first``), turned heads first inside the kernel's region.
+    """``flex_attend`` of query (B, m, H, E) over key and value (B, L + R, H, .) with ``block_mask``
+    (``long_short_block_mask``): (B, m, H, Ev), and with ``return_lse`` each query's log-sum-exp of its scores
+    (B, H, m) float32 too. Token-major, as the projections make them (``flex_attend``'s ``tokens_first``), turned heads
+    first inside the kernel's region.
 
-    ``key_valid_source``: what ``key_valid`` is a function of, besides the layout (a layer's attention and global
-    masks, and its flags): consecutive calls that name the same source, unchanged, with the same layout share the
-    padded mask that the first of them built (the layers of a forward pass: without it every layer builds it again,
-    about 130 small operations on the device). Without padding the mask is cached per shape anyway.
-
-    Inside a ``torch.compile`` region (the package's ``compiled_attention_layer``, or the caller's) on
-    ``KERNEL_IN_GRAPH_DEVICES`` the kernel joins the region's graph, its mask's tensors taken from the caches by one
-    operator (``long_short_block_mask_tensors``): one graph a layer, forward and backward. Elsewhere the call is a
-    compile boundary (``_flex_attend_outside_graph``)."""
-    if torch.compiler.is_compiling() and query.device.type in KERNEL_IN_GRAPH_DEVICES:
-        mask = _block_mask_in_graph(query, layout, key_valid=key_valid, offsets=offsets, source=key_valid_source)
-        return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
-    return _flex_attend_outside_graph(
-        query,
-        key,
-        value,
-        layout,
-        key_valid=key_valid,
-        offsets=offsets,
-        return_lse=return_lse,
-        key_valid_source=key_valid_source,
-    )
+    Inside a ``torch.compile`` region (the package's compiled layer, or the caller's) on ``FUSED_DEVICES`` the kernel
+    joins the region's graph, the mask one of its inputs: one graph a layer, forward and backward. Elsewhere the call
+    is a compile boundary (``_flex_attend_outside_graph``)."""
+    if torch.compiler.is_compiling() and query.device.type in FUSED_DEVICES:
+        return flex_attend(query, key, value, block_mask, return_lse=return_lse, tokens_first=True)
+    return _flex_attend_outside_graph(query, key, value, block_mask, return_lse=return_lse)
 
 
 @torch.compiler.disable
-def _flex_attend_outside_graph(
-    query, key, value, layout, *, key_valid, offsets, return_lse, key_valid_source
-) -> Tensor | tuple[Tensor, Tensor]:
+def _flex_attend_outside_graph(query, key, value, block_mask, *, return_lse) -> Tensor | tuple[Tensor, Tensor]:
     """``long_short_flex_attend`` as a compile boundary: inside a compiled region the region breaks here, and the mask
-    comes from its caches and runs on the package's compiled kernel, as outside one. Every tensor that crosses the
-    boundary is token-major and contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of
-    their gradients into a contiguous tensor in the backward pass (four copies of the layer's width per layer).
-    Lowered inside a larger graph, FlexAttention miscompiles some of these masks on the CPU (inductor's CPU kernel,
-    torch 2.14: with a cls key, or without window keys but with padding)."""
-    mask = _kept_block_mask(query, layout, key_valid, offsets, key_valid_source)
-    return flex_attend(query, key, value, mask, return_lse=return_lse, tokens_first=True)
-
-
-# ------------------------------------------------------------------------------------ the block mask in a graph
-# Where a compiled region takes the FlexAttention kernel into its own graph (``long_short_flex_attend``). Elsewhere
-# the kernel's call is a compile boundary: a compiled layer runs three graphs (one before the call, the kernel's own,
-# one after it) where it would run one.
-KERNEL_IN_GRAPH_DEVICES = ("cuda",)
-
-
-def _mask_tensor_shapes(batch: int, num_queries: int, num_keys: int) -> list[tuple[int, ...]]:
-    """The shapes of ``_MASK_TENSORS`` for a mask of ``DEFAULT_BLOCK_SIZE`` blocks, then ``mask_geometry``'s (its 5
-    numbers)."""
-    q_blocks, kv_blocks = (-(-size // DEFAULT_BLOCK_SIZE) for size in (num_queries, num_keys))
-    per_query_block = [(batch, 1, q_blocks), (batch, 1, q_blocks, kv_blocks)]
-    per_key_block = [(batch, 1, kv_blocks), (batch, 1, kv_blocks, q_blocks)]
-    return [*per_query_block, *per_query_block, *per_key_block, *per_key_block, (5,)]
-
-
-# The fields of a ``KeyLayout``, in the order an operator takes them (``_layout_fields``).
-_FIELDS = tuple(field.name for field in dataclasses.fields(KeyLayout))
-
-
-def _layout_fields(layout: KeyLayout) -> list[int]:
-    """``layout`` as the ints an operator takes: ``causal`` as 0/1, the causal rows' None as 0."""
-    values = (getattr(layout, name) for name in _FIELDS)
-    return [0 if value is None else int(value) if isinstance(value, bool) else value for value in values]
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_from_fields(values: tuple[int, ...]) -> KeyLayout:
-    """The ``KeyLayout`` that ``_layout_fields`` gave ``values`` (kept: an operator's call decodes it each time)."""
-    fields = dict(zip(_FIELDS, values))
-    for name in ("segment_length", "projection_rank"):
-        fields[name] = fields[name] or None
-    return KeyLayout(**{**fields, "causal": bool(fields["causal"])})
-
-
-# The operator, one per copy of this module: Hub remote code imports its own copy (``transformers_modules...``) beside
-# an installed package, and each copy's operator must run that copy's code and caches. Defined through
-# ``torch.library.Library`` with one kernel for every device (``CompositeExplicitAutograd``), not ``custom_op``, whose
-# autograd layer in Python took a tenth of the layer's host time a forward pass for an output without gradients;
-# cudagraph_unsafe: a CUDA graph would replay the copy of the mask it was captured with (inductor's CUDA graphs run
-# around it).
-_MASK_OPERATOR_NAME = "long_short_block_mask_tensors_" + re.sub(r"\W", "_", __name__)
-_MASK_OPERATOR = "transformer_ls::" + _MASK_OPERATOR_NAME
-_LIBRARY = torch.library.Library("transformer_ls", "FRAGMENT")  # the operator lives as long as this module
-_LIBRARY.define(
-    _MASK_OPERATOR_NAME + "(Tensor query, SymInt[] layout_fields, Tensor? key_valid, Tensor? offsets, "
-    "Tensor?[] source_tensors, bool[] source_flags) -> Tensor",
-    tags=(torch.Tag.cudagraph_unsafe,),
-)
-# Each block mask's tensors as ``_block_mask_tensors`` packs them, kept while the mask is (in its caches, 33 at most)
-_PACKED_MASKS = weakref.WeakKeyDictionary()
-
-
-def _block_mask_tensors(
-    query: Tensor,
-    layout_fields: list[int],
-    key_valid: Tensor | None,
-    offsets: Tensor | None,
-    source_tensors: list[Tensor | None],
-    source_flags: list[bool],
-) -> Tensor:
-    """The tensors of ``long_short_block_mask`` for the layout of ``layout_fields`` (``_layout_fields``) and
-    ``query``'s queries, and ``mask_geometry``'s, in one new int32 tensor (``_MASK_TENSORS``' order): the masks come
-    from their caches, as at the compile boundary (``_kept_block_mask``; ``source_tensors`` and ``source_flags``, the
-    source's tensors and flags). The operator's kernel (``long_short_block_mask_tensors``), so that a compiled graph
-    looks up the caches at each call with one call and one copy, instead of computing the mask or breaking."""
-    layout = _layout_from_fields(tuple(layout_fields))
-    source = (*source_tensors, *source_flags) or None
-    mask = _kept_block_mask(query, layout, key_valid, offsets, source)
-    packed = _PACKED_MASKS.get(mask)
-    if packed is None:
-        with torch.inference_mode(False):  # a cached mask serves later calls in training too
-            parts = [getattr(mask, name).flatten() for name in _MASK_TENSORS]
-            packed = torch.cat([*parts, mask_geometry(layout, query.device)])
-        _PACKED_MASKS[mask] = packed
-    return packed.clone()  # new: the graph may write over its outputs once they are read
-
-
-_LIBRARY.impl(_MASK_OPERATOR_NAME, _block_mask_tensors, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake(_MASK_OPERATOR, lib=_LIBRARY)
-def _(query, layout_fields, key_valid, offsets, source_tensors, source_flags):
-    """The output's size, from the sizes alone (what a compiled graph's tracing sees)."""
-    layout = dict(zip(_FIELDS, layout_fields))
-    batch = next((x.shape[0] for x in (key_valid, offsets) if x is not None), 1)
-    shapes = _mask_tensor_shapes(batch, query.shape[1], layout["num_window_keys"] + layout["num_extra_keys"])
-    return query.new_empty(sum(math.prod(shape) for shape in shapes), dtype=torch.int32)
-
-
-long_short_block_mask_tensors = getattr(torch.ops.transformer_ls, _MASK_OPERATOR_NAME).default
-
-
-def _block_mask_in_graph(
-    query: Tensor, layout: KeyLayout, *, key_valid: Tensor | None, offsets: Tensor | None, source: tuple | None
-) -> BlockMask:
-    """``long_short_block_mask`` for ``query``'s queries inside a compiled graph: its tensors from
-    ``long_short_block_mask_tensors``, views of its one output."""
-    source = () if source is None else source
-    packed = long_short_block_mask_tensors(
-        query,
-        _layout_fields(layout),
-        key_valid,
-        offsets,
-        [x for x in source if x is None or isinstance(x, Tensor)],
-        [x for x in source if isinstance(x, bool)],
-    )
-    shapes = _mask_tensor_shapes(_batch_size(layout, key_valid, offsets), query.shape[1], layout.num_keys)
-    *tensors, geometry = (
-        part.view(shape) for part, shape in zip(packed.split([math.prod(shape) for shape in shapes]), shapes)
-    )
-    mask_mod = long_short_mask_mod(layout, key_valid=key_valid, offsets=offsets, device=query.device, geometry=geometry)
-    return BlockMask(
-        seq_lengths=(query.shape[1], layout.num_keys),
-        **dict(zip(_MASK_TENSORS, tensors)),
-        BLOCK_SIZE=(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
-        mask_mod=mask_mod,
-    )
+    runs on the package's compiled kernel, as outside one. Every tensor that crosses the boundary is token-major and
+    contiguous, where a heads-first view would make torch 2.11's AOTAutograd copy each of their gradients into a
+    contiguous tensor in the backward pass (four copies of the layer's width per layer). Lowered inside a larger
+    graph, FlexAttention miscompiles some of these masks on the CPU (inductor's CPU kernel, torch 2.14: with a cls
+    key, or without window keys but with padding)."""
+    return flex_attend(query, key, value, block_mask, return_lse=return_lse, tokens_first=True)
 
 
 def _pad_head_dim(x: Tensor) -> Tensor:
@@ -742,7 +565,7 @@ def flex_attend(
     and value (B, K, H, .) and the output (B, m, H, Ev) instead, turned heads first and back inside the compiled
     kernel's region (``flex_call``), so that its inputs and output stay contiguous.
 
-    ``compiled``: use ``compiled_flex_attention`` (default: on ``COMPILED_DEVICES`` in ``FUSED_DTYPES``; inside a
+    ``compiled``: use ``compiled_flex_attention`` (default: on ``FUSED_DEVICES`` in ``FUSED_DTYPES``; inside a
     function being compiled, the plain ``flex_attention``, which the outer compilation fuses). ``scale``: default
     ``1 / sqrt(E)``. On CUDA head dims below ``FLEX_MIN_HEAD_DIM`` are zero-padded to it, which is exact, and the
     output is cut back to Ev. ``return_lse``: also each query's log-sum-exp of its scores, (B, H, m) float32 (-inf
@@ -751,14 +574,14 @@ def flex_attend(
     the sizes done at compile time.
     """
     if compiled is None:
-        compiled = query.device.type in COMPILED_DEVICES and query.dtype in FUSED_DTYPES
+        compiled = query.device.type in FUSED_DEVICES and query.dtype in FUSED_DTYPES
     # compiled for the CPU, FlexAttention returns no log-sum-exp (torch 2.14): there it runs uncompiled
     compiled = compiled and not torch.compiler.is_compiling() and not (return_lse and query.device.type == "cpu")
     kernel = compiled_flex_attention(static_shapes) if compiled else functools.partial(flex_call, flex_attention)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))
-    if compiled and query.device.type in CONTIGUOUS_INPUT_DEVICES:
+    if compiled and query.device.type not in FUSED_DEVICES:
         query, key, value = (x.contiguous() for x in (query, key, value))
     out = kernel(
         query,

@@ -12,9 +12,7 @@ saves (``bench/RESULTS.md``):
 
 On the fused path, ``JoinedProjectedKeys`` builds the keys and values of the one attention kernel call, [window keys;
 global keys; projected rows], and keeps the window keys only there, applying ``LN_L`` too where the gains allow
-recovering its input from its output (``recoverable_layer_norms``); with ``long_range_in_kernel=False``,
-``ExtraKeysAttention`` attends to the global keys and projected rows apart from the kernel, returning the log-sum-exp
-that merges the two softmaxes into one.
+recovering its input from its output (``recoverable_layer_norms``).
 
 Each matches its plain-autograd counterpart (``tests/test_attention.py``). This file imports nothing from
 Transformers or timm.
@@ -22,21 +20,17 @@ Transformers or timm.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .long_short_rules import is_plain_tensor, projected, projection_weights, tensor_state
+from .long_short_rules import projected, projection_weights
 
 __all__ = [
     "FUSED_CPU",
     "LN_MIN_GAMMA",
     "TILE_CHUNK_BYTES",
     "DynamicProjection",
-    "ExtraKeysAttention",
     "JoinedProjectedKeys",
     "LayerNormInPlace",
     "TiledAttention",
@@ -203,67 +197,24 @@ class LayerNormInPlace(torch.autograd.Function):
 
 
 LN_MIN_GAMMA = 1e-3
-# What ``recoverable_layer_norms`` read of each LayerNorm gain: (the gain's ``tensor_state`` then, the answer); the
-# lock serialises threads (``nn.DataParallel`` runs its replicas' layers in threads).
-_GAIN_READS = WeakIdKeyDictionary()
-_GAIN_READS_LOCK = threading.Lock()
 
 
-def recoverable_layer_norms(*norms: nn.LayerNorm) -> bool:
-    """Whether the normalized input ``x_hat = (y - beta) / gamma`` can be recovered from each LayerNorm's output y:
-    gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. Each gain's answer holds until the gain changes;
-    one not known is read from the device (``_read_gains``), which waits for it, with every other gain read before
-    that changed since: in training, one read a step for a whole model's layers, where a read per layer would stall
-    the host at every layer. Called outside any compilation only (the answers kept are this function's state): its
-    caller asks ``torch.compiler.is_compiling()`` first, where ``torch.compiler.disable`` would cost every call."""
-    if any(norm.weight is None or norm.bias is None for norm in norms):
-        return False
-    gains = [norm.weight for norm in dict.fromkeys(norms)]  # a norm given twice (keys' and values') read once
-    with _GAIN_READS_LOCK:
-        answers = [_known_answer(gain) for gain in gains]
-        if None in answers:
-            answers = _read_gains(gains)
-    return all(answers)
-
-
-def _known_answer(gain: Tensor) -> bool | None:
-    state, answer = _GAIN_READS.get(gain, (None, None))
-    return answer if state is not None and state == tensor_state(gain) else None
-
-
-def _in_memory(x: Tensor) -> bool:
-    """Whether ``x`` has elements and its storage holds them (a sharded model's freed parameter keeps its shape over
-    an empty storage)."""
-    return x.numel() > 0 and (x.storage_offset() + x.numel()) * x.element_size() <= x.untyped_storage().nbytes()
-
-
-def _read_gains(gains: list[Tensor]) -> list[bool]:
-    """``|gamma| >= LN_MIN_GAMMA`` for each of ``gains``, in one read of their device together with the other gains
-    read before on it that changed since and are in memory (a sharded model frees its layers' full parameters
-    between their uses); every answer is kept (``_GAIN_READS``)."""
-    read = list(gains)
-    # a subclass's read (a sharded gain's) does not mix with the others'
-    if all(is_plain_tensor(gain) for gain in gains):
-        read += [
-            gain
-            for gain, (state, _) in _GAIN_READS.items()
-            if state is not None
-            and gain.device == gains[0].device
-            and _in_memory(gain)
-            and state != tensor_state(gain)
-            and all(gain is not asked for asked in gains)
-        ]
-    answers = torch.stack([gain.detach().abs().amin() >= LN_MIN_GAMMA for gain in read]).tolist()
-    for gain, answer in zip(read, answers):
-        _GAIN_READS[gain] = (tensor_state(gain), answer)
-    return answers[: len(gains)]
+def recoverable_layer_norms(norms) -> frozenset[nn.LayerNorm]:
+    """Those of ``norms`` whose normalized input ``x_hat = (y - beta) / gamma`` can be recovered from their output y:
+    gain and bias present and every ``|gamma| >= LN_MIN_GAMMA``. All gains are read in one read of the device, which
+    waits for them (``long_short_plan`` asks once per forward pass for every layer's)."""
+    norms = [norm for norm in dict.fromkeys(norms) if norm.weight is not None and norm.bias is not None]
+    if not norms:
+        return frozenset()
+    answers = torch.stack([norm.weight.detach().abs().amin() >= LN_MIN_GAMMA for norm in norms]).tolist()
+    return frozenset(norm for norm, answer in zip(norms, answers) if answer)
 
 
 def layer_norm_in_place(x: Tensor, norm: nn.LayerNorm) -> Tensor:
-    """``norm(x)`` written over ``x`` (``LayerNormInPlace``) when ``x`` is contiguous and the gains allow recovering
-    ``x_hat`` from the output (``recoverable_layer_norms``); otherwise ``norm(x)``. The caller's ``x`` must be needed
-    by nothing else."""
-    if not x.is_contiguous() or not recoverable_layer_norms(norm):
+    """``norm(x)`` written over ``x`` (``LayerNormInPlace``) when ``x`` is contiguous, otherwise ``norm(x)``; for a
+    ``norm`` whose gains allow recovering ``x_hat`` from the output (``recoverable_layer_norms``). The caller's ``x``
+    must be needed by nothing else."""
+    if not x.is_contiguous():
         return norm(x)
     return LayerNormInPlace.apply(x, norm.weight, norm.bias, norm.eps)
 
@@ -458,49 +409,3 @@ class JoinedProjectedKeys(torch.autograd.Function):
             None,
             None,
         )
-
-
-class ExtraKeysAttention(torch.autograd.Function):
-    """Softmax attention of queries q (B, H, m, E) over a few keys k (B, H, R, E) and values v (B, H, R, Ev) that every
-    query sees where ``keep`` (B, 1, 1, R) holds, with ``scale``: the output (B, H, m, Ev) in v's dtype and each
-    query's log-sum-exp of its kept scores (B, H, m), float32 at least (-inf and a zero output where none is kept).
-    The fused path's extra keys apart from the window kernel, whose softmax this one's merges with by log-sum-exp
-    (``LongShortSelfAttention._merged_with_extra_keys``).
-
-    The scores and probabilities are computed in float32 at least (autocast off), and again in the backward pass, as
-    flash attention does: it keeps q, k, v, the output and the log-sum-exp, no (m, R) tensor. The backward pass takes
-    the gradient of the log-sum-exp too: d lse_i / d s_ij = p_ij."""
-
-    @staticmethod
-    def _probabilities(q: Tensor, k: Tensor, keep: Tensor, scale: float, lse: Tensor | None = None):
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
-        if lse is None:
-            lse = scores.logsumexp(-1)
-        finite = torch.isfinite(lse)[..., None]
-        return torch.where(finite, (scores - torch.where(finite, lse[..., None], 0.0)).exp(), 0.0), lse
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float):
-        with torch.autocast(q.device.type, enabled=False):
-            p, lse = ExtraKeysAttention._probabilities(q, k, keep, scale)
-            out = (p @ v.to(p.dtype)).to(v.dtype)
-        ctx.save_for_backward(q, k, v, keep, out, lse)
-        ctx.scale = scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-        q, k, v, keep, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
-            p, _ = ExtraKeysAttention._probabilities(q, k, keep, ctx.scale, lse)
-            grad_out = grad_out.to(p.dtype)
-            grad_v = p.transpose(-1, -2) @ grad_out
-            # d out_i / d s_ij = p_ij (v_j - out_i); d lse_i / d s_ij = p_ij
-            row = (grad_out * out.to(p.dtype)).sum(-1, keepdim=True)
-            if grad_lse is not None:
-                row = row - grad_lse.to(p.dtype)[..., None]
-            grad_scores = p * (grad_out @ v.to(p.dtype).transpose(-1, -2) - row) * ctx.scale
-            grad_q = grad_scores @ k.to(p.dtype)
-            grad_k = grad_scores.transpose(-1, -2) @ q.to(p.dtype)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -17,6 +17,10 @@ from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
+from ls_hf.long_short_plan import AttentionPlan
+
+from .long_short_attention_2d import LongShortAttention2d, plan_attention_2d
+
 __all__ = ["Block", "ConvEmbed", "HierarchicalTransformer", "Stage", "check_per_stage", "feature_cfg", "to_map"]
 
 
@@ -64,8 +68,10 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
+    def forward(self, x: Tensor, feat_size: tuple[int, int], plan: AttentionPlan | None = None) -> Tensor:
+        """``plan``: the stage's attention plan (Long-Short attention only), made once for all its blocks."""
+        attn = self.attn(self.norm1(x), feat_size) if plan is None else self.attn(self.norm1(x), feat_size, plan=plan)
+        x = x + self.drop_path1(attn)
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -143,14 +149,19 @@ class Stage(nn.Module):
         self.grad_checkpointing = False
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """The blocks' Long-Short attention plan is made once (``plan_attention_2d``) and handed to every block."""
         x, feat_size = self.embed(x)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1)
+        attns = [blk.attn for blk in self.blocks]
+        plan = None
+        if attns and all(isinstance(attn, LongShortAttention2d) for attn in attns):
+            plan = plan_attention_2d(attns, x, feat_size)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
+                x = checkpoint(blk, x, feat_size, plan)
             else:
-                x = blk(x, feat_size)
+                x = blk(x, feat_size, plan)
         return x, feat_size
 
 

@@ -34,10 +34,12 @@ block's tokens contiguous, which leaves FlexAttention far fewer 128-token blocks
 extra keys, with a block-sparse mask built from the tile geometry (``long_short_blocks_2d``); compiled on CUDA with
 static shapes (code specialised to each map and batch size, its index arithmetic constant), and a compile boundary.
 There the rest of the layer (projections, DualLN, Eq. 3, the tile order, the output projection) is compiled around it
-too (``compiled_attention_layer_2d``), as ``ls_hf``'s ``compiled_attention_layer``. On the devices of
-``window_kernel_devices`` (none by default) the fused path runs the Triton window kernels instead
-(``_attend_window_kernel``, ``window_kernel_2d``, forward and backward): the patches read in raster order, no tile
-order and no block mask, operators of the compiled layer's graph.
+too (``ls_hf``'s ``compiled_attention_layer``). With ``window_kernel`` (off by default) the fused path runs the
+Triton window kernels instead (``_attend_window_kernel``, ``window_kernel_2d``, forward and backward): the patches
+read in raster order, no tile order and no block mask, operators of the compiled layer's graph.
+
+A stage makes its blocks' attention plan once (``plan_attention_2d``: the backend from ``BACKENDS_2D``, whether the
+layer is compiled, the tile block mask), as ``ls_hf``'s models do.
 
 This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` only choose its options.
 """
@@ -45,15 +47,17 @@ This is the one home of the 2-D math in ``ls_timm``; ``vil_ls`` and ``cvt_ls`` o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from ls_hf import long_short_attention
-from ls_hf.long_short_blocks import compile_in_package, flex_attend
+from ls_hf.long_short_blocks import FUSED_DEVICES, FUSED_DTYPES, flex_attend
+from ls_hf.long_short_fused import compiled_attention_layer
+from ls_hf.long_short_plan import AttentionPlan, MaskPlan, fused_by_default
 from ls_hf.long_short_rules import (
     cached_outside_compile,
     check_attn_implementation,
@@ -75,9 +79,10 @@ from .long_short_blocks_2d import (
 from .window_kernel_2d import bias_table_rows, has_window_kernel, window_attention_2d
 
 __all__ = [
+    "BACKENDS_2D",
     "LongShortAttention2d",
     "WindowLayout",
-    "compiled_attention_layer_2d",
+    "plan_attention_2d",
     "validate_ls_2d_args",
     "window_keep_2d",
     "window_layout",
@@ -253,13 +258,13 @@ class LongShortAttention2d(nn.Module):
             float64, no active attention dropout), the strip/blocked SDPA layouts otherwise; ``"eager"``: the SDPA
             layouts everywhere (the portable reference); ``"flex_attention"``: the fused path everywhere, forward only
             on CPU, no attention dropout. The global tokens' own rows stay on SDPA (dense, no window to mask). The
-            kernel is compiled where ``ls_hf``'s ``COMPILED_DEVICES`` say (CUDA); its call is a compile boundary
+            kernel is compiled on ``ls_hf``'s ``FUSED_DEVICES`` (CUDA); its call is a compile boundary
             (``_flex_in_tile_order``), so a caller's ``torch.compile`` of the model breaks there and runs it as
             outside.
-        compile_attention: where the fused path runs on ``ls_hf``'s ``COMPILED_LAYER_DEVICES`` (CUDA), compile the
-            rest of the layer around its attention kernel (``compiled_attention_layer_2d``), shared by every layer of
-            the same settings in the process: fewer kernel launches. Not inside a ``torch.compile`` of the caller's.
-            False: only the attention kernel is compiled.
+        compile_attention: where the fused path runs on ``FUSED_DEVICES`` (CUDA), compile the rest of the layer around
+            its attention kernel (``compiled_attention_layer``), shared by every layer of the same settings in the
+            process: fewer kernel launches. Not inside a ``torch.compile`` of the caller's. False: only the attention
+            kernel is compiled.
     """
 
     # Maps of at most this many patches attend in strips, larger ones in blocks; both give the same result. CvT*-LS-13
@@ -274,10 +279,10 @@ class LongShortAttention2d(nn.Module):
     # elsewhere the chunks only bound the workspace (GPUs not measured). torch.compile takes all blocks in one call.
     chunk_bytes: int = 4 << 20
     accelerator_chunk_bytes: int = 1 << 30
-    # Where the fused path runs the Triton window kernels (``window_kernel_2d``: the patches read in raster order, no
-    # tile order, no block mask; forward and backward) instead of FlexAttention: nowhere by default, as they are not
-    # yet measured on a GPU; ("cuda",), for the class or one module, turns them on there.
-    window_kernel_devices: tuple[str, ...] = ()
+    # Whether the fused path (CUDA) runs the Triton window kernels (``window_kernel_2d``: the patches read in raster
+    # order, no tile order, no block mask; forward and backward) instead of FlexAttention: off by default, as they are
+    # exact but not yet timed on a GPU; True, for the class or one module, turns them on.
+    window_kernel: bool = False
 
     def __init__(
         self,
@@ -468,25 +473,35 @@ class LongShortAttention2d(nn.Module):
         return out[:-1].view(B, HW, C)
 
     def _attend_flex(
-        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+        self,
+        q: Tensor,
+        keys: tuple[Tensor, Tensor],
+        values: tuple[Tensor, Tensor],
+        feat_size: tuple[int, int],
+        block_mask: BlockMask | None = None,
     ) -> Tensor:
         """``_attend_blocked`` (same arguments) in one FlexAttention call: the queries and the patch keys/values in
-        window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry and the
-        ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
+        window-tile order, the extra keys after them, the window as a block-sparse mask from the tile geometry (the
+        plan's, ``tile_block_mask``) and the ViL-LS window bias as a score_mod (``long_short_blocks_2d``)."""
         w = self.window_size
         q, k, v = (to_tile_order(t, feat_size, w, heads=self.num_heads) for t in (q, keys[0], values[0]))
         k, v = (torch.cat([tiles, self._heads(rows.to(q.dtype))], 2) for tiles, rows in ((k, keys[1]), (v, values[1])))
-        return from_tile_order(self._flex_in_tile_order(q, k, v, tuple(feat_size), keys[1].shape[1]), feat_size, w)
+        if block_mask is None:
+            block_mask = self._tile_block_mask(feat_size, q.device)
+        return from_tile_order(self._flex_in_tile_order(q, k, v, tuple(feat_size), block_mask), feat_size, w)
+
+    def _tile_block_mask(self, feat_size: tuple[int, int], device: torch.device) -> BlockMask:
+        """The tile block mask of an (H, W) map with this module's window and extra keys (cached per shape)."""
+        extra = self.projection_rank + self.num_prefix_tokens
+        return cached_tile_block_mask(tuple(feat_size), self.window_size, extra, device)
 
     @torch.compiler.disable
     def _flex_in_tile_order(
-        self, q: Tensor, k: Tensor, v: Tensor, feat_size: tuple[int, int], num_extra_keys: int
+        self, q: Tensor, k: Tensor, v: Tensor, feat_size: tuple[int, int], block_mask: BlockMask
     ) -> Tensor:
-        """FlexAttention of the queries in tile order over [patch keys in tile order; ``num_extra_keys`` extra keys],
-        with the tile block mask (from its cache) and the window bias. A compile boundary: inside a caller's compiled
-        graph the call runs as outside one (lowered inside a larger graph, inductor's CPU kernel refused the
-        heads-first queries, torch 2.14)."""
-        block_mask = cached_tile_block_mask(feat_size, self.window_size, num_extra_keys, q.device)
+        """FlexAttention of the queries in tile order over [patch keys in tile order; extra keys], with the tile block
+        mask and the window bias. A compile boundary: inside a caller's compiled graph the call runs as outside one
+        (lowered inside a larger graph, inductor's CPU kernel refused the heads-first queries, torch 2.14)."""
         score_mod = self._window_bias_mod(feat_size)
         return flex_attend(q, k, v, block_mask, score_mod=score_mod, static_shapes=True)
 
@@ -506,7 +521,12 @@ class LongShortAttention2d(nn.Module):
         return window_bias
 
     def _attend_window_kernel(
-        self, q: Tensor, keys: tuple[Tensor, Tensor], values: tuple[Tensor, Tensor], feat_size: tuple[int, int]
+        self,
+        q: Tensor,
+        keys: tuple[Tensor, Tensor],
+        values: tuple[Tensor, Tensor],
+        feat_size: tuple[int, int],
+        block_mask: BlockMask | None = None,
     ) -> Tensor:
         """``_attend_blocked`` (same arguments) in one call of the Triton window kernel (``window_attention_2d``): the
         patches read in raster order, each query's window and the extra keys in one softmax, the ViL-LS window bias
@@ -523,22 +543,6 @@ class LongShortAttention2d(nn.Module):
             num_heads=self.num_heads,
             bias_table=self.relative_position_bias_table,
         )
-
-    def _backend(self, x: Tensor) -> str:
-        """The attention this call runs: ``"flex"``, the fused path (``_attend_flex``), with ``"flex_attention"``, and
-        with ``"sdpa"`` where ``ls_hf``'s ``fused_by_default`` says (CUDA, not float64, no active attention dropout);
-        there ``"window_kernel"`` (``_attend_window_kernel``) instead on ``window_kernel_devices``, except where autograd
-        records under ``torch.use_deterministic_algorithms`` (the kernels' backward adds gradients atomically, in an
-        order that varies); else ``"sdpa"``, the strip or blocked layouts."""
-        if self.attn_implementation == "flex_attention":
-            return "flex"
-        dropout = self.training and self.attn_drop > 0
-        if self.attn_implementation != "sdpa" or not long_short_attention.fused_by_default(x, dropout=dropout):
-            return "sdpa"
-        deterministic_backward = torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
-        if x.device.type in self.window_kernel_devices and has_window_kernel() and not deterministic_backward:
-            return "window_kernel"
-        return "flex"
 
     def _in_strips(self, feat_size: tuple[int, int]) -> bool:
         """Whether an (H, W) map attends in strips (``strip_max_tokens``, ``one_strip_max_tokens``), else in blocks."""
@@ -584,34 +588,43 @@ class LongShortAttention2d(nn.Module):
         )
         return out.transpose(1, 2).reshape(B, HW, -1)
 
-    def forward(self, x: Tensor, feat_size: tuple[int, int]) -> Tensor:
+    def _attend_sdpa(
+        self,
+        q: Tensor,
+        keys: tuple[Tensor, Tensor],
+        values: tuple[Tensor, Tensor],
+        feat_size: tuple[int, int],
+        block_mask: BlockMask | None = None,
+    ) -> Tensor:
+        """The SDPA layouts: maps of at most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not
+        divide H) in strips, larger ones in blocks."""
+        attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
+        return attend(q, keys, values, feat_size)
+
+    def forward(self, x: Tensor, feat_size: tuple[int, int], *, plan: AttentionPlan | None = None) -> Tensor:
         """x (B, g + H*W, C): g global tokens then the map in raster order, ``feat_size = (H, W)``; same shape out.
 
-        The fused path (``_backend``) makes one FlexAttention call, or one window kernel call; otherwise maps of at
-        most ``strip_max_tokens`` patches (``one_strip_max_tokens`` when w does not divide H) use the strip layout,
-        larger ones the blocked layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the
+        ``plan``: the attention plan that a stage made once for its blocks (``plan_attention_2d``); None: the layer
+        makes its own. Its backend (``BACKENDS_2D``) makes one FlexAttention call, one window kernel call, or uses
+        the strip or blocked SDPA layout. Keys and values stay in token rows (B, L, heads * d): the patches', and the
         extra rows [projected rows; global tokens].
         """
-        backend = self._backend(x)
-        if self.attn_implementation == "flex_attention":
-            check_flex_call(
-                x,
-                self.proj.weight,
-                training=self.training,
-                dropout=self.attn_drop,
-                dropout_name="attn_drop",
-                dropout_setting="attn_drop_rate",
-            )
-        compiled = backend != "sdpa" and long_short_attention.compiles_layer(
-            x, compile_attention=self.compile_attention
-        )
-        layer = compiled_attention_layer_2d() if compiled else LongShortAttention2d._layer
-        return layer(self, x, tuple(feat_size), backend=backend)
+        if plan is None:
+            plan = plan_attention_2d([self], x, feat_size)
+        block_mask = plan.block_masks.get((self.window_size, self.projection_rank + self.num_prefix_tokens))
+        layer = LongShortAttention2d._layer
+        if plan.compiled:
+            layer = compiled_attention_layer(layer, static_shapes=True)
+        return layer(self, x, tuple(feat_size), attend=BACKENDS_2D[plan.backend], block_mask=block_mask)
 
-    def _layer(self, x: Tensor, feat_size: tuple[int, int], *, backend: str) -> Tensor:
-        """The layer after ``forward``'s checks and choice of ``backend`` (``_backend``): the projections, the attention
-        (the fused path's FlexAttention or window kernel call, or the strip or blocked SDPA layout) and the output
-        projection (as ``compiled_attention_layer_2d`` runs it)."""
+    def _layer(
+        self, x: Tensor, feat_size: tuple[int, int], *, attend: Callable, block_mask: BlockMask | None
+    ) -> Tensor:
+        """The layer after the plan: the projections, the attention on its backend ``attend`` (the fused path's
+        FlexAttention or window kernel call with the plan's ``block_mask``, or the strip or blocked SDPA layout) and
+        the output projection (as ``compiled_attention_layer`` runs it, with static shapes: each map size and batch
+        size compiles code of its own, whose tile-order copies index with constants; an image model meets few
+        shapes)."""
         B, _, C = x.shape
         g = self.num_prefix_tokens
         patches = x[:, g:]
@@ -629,13 +642,7 @@ class LongShortAttention2d(nn.Module):
             extra_k.append(k_g)
             extra_v.append(v_g)
         extra_k, extra_v = (torch.cat(t, 1) if len(t) > 2 else t[-1] for t in (extra_k, extra_v))
-        if backend == "flex":
-            attend = self._attend_flex
-        elif backend == "window_kernel":
-            attend = self._attend_window_kernel
-        else:
-            attend = self._attend_strips if self._in_strips(feat_size) else self._attend_blocked
-        out = attend(q, (k, extra_k), (v, extra_v), feat_size)
+        out = attend(self, q, (k, extra_k), (v, extra_v), feat_size, block_mask)
         if g:  # post-cls: a global token attends to its own key/value and to the patch outputs
             glob = F.scaled_dot_product_attention(
                 self._heads(q_g), self._heads(torch.cat([k_g, out], 1)), self._heads(torch.cat([v_g, out], 1))
@@ -644,13 +651,60 @@ class LongShortAttention2d(nn.Module):
         return self.proj_drop(self.proj(out))
 
 
-@functools.cache
-def compiled_attention_layer_2d() -> Callable:
-    """``LongShortAttention2d._layer`` under one ``torch.compile`` wrapper per process (``ls_hf``'s
-    ``compile_in_package``): the fused path's layer, in compiled regions before and after its FlexAttention call, a
-    compile boundary (``LongShortAttention2d._flex_in_tile_order``). Every module of the same settings shares the
-    compilations. With static shapes, as the kernel: each map size and batch size compiles code of its own, whose
-    tile-order copies index with constants (an image model meets few shapes; on the CPU taking CUDA's choices,
-    ``cvt_ls_13`` at 224 ran 1.2x faster than with the sizes symbolic from the second stage on, and compiled in half
-    the time: ``bench/RESULTS.md``)."""
-    return compile_in_package(LongShortAttention2d._layer, static_shapes=True)
+# How the 2-D joint softmax runs, by the name ``plan_attention_2d`` picks; each takes the module, the patch queries,
+# (patch, extra) keys and values, the map size and the plan's block mask (or None), and returns the patch outputs.
+BACKENDS_2D: dict[str, Callable] = {
+    "sdpa": LongShortAttention2d._attend_sdpa,
+    "flex": LongShortAttention2d._attend_flex,
+    "window_kernel": LongShortAttention2d._attend_window_kernel,
+}
+
+
+def plan_attention_2d(modules: Sequence[LongShortAttention2d], x: Tensor, feat_size: tuple[int, int]) -> AttentionPlan:
+    """The plan of one call of ``modules`` (a stage's attention layers, the same settings) on x (B, g + H*W, C) of an
+    (H, W) map: its backend, the one place that picks it (``"flex"``, the fused path, with ``"flex_attention"``, and
+    with ``"sdpa"`` where ``fused_by_default`` says (CUDA, not float64, no active attention dropout); there
+    ``"window_kernel"`` with ``window_kernel``, except where autograd records under
+    ``torch.use_deterministic_algorithms`` (the kernels' backward adds gradients atomically, in an order that varies);
+    else ``"sdpa"``, the strip or blocked layouts), whether the layers run compiled around their kernel, and the
+    fused path's tile block masks."""
+    module = modules[0]
+    if module.attn_implementation == "flex_attention":
+        for layer in modules:
+            check_flex_call(
+                x,
+                layer.proj.weight,
+                training=layer.training,
+                dropout=layer.attn_drop,
+                dropout_name="attn_drop",
+                dropout_setting="attn_drop_rate",
+            )
+        backend = "flex"
+    elif module.attn_implementation != "sdpa" or not fused_by_default(
+        x, dropout=module.training and module.attn_drop > 0
+    ):
+        backend = "sdpa"
+    elif (
+        module.window_kernel
+        and has_window_kernel()
+        and not (torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled())
+    ):
+        backend = "window_kernel"
+    else:
+        backend = "flex"
+    compiled = (
+        backend != "sdpa"
+        and module.compile_attention
+        and x.device.type in FUSED_DEVICES
+        and x.dtype in FUSED_DTYPES
+        and not torch.compiler.is_compiling()
+    )
+    block_masks = {}
+    if backend == "flex":
+        for layer in modules:
+            block_masks[(layer.window_size, layer.projection_rank + layer.num_prefix_tokens)] = layer._tile_block_mask(
+                feat_size, x.device
+            )
+    return AttentionPlan(
+        masks=MaskPlan(), backend=backend, compiled=compiled, block_masks=block_masks, recoverable_norms=frozenset()
+    )

@@ -416,7 +416,7 @@ def _check_runnable(q: Tensor) -> None:
     if not has_window_kernel():
         raise RuntimeError(
             "window_attention_2d needs Triton, which this torch build lacks (CUDA builds of torch on Linux install "
-            "it); leave LongShortAttention2d.window_kernel_devices empty to use FlexAttention or the SDPA layouts."
+            "it); leave LongShortAttention2d.window_kernel False to use FlexAttention or the SDPA layouts."
         )
     if q.device.type == "cpu" and not isinstance(_window_attention_2d_kernel, InterpretedFunction):
         raise RuntimeError(
@@ -462,7 +462,7 @@ def _inputs(q, k, v, extra_k, extra_v, bias_table, window, num_heads):
         raise ValueError(
             "window_attention_2d addresses the rows of an image with 32-bit offsets, and an image of q, k, v or the "
             f"extra keys spans 2**31 elements or more (shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}); "
-            "leave LongShortAttention2d.window_kernel_devices empty for such maps."
+            "leave LongShortAttention2d.window_kernel False for such maps."
         )
     if bias_table is not None and bias_table.shape != (bias_table_rows(window), num_heads):
         raise ValueError(
