@@ -2,7 +2,7 @@
 
 The paper's "longer sequences than full attention" claim, measured on this machine: one MLM training step (forward +
 backward), 1 layer, base width (hidden 768, 12 heads, intermediate 3072), the full 50,265-token vocabulary, batch 1,
-float32, for
+float32 (``--dtype``), for
 
 * ``long-short``: ``LongShortForMaskedLM`` with the package's default configuration (w = 256, r = 64, DualLN) and
   ``recompute_window_tiles=True`` (the memory-lean training path);
@@ -17,13 +17,17 @@ dropout is 0 (as in ``bench_models``: CPU SDPA leaves its fused kernel with it).
 Each measurement is one step of a freshly built model in its own forked process: peak memory = RSS high-water mark
 minus the RSS of the built model (weights and inputs), time = that step's wall time. A watchdog thread ends the
 process as soon as the memory growth passes the budget (or, in the time search, the time passes it): the run fails
-that budget without finishing. Search, per peer and budget: double n from ``--start`` until a run fails, then bisect
-(multiples of 512) until the gap is at most 1/8 of the passing n. Runs are shared between the two searches.
+that budget without finishing. On CUDA (``--device cuda``) every run is in this process: peak memory =
+``max_memory_allocated`` above the memory allocated by the built model, the caching allocator held to the budget
+(``torch.cuda.set_per_process_memory_fraction``), and a step over the time budget fails it once it ends. Search, per
+peer and budget: double n from ``--start`` until a run fails, then bisect (multiples of 512) until the gap is at most
+1/8 of the passing n. Runs are shared between the two searches.
 
     python -m bench.bench_limits                                # every peer, 8 GiB and 30 s
     python -m bench.bench_limits --peers long-short --out bench/results/limits_cpu_ls.json
+    python -m bench.bench_limits --device cuda --budgets memory --memory-gib 16
 
-Writes ``bench/results/limits_cpu.json`` (every run and the limits found) and prints a markdown table.
+Writes ``bench/results/limits_<device>[_<dtype>].json`` (every run and the limits found) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -41,13 +45,18 @@ import torch.nn.functional as F
 
 from bench.bench_models import build_mlm
 from bench.common import (
+    DTYPES,
     _proc_status_bytes,
+    check_device,
     forked,
     free_bytes,
+    peak_memory_above,
     peak_rss_above,
+    reset_peak_memory,
     reset_peak_rss,
     results_path,
     run_meta,
+    sync,
     write_json,
 )
 from ls_hf import LongShortConfig
@@ -58,12 +67,13 @@ MASKED_FRACTION = 0.15
 GRANULE = 512
 
 
-def masked_step(peer: str, n: int):
+def masked_step(peer: str, n: int, device: str = "cpu", dtype: str = "fp32"):
     """One MLM training step of a freshly built 1-layer ``peer``, the loss scored on the masked positions only."""
     torch.manual_seed(0)
-    model = build_mlm(peer, n, layers=1, vocab=VOCAB, recompute_window_tiles=True).train()
-    ids = torch.randint(3, VOCAB, (1, n))
-    positions = torch.randperm(n)[: max(1, round(MASKED_FRACTION * n))].sort().values
+    model = build_mlm(peer, n, layers=1, vocab=VOCAB, recompute_window_tiles=True, device=device)
+    model = model.to(device, DTYPES[dtype]).train()
+    ids = torch.randint(3, VOCAB, (1, n), device=device)
+    positions = torch.randperm(n, device=device)[: max(1, round(MASKED_FRACTION * n))].sort().values
     labels = ids[0, positions]
 
     def step():
@@ -75,10 +85,10 @@ def masked_step(peer: str, n: int):
     return step
 
 
-def measure(peer: str, n: int, max_bytes: int, max_seconds: float, report: str) -> dict:
-    """Peak RSS growth and wall time of one ``masked_step``. A watchdog ends the process (after writing ``report``)
-    once the growth passes ``max_bytes`` or the step runs past ``max_seconds``."""
-    step = masked_step(peer, n)
+def measure(peer: str, n: int, max_bytes: int, max_seconds: float, report: str, dtype: str = "fp32") -> dict:
+    """Peak RSS growth and wall time of one ``masked_step`` on the CPU. A watchdog ends the process (after writing
+    ``report``) once the growth passes ``max_bytes`` or the step runs past ``max_seconds``."""
+    step = masked_step(peer, n, "cpu", dtype)
     base = reset_peak_rss()
     start = time.perf_counter()
     done = threading.Event()
@@ -97,11 +107,37 @@ def measure(peer: str, n: int, max_bytes: int, max_seconds: float, report: str) 
     return {"peak_mem_bytes": peak_rss_above(base), "step_s": time.perf_counter() - start}
 
 
-def run(peer: str, n: int, max_bytes: int, max_seconds: float, threads: int) -> dict:
-    """``measure`` in a forked process: ``{"status": "ok" | "over_memory" | "over_time" | ..., ...}``."""
+def measure_cuda(peer: str, n: int, max_bytes: int, max_seconds: float, dtype: str) -> dict:
+    """Peak memory growth and time of one ``masked_step`` on CUDA, in this process, the caching allocator held to
+    ``max_bytes`` above the built model: ``{"status": "ok" | "over_memory" | "over_time", ...}``."""
+    try:
+        step = masked_step(peer, n, "cuda", dtype)
+        base = reset_peak_memory("cuda")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + max_bytes) / total))
+        start = time.perf_counter()
+        step()
+        sync("cuda")
+        row = {"peak_mem_bytes": peak_memory_above("cuda", base), "step_s": time.perf_counter() - start}
+    except torch.OutOfMemoryError:
+        return {"status": "over_memory"}
+    finally:
+        step = None  # the model freed before the cache is emptied
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    if row["peak_mem_bytes"] > max_bytes:
+        return {"status": "over_memory", **row}
+    return {"status": "over_time" if row["step_s"] > max_seconds else "ok", **row}
+
+
+def run(peer: str, n: int, max_bytes: int, max_seconds: float, threads: int, device: str, dtype: str) -> dict:
+    """One run, ``{"peer", "n", "status": "ok" | "over_memory" | "over_time" | ..., ...}``: on the CPU ``measure``
+    in a forked process, on CUDA ``measure_cuda``."""
+    if device == "cuda":
+        return {"peer": peer, "n": n, **measure_cuda(peer, n, max_bytes, max_seconds, dtype)}
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "report.json")
-        row = forked(measure, peer, n, max_bytes, max_seconds, report, threads=threads)
+        row = forked(measure, peer, n, max_bytes, max_seconds, report, dtype, threads=threads)
         if os.path.exists(report):
             row = json.loads(Path(report).read_text())
     return {"peer": peer, "n": n, **row}
@@ -146,6 +182,8 @@ def find_limits(
     threads: int,
     runs: list[dict],
     budgets: tuple[str, ...] = ("time", "memory"),
+    device: str = "cpu",
+    dtype: str = "fp32",
 ) -> dict:
     """The time search (runs stopped at ``time_budget``, or at twice the memory budget or 60 % of the free memory),
     then the memory search (runs stopped at ``memory_budget`` or ``max_seconds``), those named in ``budgets``; every
@@ -159,13 +197,13 @@ def find_limits(
                 and (row["status"] == "ok" or row.get("limit") == (max_bytes, seconds))
             ):
                 return row
-        row = run(peer, n, max_bytes, seconds, threads) | {"limit": (max_bytes, seconds)}
+        row = run(peer, n, max_bytes, seconds, threads, device, dtype) | {"limit": (max_bytes, seconds)}
         runs.append(row)
         shown = f"{row['peak_mem_bytes'] / 2**30:6.2f} GiB {row['step_s']:7.1f} s" if row["status"] == "ok" else ""
         print(f"  {peer:<14} n={n:<7} {row['status']:<12} {shown}", flush=True)
         return row
 
-    memory_cap = min(2 * memory_budget, int(0.6 * free_bytes("cpu")))  # the time search's runs: keep the machine safe
+    memory_cap = min(2 * memory_budget, int(0.6 * free_bytes(device)))  # the time search's runs: keep the machine safe
 
     def within_time(n):
         row = measured(n, memory_cap, time_budget)
@@ -207,7 +245,7 @@ def table(limits: list[dict], memory_budget: int, time_budget: float) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    parser.add_argument("--memory-gib", type=float, default=8.0, help="memory budget: peak RSS growth (GiB)")
+    parser.add_argument("--memory-gib", type=float, default=8.0, help="memory budget: peak memory growth (GiB)")
     parser.add_argument("--seconds", type=float, default=30.0, help="time budget of one step (s)")
     parser.add_argument("--start", type=int, default=4096, help="first n of the doubling")
     parser.add_argument(
@@ -224,8 +262,11 @@ def main(argv=None) -> None:
         choices=("time", "memory"),
         help="which limits to search (default both)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/limits_cpu.json)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/limits_<device>.json)")
     args = parser.parse_args(argv)
+    check_device(parser, args.device)
     if args.start < GRANULE or args.start % GRANULE:
         parser.error(f"--start must be a positive multiple of {GRANULE}, got {args.start}")
     if min(args.memory_gib, args.seconds, args.max_seconds) <= 0:
@@ -243,13 +284,16 @@ def main(argv=None) -> None:
                 args.threads,
                 runs,
                 budgets=tuple(args.budgets),
+                device=args.device,
+                dtype=args.dtype,
             )
         )
     meta = run_meta(
         "bench_limits",
         argv,
         measurement_threads=args.threads or torch.get_num_threads(),
-        dtype="fp32",
+        device=args.device,
+        dtype=args.dtype,
         config={
             "layers": 1,
             "hidden": 768,
@@ -262,12 +306,17 @@ def main(argv=None) -> None:
             "longformer_attention_window": 512,
         },
         budgets={"memory_bytes": memory_budget, "seconds": args.seconds, "max_seconds": args.max_seconds},
-        memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process per run",
-        time="wall time of that one step (no warm-up), on a machine shared with other jobs: an upper bound",
+        memory="RSS high-water mark (VmHWM) over one training step minus RSS of the built model, forked process per run"
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated over one training step minus memory_allocated of the built model",
+        time="wall time of that one step (no warm-up)",
     )
     text = table(limits, memory_budget, args.seconds)
-    print(f"\n{meta['date']}  {meta['cpu']}  torch {meta['torch']}  threads {meta['measurement_threads']}\n\n{text}")
-    out = args.out or results_path("limits_cpu", quick=False)
+    where = f"{meta.get('gpu', args.device)} {args.dtype}"
+    print(f"\n{meta['date']}  {meta['cpu']}  torch {meta['torch']}  threads {meta['measurement_threads']}  {where}\n")
+    print(text)
+    suffix = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    out = args.out or results_path(f"limits_{args.device}{suffix}", quick=False)
     write_json(out, {"meta": meta, "limits": limits, "runs": runs})
     print(f"wrote {out}")
 

@@ -1,31 +1,34 @@
-"""Vision speed: CvT*-LS-13 (timm ``cvt_ls_13``) against Transformers' CvT-13 (full attention), paper Sec. 4.3.
+"""Vision speed and memory: CvT*-LS-13 (timm ``cvt_ls_13``) against Transformers' CvT-13 (full attention), paper
+Sec. 4.3, and against timm's models of its size.
 
-* ``cvt_ls_13``: built at each resolution with the paper's r and w for it (``img_size``; Appendix E);
+* ``cvt_ls_13`` (and the other ``ls_timm`` models, ``vil_ls_medium`` say): built at each resolution with the paper's r
+  and w for it (``img_size``; Appendix E);
 * ``hf_cvt_13``: ``CvtForImageClassification(CvtConfig())``, whose defaults are CvT-13 (dims 64/192/384, depths
-  1/2/10, heads 1/3/6, key/value projections of stride 2), random weights.
+  1/2/10, heads 1/3/6, key/value projections of stride 2);
+* any other timm model by name, built for the resolution: ``deit_small_patch16_224`` (DeiT-S: 22 M parameters, beside
+  CvT*-LS-13's 20 M), ``swin_small_patch4_window7_224`` (Swin-S, beside ViL-LS-Medium).
 
-Inference (Table 5 style): images per second, the median of ``--repeats`` forward passes under
-``torch.inference_mode`` (float32, batch 8), at 224, 384 and 448; both models are built in one process and take
-their passes in turn after a warm-up round, so that load from other processes hits both alike (a model alone when
-the other is skipped at that size, ``timed_with`` in its row). Peak memory: each
-(model, resolution, mode) in its own forked process, the RSS high-water mark (``VmHWM``, reset through
-``/proc/self/clear_refs``) minus the RSS after building the model and its input, over one pass or step.
+Every model has random weights. Inference (Table 5 style): images per second, the median of ``--repeats`` forward
+passes under ``torch.inference_mode`` (batch 8 by default), at 224, 384 and 448; the models are built in one process
+and take their passes in turn after a warm-up round, so that load from other processes hits them alike
+(``timed_with`` in a row: the models timed together). Peak memory: each (model, resolution, mode) on its own (on the
+CPU in a forked process: the RSS high-water mark, reset through ``/proc/self/clear_refs``, minus the RSS after
+building the model and its input; on CUDA ``max_memory_allocated`` above the memory allocated before the pass).
 Training-step memory (Figure 7 style): one forward + backward of the cross-entropy loss at batch 1 as the resolution
-grows, a size being skipped once its estimated need exceeds 80 % of the free memory. GMACs per image (what the paper
-calls GFLOPs) come from ``torch.utils.flop_counter`` at batch 1. Page faults: the median count of minor faults in a
-timed pass, memory the allocator had handed back to the system and touched again (glibc's default ``malloc`` does
-that with large blocks, which costs the full-attention model most; RESULTS.md, "Allocator").
+grows, a size being skipped once its estimated need exceeds 80 % of the free memory. On the CPU also: GMACs per
+image (what the paper calls GFLOPs) from ``torch.utils.flop_counter`` at batch 1, and page faults, the median count
+of minor faults in a timed pass (memory glibc's ``malloc`` had handed back to the system, touched again; it costs the
+full-attention model most).
 
     python -m bench.bench_vision --repeats 5    # the full table and sweep (5-20 minutes on 2 cores, by load)
     python -m bench.bench_vision --quick        # 224 only, batch 2: a smoke run
-    python -m bench.bench_vision --train-resolutions --out bench/results/vision_cpu_inference.json  # no sweep
     python -m bench.bench_vision --reparam --resolutions 224 --train-resolutions --out bench/results/vision_cpu_reparam.json
         # cvt_ls_13 with its convs fused for inference (timm.utils.reparameterize_model)
-    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 python -m bench.bench_vision ...
-        # glibc keeping freed memory, as jemalloc or tcmalloc would: no page faults
+    python -m bench.bench_vision --device cuda --dtype bf16 --batch 32 --resolutions 224 448 --train-resolutions \
+        --models cvt_ls_13 hf_cvt_13 deit_small_patch16_224
 
-Writes ``bench/results/vision_cpu.json``, ``vision_cpu.png`` (time per batch and memory against resolution) and
-``vision_cpu_train.png`` (training-step memory) and prints markdown tables with the performance targets (PASS/MISS).
+Writes ``bench/results/vision_<device>[_<dtype>].json``, ``.png`` (time per batch and memory against resolution) and
+``_train.png`` (training-step memory) and prints markdown tables with the ratios against the first model.
 """
 
 from __future__ import annotations
@@ -44,20 +47,21 @@ from transformers import CvtConfig, CvtForImageClassification
 
 import ls_timm  # registers cvt_ls_13
 from bench.common import (
-    forked,
+    DTYPES,
+    check_device,
     free_bytes,
     interleaved_times,
-    peak_rss_above,
-    reset_peak_rss,
+    isolated,
+    peak_memory_above,
+    reset_peak_memory,
     results_path,
     run_meta,
+    sync,
     write_json,
 )
 from bench.plot import plot_scaling
 
-MODELS = ("cvt_ls_13", "hf_cvt_13")
-# (resolution, minimum cvt_ls_13 / hf_cvt_13 throughput): no slower at 224, 1.5x at 448 where attention dominates.
-SPEED_TARGETS = ((224, 1.0), (448, 1.5))
+MODELS = ("cvt_ls_13", "hf_cvt_13")  # the default --models
 # mode -> table columns (label, key, scale, format); a training step is timed once, cold, so only its memory counts.
 COLUMNS = {
     "inference": (
@@ -70,42 +74,15 @@ COLUMNS = {
 }
 
 
-def build(name: str, resolution: int, reparam: bool = False, **kwargs) -> torch.nn.Module:
+def build(name: str, resolution: int, reparam: bool = False) -> torch.nn.Module:
     """``hf_cvt_13``, or the timm model ``name`` built for ``resolution`` (``cvt_ls_13``, ``vil_ls_medium``: with the
-    paper's r and w for it) and ``kwargs`` (a Long-Short model's ``attn_implementation``, say), random weights; with
-    ``reparam``, its convs fused for inference (``reparameterize_model``, as timm's own benchmark script's
-    ``--reparam``)."""
+    paper's r and w for it), random weights; with ``reparam``, its convs fused for inference
+    (``reparameterize_model``, as timm's own benchmark script's ``--reparam``)."""
     torch.manual_seed(0)
     if name == "hf_cvt_13":
         return CvtForImageClassification(CvtConfig(num_labels=1000))
-    model = timm.create_model(name, img_size=resolution, **kwargs)
+    model = timm.create_model(name, img_size=resolution)
     return timm.utils.reparameterize_model(model.eval(), inplace=True) if reparam else model
-
-
-# Long-Short vision models built another way, by the suffix of a peer's name: "-eager", ``attn_implementation="eager"``
-# (the window tiles on SDPA, not the fused 2-D path); "-kernel", the layers' ``compile_attention=False`` (the attention
-# kernel alone compiled); "-triton", the Triton window kernels instead of FlexAttention
-# (``LongShortAttention2d.window_kernel_devices``).
-VARIANTS = ("-eager", "-kernel", "-triton")
-
-
-def split_variant(peer: str) -> tuple[str, str]:
-    """(model name, ``VARIANTS`` suffix or "") of a peer name such as ``cvt_ls_13-eager``."""
-    suffix = next((suffix for suffix in VARIANTS if peer.endswith(suffix)), "")
-    return peer.removesuffix(suffix), suffix
-
-
-def build_peer(peer: str, resolution: int, model: str | None = None) -> torch.nn.Module:
-    """``build`` of a peer's model in its variant (``split_variant``), in eval mode; ``model``: the model built under
-    the peer's name (a smaller one standing in, say)."""
-    name, variant = split_variant(peer)
-    net = build(model or name, resolution, **({"attn_implementation": "eager"} if variant == "-eager" else {}))
-    for layer in net.modules():
-        if isinstance(layer, ls_timm.LongShortAttention2d):
-            layer.compile_attention = variant != "-kernel"
-            if variant == "-triton":
-                layer.window_kernel_devices = ("cpu", "cuda")
-    return net.eval()
 
 
 def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -113,29 +90,33 @@ def logits(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def measure_memory(name: str, resolution: int, batch: int, train: bool, reparam: bool) -> dict:
-    """Peak RSS above the built model and its input over one step, and for inference the GMACs of one image (counted
-    on a pass at batch 1 before the measured one)."""
-    model = build(name, resolution, reparam).train(train)
-    images = torch.randn(batch, 3, resolution, resolution)
+def measure_memory(name: str, resolution: int, batch: int, train: bool, reparam: bool, device: str, dtype) -> dict:
+    """Peak memory above the built model and its input over one pass or training step; for inference on the CPU
+    also the GMACs of one image (counted on a pass at batch 1 before the measured one)."""
+    model = build(name, resolution, reparam).train(train).to(device, dtype)
+    images = torch.randn(batch, 3, resolution, resolution, device=device, dtype=dtype)
     if train:
-        base = reset_peak_rss()
-        F.cross_entropy(logits(model, images), torch.zeros(batch, dtype=torch.long)).backward()
-        return {"peak_mem_bytes": peak_rss_above(base)}
-    counter = FlopCounterMode(display=False)
+        base = reset_peak_memory(device)
+        F.cross_entropy(logits(model, images), torch.zeros(batch, dtype=torch.long, device=device)).backward()
+        return {"peak_mem_bytes": peak_memory_above(device, base)}
+    result = {}
     with torch.inference_mode():
-        with counter:
-            logits(model, images[:1])
-        base = reset_peak_rss()
+        if device == "cpu":
+            counter = FlopCounterMode(display=False)
+            with counter:
+                logits(model, images[:1])
+            result["gmacs"] = counter.get_total_flops() / 2e9
+        base = reset_peak_memory(device)
         logits(model, images)
-    return {"peak_mem_bytes": peak_rss_above(base), "gmacs": counter.get_total_flops() / 2e9}
+    return result | {"peak_mem_bytes": peak_memory_above(device, base)}
 
 
-def measure_times(names, resolution: int, batch: int, repeats: int, reparam: bool) -> dict:
-    """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``), and the
-    median count of minor page faults in a pass (memory the allocator had returned to the system, touched again)."""
-    models = {name: build(name, resolution, reparam).eval() for name in names}
-    images = torch.randn(batch, 3, resolution, resolution)
+def measure_times(names, resolution: int, batch: int, repeats: int, reparam: bool, device: str, dtype) -> dict:
+    """Inference times of the models ``names``, built in one process and run in turn (``interleaved_times``), and on
+    the CPU the median count of minor page faults in a pass (memory the allocator had returned to the system, touched
+    again)."""
+    models = {name: build(name, resolution, reparam).eval().to(device, dtype) for name in names}
+    images = torch.randn(batch, 3, resolution, resolution, device=device, dtype=dtype)
     faults = {name: [] for name in names}
 
     def step(name):
@@ -144,8 +125,12 @@ def measure_times(names, resolution: int, batch: int, repeats: int, reparam: boo
             logits(models[name], images)
         faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
-    times = interleaved_times({name: (lambda n=name: step(n)) for name in names}, repeats)
-    return {name: {"times": sorted(times[name]), "page_faults": statistics.median(faults[name])} for name in names}
+    times = interleaved_times({name: (lambda n=name: step(n)) for name in names}, repeats, sync=lambda: sync(device))
+    return {
+        name: {"times": sorted(times[name])}
+        | ({"page_faults": statistics.median(faults[name])} if device == "cpu" else {})
+        for name in names
+    }
 
 
 def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> float:
@@ -158,43 +143,46 @@ def estimated_bytes(name: str, resolution: int, batch: int, train: bool) -> floa
     return need
 
 
-def run(resolution: int, batch: int, train: bool, repeats: int, reparam: bool = False) -> list[dict]:
-    """Rows for one resolution and mode: each model's memory in its own forked process, then (inference) the times
-    of those measured side by side in one more (``timed_with``: the models in it). A model whose estimated need
-    exceeds 80 % of the free memory is skipped, and the other is then timed alone."""
+def run(
+    models, resolution: int, batch: int, train: bool, repeats: int, reparam: bool, device: str, dtype
+) -> list[dict]:
+    """Rows for one resolution and mode: each model's memory on its own (a forked process on the CPU), then
+    (inference) the times of those measured side by side in one more (``timed_with``: the models in it). A model
+    whose estimated need exceeds 80 % of the free memory is skipped, and the others are timed without it."""
     rows = []
-    for name in MODELS:
+    setting = (resolution, batch, train, reparam, device, dtype)
+    for name in models:
         row = {"model": name, "resolution": resolution, "batch": batch, "mode": "train" if train else "inference"}
-        need, free = estimated_bytes(name, resolution, batch, train), free_bytes("cpu")
+        need, free = estimated_bytes(name, resolution, batch, train), free_bytes(device)
         if need > 0.8 * free:
             row |= {"status": "skipped", "reason": f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"}
         else:
-            row |= forked(measure_memory, name, resolution, batch, train, reparam)
+            row |= isolated(device, measure_memory, name, *setting)
         rows.append(row)
     fitting = [row["model"] for row in rows if _ok(row)]
     if not train and fitting:
-        timed = forked(measure_times, fitting, resolution, batch, repeats, reparam)
+        timed = isolated(device, measure_times, fitting, resolution, batch, repeats, reparam, device, dtype)
         for row in rows:
             if row["model"] not in fitting:
                 continue
             if timed["status"] != "ok":
                 row |= {"status": timed["status"], "reason": timed.get("reason", "")}
                 continue
-            times = timed[row["model"]]["times"]
-            row |= {
-                "time_s": times[len(times) // 2],
+            times = timed[row["model"]].pop("times")
+            median = times[len(times) // 2]
+            row |= timed[row["model"]] | {
+                "time_s": median,
                 "times_s": times,
-                "images_per_s": batch / times[len(times) // 2],
-                "page_faults": timed[row["model"]]["page_faults"],
+                "images_per_s": batch / median,
                 "timed_with": fitting,
             }
     for row in rows:
         shown = row.get("reason", "")
         if row["status"] == "ok":
             shown = f"{row['peak_mem_bytes'] / 2**20:8.0f} MiB"
-            shown += f" {row['images_per_s']:7.2f} img/s" if "images_per_s" in row else ""
+            shown += f" {row['images_per_s']:8.2f} img/s" if "images_per_s" in row else ""
             shown += f" {row['gmacs']:6.2f} GMACs" if "gmacs" in row else ""
-        print(f"  {row['mode']:<9} {resolution:>5} {row['model']:<10} {row['status']:<8} {shown}", flush=True)
+        print(f"  {row['mode']:<9} {resolution:>5} {row['model']:<30} {row['status']:<8} {shown}", flush=True)
     return rows
 
 
@@ -207,43 +195,40 @@ def _ok(row, key: str = "status") -> bool:
     return row is not None and row["status"] == "ok" and key in row
 
 
-def table(rows, mode, resolutions) -> str:
-    """One markdown row per resolution: each model's ``COLUMNS[mode]`` and their cvt_ls_13 / hf_cvt_13 ratios."""
-    columns = COLUMNS[mode]
-    header = [f"{m} {label}" for m in MODELS for label, *_ in columns] + [f"{label} LS/HF" for label, *_ in columns]
-    lines = [f"| {mode} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+def table(rows, mode, models, resolutions) -> str:
+    """One markdown row per resolution and model: its ``COLUMNS[mode]`` that were measured, then the first model's
+    images/s and peak memory over this one's."""
+    first = models[0]
+    columns = [column for column in COLUMNS[mode] if any(column[1] in row for row in rows if row["mode"] == mode)]
+    ratios = [(label, key) for label, key, *_ in columns if key in ("images_per_s", "peak_mem_bytes")]
+    header = [label for label, *_ in columns] + [f"{label}: {first} / this" for label, _ in ratios]
+    lines = [f"| {mode} | model | " + " | ".join(header) + " |", "|---" * (len(header) + 2) + "|"]
     for res in resolutions:
-        found = [_get(rows, mode, m, res) for m in MODELS]
-        cells = [
-            format(row[key] * scale, fmt) if _ok(row, key) else row["status"] if row and not _ok(row) else "-"
-            for row in found
-            for _, key, scale, fmt in columns
-        ]
-        cells += [
-            f"{found[0][key] / found[1][key]:.2f}x" if all(_ok(row, key) for row in found) else "-"
-            for _, key, *_ in columns
-        ]
-        lines.append(f"| {res} | " + " | ".join(cells) + " |")
+        base = _get(rows, mode, first, res)
+        for name in models:
+            row = _get(rows, mode, name, res)
+            if not _ok(row):
+                status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "") if row else "-"
+                lines.append(f"| {res} | {name} | {status} |" + " |" * (len(header) - 1))
+                continue
+            cells = [format(row[key] * scale, fmt) if key in row else "-" for _, key, scale, fmt in columns]
+            cells += [
+                f"{base[key] / row[key]:.2f}x" if name != first and _ok(base, key) and row.get(key) else ""
+                for _, key in ratios
+            ]
+            lines.append(f"| {res} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def check_targets(rows, resolutions) -> list[dict]:
-    """Throughput targets at 224 and 448; less peak inference memory than CvT-13 at every measured size."""
-    checks = [(f"{res}: cvt_ls_13 / hf_cvt_13 images/s", res, "images_per_s", target) for res, target in SPEED_TARGETS]
-    checks += [(f"{res}: cvt_ls_13 / hf_cvt_13 peak memory", res, "peak_mem_bytes", 1.0) for res in resolutions]
-    results = []
-    for name, res, key, target in checks:
-        ls, hf = (_get(rows, "inference", m, res) for m in MODELS)
-        value = ls[key] / hf[key] if _ok(ls, key) and _ok(hf, key) else None
-        passed = value is not None and (value >= target if key == "images_per_s" else value < target)
-        verdict = "n/a" if value is None else "PASS" if passed else "MISS"
-        results.append({"check": name, "value": value, "target": target, "verdict": verdict})
-    return results
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="224 only, batch 2, 1 timed pass: a smoke run")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS),
+        help="hf_cvt_13 (Transformers' CvT-13) or timm model names; the ratios are the first model's against each",
+    )
     parser.add_argument("--resolutions", type=int, nargs="*", default=[224, 384, 448], help="inference sizes")
     parser.add_argument("--batch", type=int, default=8, help="inference batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed inference passes after one warm-up")
@@ -257,64 +242,70 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--reparam",
         action="store_true",
-        help="inference with cvt_ls_13's convs fused once (timm.utils.reparameterize_model)",
+        help="inference with the timm models' convs fused once (timm.utils.reparameterize_model)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_cpu.json)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vision_<device>.json)")
     args = parser.parse_args(argv)
+    check_device(parser, args.device)
+    unknown = [name for name in args.models if name != "hf_cvt_13" and not timm.is_model(name)]
+    if unknown:
+        parser.error(f"--models: neither hf_cvt_13 nor a timm model: {', '.join(unknown)}")
+    if min(args.batch, args.repeats) < 1:
+        parser.error("--batch and --repeats must be positive")
     if args.quick:
         args.resolutions, args.train_resolutions, args.batch, args.repeats = [224], [224], 2, 1
-    if any(r % 16 for r in args.resolutions + args.train_resolutions):
+    if any(r < 16 or r % 16 for r in args.resolutions + args.train_resolutions):
         parser.error("--resolutions and --train-resolutions must be multiples of 16 (the models' total stride).")
 
     # the ls_timm code measured (it is imported once, before the forks), for tracing results in an uncommitted tree
     source_hash = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(ls_timm.__file__).parent.glob("*.py"))))
     source_hash = source_hash.hexdigest()[:12]
-    rows = [row for r in args.resolutions for row in run(r, args.batch, False, args.repeats, args.reparam)]
-    rows += [row for r in args.train_resolutions for row in run(r, 1, True, 0)]
+    dtype = DTYPES[args.dtype]
+    rows = [
+        row
+        for r in args.resolutions
+        for row in run(args.models, r, args.batch, False, args.repeats, args.reparam, args.device, dtype)
+    ]
+    rows += [row for r in args.train_resolutions for row in run(args.models, r, 1, True, 0, False, args.device, dtype)]
 
     meta = run_meta(
         "bench_vision",
         argv,
+        device=args.device,
+        dtype=args.dtype,
         ls_timm_sources_sha256=source_hash,
         reparam=args.reparam,
         memory="RSS high-water mark (VmHWM) over one pass or training step minus RSS after building the model "
-        "and input, forked process per row",
-        time=f"inference: median of {args.repeats} passes, both models in one process taking passes in turn "
-        f"after a warm-up round (one alone where the other is skipped: timed_with), batch {args.batch}, "
-        "float32; training: one forward + backward at batch 1",
+        "and input, forked process per row"
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated over one pass or training step minus memory_allocated before it",
+        time=f"inference: median of {args.repeats} passes, the models in one process taking passes in turn "
+        f"after a warm-up round (timed_with), batch {args.batch}; training: one forward + backward at batch 1",
     )
-    targets = check_targets(rows, args.resolutions)
     print(
         f"\n{meta['date']}  {meta['cpu']}  nproc={meta['nproc']}  torch {meta['torch']}  "
-        f"load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}  "
-        f"allocator {meta['allocator_env'] or 'defaults'}\nmemory: {meta['memory']}\n"
+        f"{meta.get('gpu', args.device)} {args.dtype}  load average {' '.join(f'{x:.1f}' for x in meta['load_average'])}"
+        f"  allocator {meta['allocator_env'] or 'defaults'}\n`{meta['command']}`\nmemory: {meta['memory']}\n"
     )
     for mode, sizes in (("inference", args.resolutions), ("train", args.train_resolutions)):
         if sizes:
-            print(table(rows, mode, sizes))
-    for target in targets:
-        value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
-        print(
-            f"{target['verdict']:<5} {target['check']}: {value} (target {'>=' if 'images' in target['check'] else '<'} "
-            f"{target['target']})"
-        )
+            print(table(rows, mode, args.models, sizes))
 
-    out = args.out or results_path("vision_cpu", args.quick)
-    write_json(out, {"meta": meta, "results": rows, "targets": targets})
+    suffix = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    out = args.out or results_path(f"vision_{args.device}{suffix}", args.quick)
+    write_json(out, {"meta": meta, "results": rows})
     written = [out]
+    memory_label = "peak CUDA memory above baseline" if args.device == "cuda" else "peak RSS above baseline"
     for mode, path, what in (
         ("inference", out.with_suffix(".png"), f"inference, batch {args.batch}"),
         ("train", out.with_name(out.stem + "_train.png"), "training step, batch 1"),
     ):
         points = [r | {"peer": r["model"], "n": r["resolution"]} for r in rows if r["mode"] == mode]
         if points:
-            plot_scaling(
-                points,
-                path,
-                f"CvT*-LS-13 vs CvT-13 (Transformers), {what}, CPU float32",
-                "peak RSS above baseline (MiB)",
-                xlabel="image side (pixels)",
-            )
+            title = f"{' vs '.join(args.models)}, {what}, {args.device} {args.dtype}"
+            plot_scaling(points, path, title, memory_label + " (MiB)", xlabel="image side (pixels)")
             written.append(path)
     print("\nwrote " + ", ".join(map(str, written)))
 

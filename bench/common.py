@@ -1,7 +1,7 @@
 """What the benchmarks share: the machine description, the results' header and file, free memory, peak-RSS
 measurement, forked runs and peers timed in turn."""
 
-import contextlib
+import argparse
 import datetime
 import json
 import multiprocessing
@@ -22,6 +22,12 @@ def results_path(name: str, quick: bool) -> Path:
     """``bench/results/NAME.json``; a ``--quick`` smoke run writes under ``bench/results/quick/`` (not tracked by git),
     so it never replaces measured results."""
     return (RESULTS / "quick" if quick else RESULTS) / f"{name}.json"
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuse ``--device cuda`` where torch finds no CUDA device, before any work."""
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch finds no CUDA device on this machine (a CPU build of torch, or no GPU)")
 
 
 def machine() -> dict:
@@ -193,89 +199,17 @@ def interleaved_times(
     repeats: int,
     sync: Callable[[], None] = lambda: None,
     warmups: int = 1,
-    host_times: dict[str, list] | None = None,
 ) -> dict:
     """Times of the peers' ``steps`` side by side: ``warmups`` warm-up rounds, then ``repeats`` rounds in which every
     peer takes one step in turn, so that a change in machine load hits all of them alike. Returns {peer: times in run
-    order}. ``host_times``: filled with each peer's times until its step returned, before ``sync``: on a GPU, the
-    host's part (a step that is as long as its host's part is bound by the host)."""
+    order}."""
     times = {peer: [] for peer in steps}
     for round_ in range(warmups + repeats):
         for peer, step in steps.items():
             sync()
             start = time.perf_counter()
             step()
-            returned = time.perf_counter()
             sync()
             if round_ >= warmups:
                 times[peer].append(time.perf_counter() - start)
-                if host_times is not None:
-                    host_times.setdefault(peer, []).append(returned - start)
     return times
-
-
-def peak_step_memory(step: Callable[[], object], device: str) -> int:
-    """The peak of tensor memory that ``step()`` allocates above what is held before it: CUDA's
-    ``max_memory_allocated``, the CPU allocator's own count (``peak_allocated_above``)."""
-    if device != "cuda":
-        return peak_allocated_above(step)
-    base = reset_peak_memory(device)
-    step()
-    return peak_memory_above(device, base)
-
-
-def side_by_side(
-    steps: dict[str, Callable[[], None]],
-    device: str,
-    repeats: int,
-    warmups: int = 2,
-    timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> dict[str, dict]:
-    """The peers' ``steps`` measured in this process: ``warmups`` rounds (where compilation happens), then each peer's
-    peak memory over one step of its own (``peak_step_memory``; every peer's weights and inputs are held), then
-    ``repeats`` timed rounds taken in turn (``interleaved_times``), these two inside ``timed()`` (which compiles
-    nothing: ``bench.gpu_bars`` stops its compiling processes there). Returns {peer: {"status": "ok", "time_s":
-    median, "times_s": in run order, "host_s": the median time until the step returned, before waiting for the
-    device, "peak_mem_bytes"}}; a peer whose step raises gets ``status`` "oom" or "error" and its ``reason``, and
-    leaves the rounds."""
-    results, live = {}, dict(steps)
-
-    def drop(peer: str, error: Exception) -> None:  # reported in the results, not raised
-        results[peer] = failure(error)
-        del live[peer]
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
-    for _ in range(warmups):
-        for peer, step in list(live.items()):
-            try:
-                step()
-                sync(device)
-            except MEASUREMENT_ERRORS as error:
-                drop(peer, error)
-    with timed():
-        for peer, step in list(live.items()):
-            try:
-                results[peer] = {"status": "ok", "peak_mem_bytes": peak_step_memory(step, device)}
-            except MEASUREMENT_ERRORS as error:
-                drop(peer, error)
-        host_times = {}
-        try:
-            times = interleaved_times(live, repeats, sync=lambda: sync(device), warmups=0, host_times=host_times)
-        except MEASUREMENT_ERRORS as error:  # rare after a clean warm-up; the failing peer is not known: all marked
-            times = {}
-            results |= {peer: failure(error) for peer in live}
-    for peer, peer_times in times.items():
-        time_s, host_s = (sorted(values)[len(values) // 2] for values in (peer_times, host_times[peer]))
-        results[peer] |= {"time_s": time_s, "times_s": peer_times, "host_s": host_s}
-    return {peer: results[peer] for peer in steps}
-
-
-def take_cuda_choices_on_cpu() -> None:
-    """Let the CPU take CUDA's choices in this process: the fused path, its compiled kernel and compiled layer. Not
-    the kernel inside the layer's graph (``KERNEL_IN_GRAPH_DEVICES``), which inductor's CPU kernel does not build: the
-    layer compiles around the kernel's call there, one graph more before it and after it."""
-    from bench.cuda_lowered import fused_path_settings
-
-    for module, name in fused_path_settings():
-        setattr(module, name, (*getattr(module, name), "cpu"))
