@@ -393,7 +393,7 @@ def main(argv=None) -> None:
             print(f"  n={n:<6} {row['peer']:<20} {row['status']:<8} {shown} {row.get('reason', '')}", flush=True)
 
     meta = run_meta(
-        "bench_attention",
+        "bench.bench_attention",
         argv,
         device=args.device,
         dtype=args.dtype,

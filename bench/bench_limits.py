@@ -289,7 +289,7 @@ def main(argv=None) -> None:
             )
         )
     meta = run_meta(
-        "bench_limits",
+        "bench.bench_limits",
         argv,
         measurement_threads=args.threads or torch.get_num_threads(),
         device=args.device,

@@ -436,7 +436,7 @@ def main(argv=None) -> None:
     )
     add_ratios(train_rows, gen_rows)
     meta = run_meta(
-        "bench_models",
+        "bench.bench_models",
         argv,
         measurement_threads=args.threads or torch.get_num_threads(),
         device=args.device,

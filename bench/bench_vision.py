@@ -271,7 +271,7 @@ def main(argv=None) -> None:
     rows += [row for r in args.train_resolutions for row in run(args.models, r, 1, True, 0, False, args.device, dtype)]
 
     meta = run_meta(
-        "bench_vision",
+        "bench.bench_vision",
         argv,
         device=args.device,
         dtype=args.dtype,

@@ -49,11 +49,11 @@ def machine() -> dict:
 ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_THRESHOLD_", "TCMALLOC_RELEASE_RATE")
 
 
-def run_meta(script: str, argv: list[str] | None, **fields) -> dict:
-    """The results' header: the machine, the UTC date, the command that ran ``bench.<script>`` (``argv``, default the
-    command line), the allocator's environment variables that are set, and the load average, then the script's
+def run_meta(module: str, argv: list[str] | None, **fields) -> dict:
+    """The results' header: the machine, the UTC date, the command that ran ``python -m module`` (``argv``, default
+    the command line), the allocator's environment variables that are set, and the load average, then the script's
     ``fields``."""
-    command = f"python -m bench.{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
     return machine() | {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command.strip(),

@@ -1,4 +1,4 @@
-"""bench.char_lm_miniature report on run folders written as the recipe writes them (config.json, trainer_state.json,
+"""recipes.char_lm_miniature report on run folders written as the recipe writes them (config.json, trainer_state.json,
 all_results.json, checkpoints, legs.jsonl): the table has every variant and seed, streaming and block BPC, DualLN, the
 means of two seeds and the training time; the plot has a curve per run."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench import char_lm_miniature
+from recipes import char_lm_miniature
 
 STREAMING = {"test_bpc": 2.2, "test_block_bpc": 2.3, "eval_bpc": 2.4, "eval_block_bpc": 2.5}
 
@@ -93,7 +93,7 @@ def test_plot_has_a_curve_per_run(root, tmp_path):
 
 
 def test_report_without_runs_says_how_to_start_one(tmp_path):
-    with pytest.raises(SystemExit, match="bench.char_lm_miniature run official"):
+    with pytest.raises(SystemExit, match="recipes.char_lm_miniature run official"):
         char_lm_miniature.main(["--root", str(tmp_path), "report"])
     assert not list(tmp_path.iterdir())
 

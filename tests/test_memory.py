@@ -6,14 +6,14 @@ import functools
 import pytest
 
 from bench.common import forked
-from bench.memory_calibration import measure, training_step
 from recipes import finetune_classification, pretrain_mlm
 from recipes.lra.train import main as lra_main
 from recipes.memory import CALIBRATED, AttentionLayer, TrainingStep, long_short_layers
+from recipes.memory_calibration import measure, training_step
 from recipes.tiny import IMDB_TRAIN, tiny_long_short
 
 # Small models, one of each kind the recipes train: each step measured twice, in fresh processes (peak RSS growth over
-# three Trainer steps, as bench/memory_calibration.py measures), a few seconds each.
+# three Trainer steps, as recipes/memory_calibration.py measures), a few seconds each.
 SMALL = {
     "classifier, attention dropout": {
         "family": "hf",
@@ -170,11 +170,11 @@ def test_long_short_layers_follow_the_config():
 
 
 def test_calibrated_coefficients_are_the_fit():
-    """The estimate's coefficients are those ``bench/memory_calibration.py --fit`` finds in the recorded
+    """The estimate's coefficients are those ``python -m recipes.memory_calibration --fit`` finds in the recorded
     measurements, rounded."""
     import json
 
-    from bench.memory_calibration import RESULTS, fit, usable
+    from recipes.memory_calibration import RESULTS, fit, usable
 
     rows = usable(json.loads(RESULTS.read_text())["rows"])
     fitted = fit(rows)

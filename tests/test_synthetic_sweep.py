@@ -1,11 +1,11 @@
-"""bench.synthetic_sweep: one JSON line per finished run, finished runs skipped, an interrupted run resumed."""
+"""recipes.lra.synthetic_sweep: one JSON line per finished run, finished runs skipped, an interrupted run resumed."""
 
 import json
 
 import pytest
 
-from bench.synthetic_sweep import checkpoint_path, main
 from recipes.lra.synthetic import Task, train
+from recipes.lra.synthetic_sweep import checkpoint_path, main
 
 SMALL = [
     "--lengths",

@@ -2,8 +2,8 @@
 (``recipes.lra.synthetic``: one marker in the second half, read from the first token) first reaches a held-out
 accuracy of 0.9, over lengths, vocabulary sizes, with and without a global first token, and seeds.
 
-    OMP_NUM_THREADS=1 nice -n 10 nohup python -m bench.synthetic_sweep > runs/synthetic_sweep.log 2>&1 &
-    python -m bench.synthetic_sweep --report        # the table, in markdown, unfinished runs marked *
+    OMP_NUM_THREADS=1 nice -n 10 nohup python -m recipes.lra.synthetic_sweep > runs/synthetic_sweep.log 2>&1 &
+    python -m recipes.lra.synthetic_sweep --report        # the table, in markdown, unfinished runs marked *
 
 The model is the README's: 2 layers, width 64, w = 16, r = 8 (``window``: r = 0), AdamW 1e-3, batch 16, balanced
 labels. Every --eval_every steps the accuracy on a fixed held-out set of --eval_size sequences is measured; a run stops
@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import machine
 from recipes.lra.synthetic import ATTENTIONS, Task, train
-
-from .common import RESULTS, machine
 
 CHOICES = {"yes": (True,), "no": (False,), "both": (True, False)}
 NAMES = {"long_short": "Long-Short", "window": "window only", "full": "full attention"}
@@ -35,7 +34,7 @@ RUN_KEYS = ("attention", "length", "vocab_size", "global_first_token", "seed", "
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.synthetic_sweep",
+        prog="python -m recipes.lra.synthetic_sweep",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -48,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_every", type=int, default=50)
     p.add_argument("--eval_size", type=int, default=256)
     p.add_argument("--target", type=float, default=0.9)
-    p.add_argument("--out", type=Path, default=RESULTS / "synthetic_sweep.jsonl")
+    p.add_argument("--out", type=Path, default=Path(__file__).with_name("synthetic_sweep.jsonl"))
     p.add_argument("--checkpoint_dir", type=Path, default=Path("runs/synthetic_sweep"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(

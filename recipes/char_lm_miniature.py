@@ -1,8 +1,8 @@
 """The paper's character-level comparisons in miniature (Sec. 4.2, Fig. 2 right) on a byte corpus this repo builds.
 
-    python -m bench.char_lm_miniature corpus                      # builds runs/char_lm_mini/corpus.txt
-    python -m bench.char_lm_miniature run official --seed 0       # one variant; rerun the same line to resume
-    python -m bench.char_lm_miniature report                      # table (markdown) and curves (png)
+    python -m recipes.char_lm_miniature corpus                      # builds runs/char_lm_mini/corpus.txt
+    python -m recipes.char_lm_miniature run official --seed 0       # one variant; rerun the same line to resume
+    python -m recipes.char_lm_miniature report                      # table (markdown) and curves (png)
 
 Corpus: the Python standard library's own sources (every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` outside
 ``test``/``tests``/``idlelib``/``site-packages``/``encodings`` directories, in sorted path order, each after a
@@ -323,7 +323,7 @@ def report(root: Path) -> str:
     if not runs:
         raise SystemExit(
             f"no run in {root} has a training log yet; start one with `python -m "
-            f"bench.char_lm_miniature run official --seed 0`."
+            f"recipes.char_lm_miniature run official --seed 0`."
         )
     plot(runs, root / "curves.png")
     text = table(runs)
@@ -354,7 +354,7 @@ def main(argv=None) -> None:
         print(json.dumps(build_corpus(args.root / "corpus.txt", args.bytes), indent=1))
     elif args.command == "run":
         if not (args.root / "corpus.txt").is_file():
-            raise SystemExit(f"no corpus in {args.root}: run `python -m bench.char_lm_miniature corpus` first.")
+            raise SystemExit(f"no corpus in {args.root}: run `python -m recipes.char_lm_miniature corpus` first.")
         argv = run_args(args.variant, args.seed, args)
         print("python -m recipes.char_lm " + " ".join(argv), flush=True)
         if not args.dry_run:

@@ -17,11 +17,11 @@ resident), read from the kernel's high-water mark: what the OOM killer sees. The
 coefficients are fitted to the ``grid()`` rows (``--fit``); the ``validation()`` rows, at the recipes' real sizes,
 are left out of the fit and show how it extrapolates.
 
-    python -m bench.memory_calibration            # measure what is not measured yet, then the table
-    python -m bench.memory_calibration --report   # the table of the saved results
-    python -m bench.memory_calibration --fit      # the coefficients fitted to them (recipes.memory.CALIBRATED)
+    python -m recipes.memory_calibration            # measure what is not measured yet, then the table
+    python -m recipes.memory_calibration --report   # the table of the saved results
+    python -m recipes.memory_calibration --fit      # the coefficients fitted to them (recipes.memory.CALIBRATED)
 
-Writes ``bench/results/memory_calibration_cpu.json`` (a row per configuration, kept between runs: a configuration
+Writes ``recipes/memory_calibration_cpu.json`` (a row per configuration, kept between runs: a configuration
 already measured is not run again) and prints a markdown table of estimate against measurement.
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import forked, peak_rss_above, reset_peak_rss, results_path, run_meta, write_json
+from bench.common import forked, peak_rss_above, reset_peak_rss, run_meta, write_json
 
 STEPS = 3
-RESULTS = results_path("memory_calibration_cpu", quick=False)
+RESULTS = Path(__file__).with_name("memory_calibration_cpu.json")
 
 
 def hf_config(spec: dict):
@@ -485,7 +485,7 @@ def report(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory_calibration", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.memory_calibration", description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", action="store_true", help="measure nothing: the table of the saved results")
     parser.add_argument("--fit", action="store_true", help="measure nothing: the coefficients fitted to them")
     parser.add_argument("--out", default=str(RESULTS))
@@ -499,7 +499,7 @@ def main(argv=None) -> None:
     for spec in [] if args.report else [spec for spec in grid() + validation() if key(spec) not in done]:
         row = {"spec": spec, **forked(functools.partial(measure, spec), threads=1)}
         saved["rows"] = [r for r in saved["rows"] if key(r["spec"]) != key(spec)] + [row]
-        saved["meta"] = run_meta("memory_calibration", argv, steps=STEPS)
+        saved["meta"] = run_meta("recipes.memory_calibration", argv, steps=STEPS)
         write_json(out, saved)
         print(json.dumps(row), flush=True)
     print(report(saved["rows"]))
