@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .long_short_fused import compiled_attention_layer, copies_of_extra_keys, joined_extra
 from .long_short_kernels import DynamicProjection, layer_norm_in_place, segments_heads_first
-from .long_short_plan import BACKENDS, FUSED_DEVICES, AttentionPlan, LayerPlan, MaskPlan, plan_attention
+from .long_short_plan import BACKENDS, AttentionPlan, LayerPlan, MaskPlan, plan_attention
 from .long_short_rules import (
     check_attn_implementation,
     masked_sdpa,
@@ -48,7 +48,6 @@ from .long_short_tiles import ExtraKeys, JointInputs, probabilities, sdpa, take,
 
 __all__ = [
     "BACKENDS",
-    "FUSED_DEVICES",
     "AttentionPlan",
     "BatchFirstState",
     "CausalState",
@@ -132,13 +131,13 @@ class LongShortSelfAttention(nn.Module):
             the fused path compiles the layer (CUDA), its backward pass computes P again instead (and the keys' and
             values' Linear outputs where they are kept) (``compiled_attention_layer(recompute=True)``). Off by default.
         attn_implementation: ``"sdpa"`` (Transformers' default): the fastest exact path where the tensors are,
-            FlexAttention with a block-sparse mask on CUDA (``FUSED_DEVICES``; the grouped SDPA path while attention
-            dropout is active), grouped ``scaled_dot_product_attention`` elsewhere; ``"eager"``: grouped
-            ``scaled_dot_product_attention`` everywhere (the portable reference); ``"flex_attention"``: FlexAttention
-            everywhere, forward only on CPU, no attention dropout. Any way, ``output_attentions`` and cached decoding
-            steps use the SDPA/explicit path, and so do the global tokens' own rows and the cls token's output (dense
-            over the n tokens, no window to mask). ``forward`` takes it too, for a model whose choice changes after it
-            is built (``long_short_plan``).
+            FlexAttention with a block-sparse mask on CUDA (``long_short_blocks.FUSED_DEVICES``; the grouped SDPA
+            path while attention dropout is active), grouped ``scaled_dot_product_attention`` elsewhere; ``"eager"``:
+            grouped ``scaled_dot_product_attention`` everywhere (the portable reference); ``"flex_attention"``:
+            FlexAttention everywhere, forward only on CPU, no attention dropout. Any way, ``output_attentions`` and
+            cached decoding steps use the SDPA/explicit path, and so do the global tokens' own rows and the cls
+            token's output (dense over the n tokens, no window to mask). ``forward`` takes it too, for a model whose
+            choice changes after it is built (``long_short_plan``).
         compile_attention: where the fused path runs on ``FUSED_DEVICES`` (CUDA), compile the rest of the
             layer around its attention kernel (``compiled_attention_layer``: the projections, DualLN, Eq. 3, the output
             projection), shared by every layer of the same settings in the process: fewer kernel launches, and what

@@ -63,9 +63,16 @@ FLEX_MIN_HEAD_DIM = 16
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The one device rule: where attn_implementation="sdpa" (the default) runs the fused FlexAttention path, its kernel
 # compiled (``flex_attend``) and, with ``compile_attention``, the rest of the layer compiled around it, the kernel
-# inside the layer's graph. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md), and a kernel
-# compiled there on request gets contiguous inputs (inductor's CPU kernel refuses views, torch 2.14).
+# inside the layer's graph. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
 FUSED_DEVICES = ("cuda",)
+
+
+def contiguous_inputs(device: torch.device) -> bool:
+    """Whether compiled FlexAttention on ``device`` gets contiguous copies of its inputs: inductor's CPU kernel refuses
+    views (torch 2.14); its CUDA kernel reads them where they lie."""
+    return device.type == "cpu"
+
+
 DEFAULT_BLOCK_SIZE = 128
 # Queries per copy of the bidirectional extra keys (``extra_key_copies``): 8 query blocks of ``DEFAULT_BLOCK_SIZE``.
 EXTRA_KEY_BAND = 1024
@@ -497,11 +504,11 @@ def compiled_flex_attention(static_shapes: bool = False) -> Callable:
 def flex_call(flex: Callable, query, key, value, *, score_mod, block_mask, scale, return_lse: bool, tokens_first=False):
     """``flex(query, key, value, ...)``: the output, or with ``return_lse`` the output and the log-sum-exp (asked for
     as FlexAttention's auxiliary output). ``tokens_first``: query, key and value are (B, m, H, E) and the output is
-    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies off ``FUSED_DEVICES``), and
+    (B, m, H, Ev); ``flex`` gets them heads first as views (contiguous copies where ``contiguous_inputs``), and
     its output, laid out as the query, is handed back as a view too."""
     if tokens_first:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        if query.device.type not in FUSED_DEVICES:
+        if contiguous_inputs(query.device):
             query, key, value = (x.contiguous() for x in (query, key, value))
     if return_lse:
         out, aux = flex(
@@ -581,7 +588,7 @@ def flex_attend(
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     value_dim = value.shape[-1]
     query, key, value = (_pad_head_dim(x) for x in (query, key, value))
-    if compiled and query.device.type not in FUSED_DEVICES:
+    if compiled and contiguous_inputs(query.device):
         query, key, value = (x.contiguous() for x in (query, key, value))
     out = kernel(
         query,

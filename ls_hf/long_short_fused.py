@@ -3,8 +3,8 @@ CUDA (``long_short_plan.FUSED_DEVICES``) and ``attn_implementation="flex_attenti
 
 * ``attend_flex``, the ``"flex"`` backend: the visibility as a block-sparse mask built from the window geometry
   (``long_short_blocks``), never an n x n evaluation, so nothing is gathered. Its mask comes from the plan, built
-  once per forward pass for every layer of the same geometry (``plan_block_mask``); a call with a decoding cache or
-  left padding builds its own.
+  once per forward pass for every layer of the same geometry (``plan_block_mask``); a call with a decoding cache
+  builds its own.
 * ``joined_extra``: the window keys and the projected rows (Eq. 3 / Eq. 5, then ``LN_G``) built in one tensor each
   (``JoinedProjectedKeys``), which the kernel reads where they lie.
 * ``compiled_attention_layer``: the rest of the layer (projections, DualLN, Eq. 3, the output projection) compiled
@@ -76,25 +76,22 @@ def _key_layout(
     )
 
 
-def plan_block_mask(module, masks, hidden_states: Tensor, *, has_cls: bool) -> BlockMask | None:
+def plan_block_mask(module, masks, hidden_states: Tensor, *, has_cls: bool) -> BlockMask:
     """The block mask of ``module``'s uncached call on hidden_states (B, n, d) with the ``MaskPlan`` ``masks``: the
     window keys, then [cls key; the K global tokens' keys; r projected rows] bidirectionally, or the projected rows of
-    the finished segments causally, valid as the layer makes them. None for a causal call with left padding (each
-    row's segments start at its own first token), whose layer builds its mask."""
+    the finished segments causally (each row's counted from its first real token), valid as the layer makes them."""
     B, n = hidden_states.shape[:2]
     w, r = module.window_size, module.projection_rank
+    offsets = None
     if module.causal:
-        if masks.leading is not None:
-            return None
-        segments = n // module.segment_length if r else 0
+        l, offsets = module.segment_length, masks.leading
+        segments = n // l if r else 0
         layout = _key_layout(
             module, num_queries=n, num_window_keys=n, num_extra=r * segments, causal_rows=bool(segments)
         )
         key_valid = masks.valid
         if key_valid is not None and segments:
-            done = segments * module.segment_length
-            rows = key_valid[:, :done].view(B, segments, -1).any(-1).repeat_interleave(r, dim=1)
-            key_valid = torch.cat([key_valid, rows], 1)
+            key_valid = torch.cat([key_valid, _causal_rows_valid(key_valid, offsets, l, segments, r)], 1)
     else:
         K, width = masks.global_count, n if w else 0
         layout = _key_layout(
@@ -111,7 +108,23 @@ def plan_block_mask(module, masks, hidden_states: Tensor, *, has_cls: bool) -> B
             key_valid = local[:, :width]
             if extra:
                 key_valid = torch.cat([key_valid, in_copies(torch.cat(extra, 1), layout.extra_key_copies)], 1)
-    return long_short_block_mask(layout, num_queries=n, key_valid=key_valid, device=hidden_states.device)
+    return long_short_block_mask(
+        layout, num_queries=n, key_valid=key_valid, offsets=offsets, device=hidden_states.device
+    )
+
+
+def _causal_rows_valid(valid: Tensor, offsets: Tensor | None, l: int, segments: int, r: int) -> Tensor:
+    """Which of the ``segments * r`` projected rows of an uncached causal call exist (Eq. 5): segment s of row b, its
+    tokens ``[offsets[b] + s l, offsets[b] + (s + 1) l)`` (offsets None: 0), exists where it is finished within the
+    call and holds a valid token. valid (B, n) -> (B, segments * r), r rows per segment."""
+    B, n = valid.shape
+    if offsets is None:
+        return valid[:, : segments * l].view(B, segments, l).any(-1).repeat_interleave(r, dim=1)
+    segment = torch.arange(segments, device=valid.device)
+    done = segment[None] < torch.div(n - offsets, l, rounding_mode="floor")[:, None]  # (B, S)
+    position = offsets[:, None, None] + segment[None, :, None] * l + torch.arange(l, device=valid.device)
+    tokens = valid.gather(1, torch.where(done[..., None], position, 0).flatten(1)).view(B, segments, l)
+    return (tokens & done[..., None]).any(-1).repeat_interleave(r, dim=1)
 
 
 def joined_extra(

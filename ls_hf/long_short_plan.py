@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from . import long_short_fused, long_short_tiles
+from . import long_short_blocks, long_short_fused, long_short_tiles
 from .long_short_blocks import FUSED_DTYPES
 from .long_short_kernels import FUSED_CPU, recoverable_layer_norms
 from .long_short_rules import check_attn_implementation, check_flex_call, takes_grad
@@ -34,18 +34,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
-    "FUSED_DEVICES",
     "AttentionPlan",
     "LayerPlan",
     "MaskPlan",
     "fused_by_default",
     "plan_attention",
+    "runs_fused",
 ]
-
-# The one device rule: where attn_implementation="sdpa" (the default) runs the fused FlexAttention path, its kernel
-# compiled and, with ``compile_attention``, the rest of the layer compiled around it, inside the layer's graph.
-# Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
-FUSED_DEVICES = ("cuda",)
 
 # How the joint softmax (Eq. 6) runs, by name: each takes the module, its ``JointInputs``, its ``LayerPlan`` and the
 # caller's maps layout (or None), and returns the context and the attention maps (or None).
@@ -58,9 +53,15 @@ BACKENDS: dict[str, Callable] = {
 
 
 def fused_by_default(x: Tensor, *, dropout: bool) -> bool:
-    """Whether ``attn_implementation="sdpa"`` runs the fused path for the input ``x``: on ``FUSED_DEVICES``, in
-    ``FUSED_DTYPES`` (float64 stays on SDPA), and with no attention dropout active (FlexAttention has none)."""
-    return x.device.type in FUSED_DEVICES and x.dtype in FUSED_DTYPES and not dropout
+    """Whether ``attn_implementation="sdpa"`` runs the fused path for the input ``x``: where ``runs_fused`` says
+    (float64 stays on SDPA), and with no attention dropout active (FlexAttention has none)."""
+    return runs_fused(x) and not dropout
+
+
+def runs_fused(x: Tensor) -> bool:
+    """Whether ``x`` is where and in what the fused path runs by default (``long_short_blocks.FUSED_DEVICES``, the one
+    device rule, in ``FUSED_DTYPES``), its layer compiled there."""
+    return x.device.type in long_short_blocks.FUSED_DEVICES and x.dtype in long_short_blocks.FUSED_DTYPES
 
 
 class MaskPlan(NamedTuple):
@@ -86,7 +87,7 @@ class LayerPlan(NamedTuple):
     lean: bool  # the lean kernels: ``LN_L`` written over its input, Eq. 3 a few heads at a time
     joins_keys: bool  # the window keys and the projected rows are built in one tensor each (fused path)
     local_norm: bool  # ``LN_L``'s input is recovered from its output: applied in place (lean) or to the joined keys
-    block_mask: BlockMask | None  # the fused path's mask; None: the layer builds it (a cache, causal left padding)
+    block_mask: BlockMask | None  # the fused path's mask; None: the layer builds it (a call with a cache)
 
 
 class AttentionPlan(NamedTuple):
@@ -162,10 +163,8 @@ def plan_attention(
     compiled = (
         backend == "flex"
         and not cached
-        and masks.leading is None
         and module.compile_attention
-        and hidden_states.device.type in FUSED_DEVICES
-        and hidden_states.dtype in FUSED_DTYPES
+        and runs_fused(hidden_states)
         and not torch.compiler.is_compiling()
     )
     block_masks = {}
@@ -180,7 +179,7 @@ def plan_attention(
         masks=masks,
         backend=backend,
         compiled=compiled,
-        block_masks={key: mask for key, mask in block_masks.items() if mask is not None},
+        block_masks=block_masks,
         recoverable_norms=_recoverable_norms(modules, backend, cached=cached),
     )
 

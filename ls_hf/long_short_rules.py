@@ -11,7 +11,6 @@ nothing from Transformers or timm.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 
 import torch
@@ -29,7 +28,6 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 FLEX_ATTENTION_MIN_TORCH = "2.6"
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
-    "KeptForSameInputs",
     "TransposedScores",
     "cached_outside_compile",
     "check_attn_implementation",
@@ -48,7 +46,6 @@ __all__ = [
     "segment_keep",
     "segment_rule",
     "takes_grad",
-    "tensor_state",
     "validate_long_short_args",
     "window_bounds",
     "window_extent",
@@ -111,43 +108,9 @@ def cached_outside_compile(maxsize: int) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def tensor_state(x: Tensor) -> tuple[int, int] | None:
-    """What must stay the same for a value read from ``x`` to hold: its storage and its version counter, which every
-    in-place update through torch moves on (an optimizer step's, ``load_state_dict``'s; not a write through
-    ``x.data`` or another library's view of the memory, such as NumPy's). None, a read holding for no later call,
-    for an inference tensor (no counter) and a tensor subclass (a sharded parameter, say)."""
-    return (x.data_ptr(), x._version) if is_plain_tensor(x) and not x.is_inference() else None
-
-
 def is_plain_tensor(x: Tensor) -> bool:
     """A ``Tensor`` or ``nn.Parameter``, not a subclass (``DTensor``, a tensor subclass of a sharded model)."""
     return type(x) in (Tensor, torch.nn.Parameter)
-
-
-class KeptForSameInputs:
-    """One value computed from some inputs (tensors among them), kept for the next call given the same inputs: each
-    the same object, its tensors unchanged in place (``tensor_state``), and the same ``key``. A call with others
-    replaces it. Inputs without a tensor whose changes can be seen (an inference tensor, a subclass) are never kept.
-    The layers of a forward pass, called one after another with a model's same masks, share a value so."""
-
-    def __init__(self):
-        self._kept = None  # (inputs, (key, their tensors' states), value)
-
-    def get(self, inputs: tuple, compute: Callable[[], object], key=()):
-        states = tuple(tensor_state(x) for x in inputs if isinstance(x, Tensor))
-        if not states or None in states:
-            return compute()
-        kept = self._kept  # read once: another thread may replace it
-        if (
-            kept is not None
-            and len(kept[0]) == len(inputs)
-            and all(map(operator.is_, kept[0], inputs))
-            and kept[1] == (key, states)
-        ):
-            return kept[2]
-        value = compute()
-        self._kept = (inputs, (key, states), value)
-        return value
 
 
 def is_int(value) -> bool:

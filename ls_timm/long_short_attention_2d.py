@@ -55,9 +55,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from ls_hf.long_short_blocks import FUSED_DEVICES, FUSED_DTYPES, flex_attend
+from ls_hf.long_short_blocks import flex_attend
 from ls_hf.long_short_fused import compiled_attention_layer
-from ls_hf.long_short_plan import AttentionPlan, MaskPlan, fused_by_default
+from ls_hf.long_short_plan import AttentionPlan, MaskPlan, fused_by_default, runs_fused
 from ls_hf.long_short_rules import (
     cached_outside_compile,
     check_attn_implementation,
@@ -692,13 +692,7 @@ def plan_attention_2d(modules: Sequence[LongShortAttention2d], x: Tensor, feat_s
         backend = "window_kernel"
     else:
         backend = "flex"
-    compiled = (
-        backend != "sdpa"
-        and module.compile_attention
-        and x.device.type in FUSED_DEVICES
-        and x.dtype in FUSED_DTYPES
-        and not torch.compiler.is_compiling()
-    )
+    compiled = backend != "sdpa" and module.compile_attention and runs_fused(x) and not torch.compiler.is_compiling()
     block_masks = {}
     if backend == "flex":
         for layer in modules:

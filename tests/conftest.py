@@ -10,7 +10,7 @@ On a GPU (``LS_TEST_DEVICE=cuda``) only the tests that take the ``device`` fixtu
 CPU exactly as they do without it, so they are deselected; so are, in a precision below the device's full one
 (bfloat16; ``tests.devices.FULL_PRECISION``), the tests that do not take the ``dtype`` fixture. Property tests draw
 fewer examples on a GPU (``tests.devices.property_examples``), and only the tests marked ``compiled_layer`` compile the
-rest of the attention layer around its kernel (``COMPILED_LAYER_DEVICES``, seconds for every new configuration); the
+rest of the attention layer around its kernel (``compile_attention``, seconds for every new configuration); the
 others run the kernel alone compiled, which the marked tests check the compiled layer against.
 
 On the CPU, Triton's kernels (``ls_timm.window_kernel_2d``) run in Triton's interpreter: ``TRITON_INTERPRET=1`` is
@@ -49,9 +49,9 @@ def pytest_report_header(config):
 @pytest.fixture(autouse=True)
 def _compiled_layer_where_marked(request, monkeypatch):
     if test_device().type != "cpu" and request.node.get_closest_marker("compiled_layer") is None:
-        from ls_hf import long_short_attention
+        from ls_hf import long_short_plan
 
-        monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ())
+        monkeypatch.setattr(long_short_plan.AttentionPlan, "compiled", property(lambda plan: False))
 
 
 @pytest.fixture(scope="session")  # session scope: hypothesis's @given tests may take it

@@ -12,20 +12,16 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
-def compile_on_cpu(monkeypatch, kernel_in_graph: bool = False) -> None:
-    """Let the CPU stand in for CUDA: the fused path, its compiled kernel and its compiled layer, from no earlier
-    compilation (``monkeypatch``: a ``pytest.MonkeyPatch``, which undoes it). ``kernel_in_graph``: the layer's graph
-    takes the attention kernel in, as on CUDA (``KERNEL_IN_GRAPH_DEVICES``); inductor's CPU FlexAttention kernel does
-    not build there (it takes the mask's tensors only as inputs of its own graph, torch 2.14), so what compiles so with
-    inductor computes FlexAttention otherwise: densely, or as for CUDA (``lowered_as_for_cuda``). Without it the
-    kernel's call is a compile boundary, as elsewhere."""
-    from ls_hf import long_short_attention, long_short_blocks
+def compile_on_cpu(monkeypatch) -> None:
+    """Let the CPU stand in for CUDA (``long_short_blocks.FUSED_DEVICES``, the one device rule): the fused path, its
+    compiled kernel and its compiled layer, the 1-D layer's graph taking the attention kernel in, from no earlier
+    compilation (``monkeypatch``: a ``pytest.MonkeyPatch``, which undoes it). Inductor's CPU FlexAttention kernel does
+    not build inside the layer's graph (torch 2.14), so what compiles so with inductor computes FlexAttention
+    otherwise: densely, or as for CUDA (``lowered_as_for_cuda``)."""
+    from ls_hf import long_short_blocks
 
     torch._dynamo.reset()
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_blocks, "KERNEL_IN_GRAPH_DEVICES", ("cpu",) if kernel_in_graph else ())
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
 
 
 @contextlib.contextmanager
@@ -42,7 +38,7 @@ def lowered_as_for_cuda(monkeypatch):
     - inductor's kernels call CUDA's libdevice, which the interpreter cannot run: ``triton.language.math`` instead;
     - Triton 3.6's interpreter reads a loop bound given as a one-element array wrongly: read as Triton 3.8 reads it;
     - the package gives inductor's CPU FlexAttention kernel contiguous copies of its inputs: the views instead, as on
-      CUDA (``CONTIGUOUS_INPUT_DEVICES``);
+      CUDA (``contiguous_inputs``);
     - inductor schedules and fuses a CPU's kernels otherwise (no loop reordering after fusion, no mix-order reductions
       such as a LayerNorm's two gradients in one pass, no addmm split for its epilogue's fusion, no padding of
       strides): its lowering, fusion passes and scheduler take a CPU for a GPU (``_as_gpu``), except where they create a
@@ -100,7 +96,7 @@ def lowered_as_for_cuda(monkeypatch):
     monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
     monkeypatch.setattr(triton_helpers, "libdevice", tl.math)
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
-    monkeypatch.setattr(long_short_blocks, "CONTIGUOUS_INPUT_DEVICES", ())
+    monkeypatch.setattr(long_short_blocks, "contiguous_inputs", lambda device: False)
     backend_caches = (_triton.triton_backend, _triton.triton_hash_with_backend)  # they keep the target
     for cache in backend_caches:
         cache.cache_clear()

@@ -531,57 +531,62 @@ def test_config_recompute_window_tiles_reaches_every_layer():
         torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
 
 
-def test_layer_norm_gains_are_read_once_for_all_after_they_change():
-    """``recoverable_layer_norms`` reads a gain again only after it changed (an in-place update), and then with every
-    other changed gain in one read (``_read_gains``): in training one read a step for all layers. A gain whose
-    storage was freed (a sharded model between its layer's uses; reading it would crash) is left to its own next
-    call; an inference tensor's gain, which has no version counter, and a tensor subclass's (a sharded parameter's,
-    whose read would not mix with the others') are read alone at every call."""
-    torch.manual_seed(0)
-    norms = [torch.nn.LayerNorm(4) for _ in range(3)]
-    read = patch.object(long_short_kernels, "_read_gains", wraps=long_short_kernels._read_gains)
+def test_layer_norm_gains_are_read_once_a_forward_pass_for_every_layer():
+    """The plan finds the ``LN_L`` layers whose input their output recovers (``recoverable_layer_norms``: every
+    ``|gamma| >= LN_MIN_GAMMA``) in one read of the device for all layers of a forward pass, where a path writes
+    ``LN_L`` over its input (the lean path: training on the CPU with ``recompute_window_tiles``). A layer whose gain
+    is too small keeps ``LN_L``'s input (plain ``LayerNorm``), the others write over it; without gradients nothing
+    is read. The loss and gradients are the default model's either way (float64)."""
+    from ls_hf import LongShortConfig, LongShortForMaskedLM, long_short_plan
 
-    def reads(*calls) -> tuple[int, list[bool]]:
-        with read as counted:
-            answers = [long_short_kernels.recoverable_layer_norms(*(norms[i] for i in call)) for call in calls]
-        return counted.call_count, answers
-
-    assert reads([0], [1], [2]) == (3, [True] * 3)  # each gain as it is first met
-    assert reads([0], [1, 2], [2]) == (0, [True] * 3)
-    with torch.no_grad():
-        for norm in norms:
-            norm.weight.mul_(2)
-    assert reads([2], [0], [1]) == (1, [True] * 3)  # the first reads all three
-    with torch.no_grad():
-        norms[1].weight[3] = 1e-4
-    assert reads([0], [1], [0, 1]) == (1, [True, False, False])
-    with torch.no_grad():
-        norms[0].weight.add_(1)
-        norms[2].weight.add_(1)
-    norms[2].weight.untyped_storage().resize_(0)
-    assert reads([0]) == (1, [True])
-    norms[2].weight.untyped_storage().resize_(4 * 4)
-    with torch.no_grad():
-        norms[2].weight.fill_(0.0)
-    assert reads([2], [0]) == (1, [False, True])
-    with torch.inference_mode():
-        norms[1] = torch.nn.LayerNorm(4)
-    assert reads([1], [1]) == (2, [True, True])
-
-    class Sharded(torch.Tensor):  # a tensor subclass, as a sharded parameter is
-        pass
-
-    norms[2].weight = torch.nn.Parameter(torch.ones(4).as_subclass(Sharded))
-    with torch.no_grad():
-        norms[0].weight.add_(1)
-    assert reads([2], [0], [2]) == (3, [True, True, True])  # read alone, at every call
+    config = LongShortConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=32,
+        window_size=4,
+        projection_rank=2,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        model = LongShortForMaskedLM(LongShortConfig(**{**config.to_dict(), "recompute_window_tiles": recompute}))
+        model = model.double().train()
+        norms = [layer.attention.self.dual_ln_local for layer in model.long_short.encoder.layer]
+        with torch.no_grad():
+            norms[1].weight[3] = 1e-4
+        counted = patch.object(long_short_plan, "recoverable_layer_norms", wraps=long_short_kernels.recoverable_layer_norms)
+        in_place = patch.object(long_short_kernels.LayerNormInPlace, "apply", wraps=long_short_kernels.LayerNormInPlace.apply)
+        with counted as reads, in_place as writes:
+            loss = model(input_ids=ids, labels=ids).loss
+        if recompute:
+            assert reads.call_count == 1 and set(reads.call_args.args[0]) == set(norms)
+            assert writes.call_count == 2 * 2  # keys and values of layers 0 and 2
+        else:
+            assert reads.call_count == 0 and writes.call_count == 0
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+        with counted as reads, torch.no_grad():
+            model(input_ids=ids)
+        assert reads.call_count == 0
+    (loss, grads), (loss_default, grads_default) = results
+    torch.testing.assert_close(loss, loss_default, atol=1e-12, rtol=0)
+    for name in grads_default:
+        torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
+    assert long_short_kernels.recoverable_layer_norms(norms) == frozenset([norms[0], norms[2]])
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2**20])
 def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
     """``LN_L`` written over its input and saving its output: the output and the gradients of the input, gain and
-    bias are ``nn.LayerNorm``'s (float64), in row chunks or in one, and the output is the input's own storage; a gain
-    below ``LN_MIN_GAMMA`` or a non-contiguous input falls back to ``nn.LayerNorm`` itself."""
+    bias are ``nn.LayerNorm``'s (float64), in row chunks or in one, and the output is the input's own storage; a
+    non-contiguous input falls back to ``nn.LayerNorm`` itself (a gain below ``LN_MIN_GAMMA`` never comes here: the
+    plan keeps such a layer's ``LN_L`` plain)."""
     torch.manual_seed(0)
     norm = torch.nn.LayerNorm(12).double()
     with torch.no_grad():
@@ -589,10 +594,7 @@ def test_layer_norm_in_place_matches_layer_norm(chunk_bytes):
         norm.bias.add_(torch.randn(12))
     x = torch.randn(3, 5, 12, dtype=torch.float64)
     weights = torch.randn(3, 5, 12, dtype=torch.float64)
-    for fallback in (None, "small_gain", "strided"):
-        if fallback == "small_gain":
-            with torch.no_grad():
-                norm.weight[3] = 0.0
+    for fallback in (None, "strided"):
         results = []
         for in_place in (True, False):
             norm.zero_grad()
@@ -863,67 +865,6 @@ def test_joined_projected_keys_keep_the_window_once():
         ("composition", "global"): [size],
         ("composition", "both"): [size, size],
     }
-
-
-def _extra_keys_inputs(dtype=torch.float64):
-    """q (2, 3, 40, 8), k (2, 3, 5, 8), v (2, 3, 5, 6) leaves and keep (2, 1, 1, 5): sample 0 keeps 3 of its 5 keys,
-    sample 1 none."""
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (
-        3 * torch.randn(2, 3, n, d, generator=generator, dtype=torch.float64) for n, d in ((40, 8), (5, 8), (5, 6))
-    )
-    keep = torch.tensor([[True, False, True, True, False], [False] * 5]).view(2, 1, 1, 5)
-    return [x.to(dtype).requires_grad_() for x in (q, k, v)], keep
-
-
-def _extra_keys_by_autograd(q, k, v, keep, scale):
-    """``ExtraKeysAttention``'s output and log-sum-exp by plain autograd: (B, H, m, Ev), (B, H, m)."""
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
-    lse = scores.logsumexp(-1)
-    return scores.softmax(-1).nan_to_num(0.0) @ v, lse
-
-
-def test_extra_keys_attention_matches_autograd():
-    """``ExtraKeysAttention``'s output, log-sum-exp and gradients (through both, as the merge with the window kernel
-    takes them) equal plain autograd's in float64, masked keys included; a sample that keeps no key gets a zero
-    output, a log-sum-exp of -inf and zero gradients, no NaN."""
-    results = []
-    for fn in (long_short_kernels.ExtraKeysAttention.apply, _extra_keys_by_autograd):
-        (q, k, v), keep = _extra_keys_inputs()
-        out, lse = fn(q, k, v, keep, 0.3)
-        finite = torch.isfinite(lse)
-        loss = out.square().sum() + torch.where(finite, lse, 0.0).sin().sum()
-        loss.backward()
-        results.append((out, lse, q.grad, k.grad, v.grad))
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
-    out, lse, *grads = results[0]
-    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
-    assert all(torch.isfinite(g).all() for g in grads) and (grads[0][1] == 0).all()
-
-
-def test_extra_keys_attention_scores_stay_float32_under_autocast():
-    """Under bfloat16 autocast ``ExtraKeysAttention`` computes the scores and probabilities in float32 from its
-    bfloat16 inputs (the kernel's own scores are never rounded): the float32 computation from the same inputs."""
-    (q, k, v), keep = _extra_keys_inputs(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, lse = long_short_kernels.ExtraKeysAttention.apply(q, k, v, keep, 0.3)
-    expected_out, expected_lse = _extra_keys_by_autograd(q.float(), k.float(), v.float(), keep, 0.3)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    torch.testing.assert_close(lse, expected_lse, atol=0, rtol=1e-6)
-    torch.testing.assert_close(out, expected_out.bfloat16(), atol=0, rtol=0)
-
-
-def test_extra_keys_attention_keeps_no_scores():
-    """``ExtraKeysAttention`` keeps its inputs, output and log-sum-exp for the backward pass and computes the (m, R)
-    probabilities again there; plain autograd keeps them."""
-    shapes = {}
-    for name, fn in (("function", long_short_kernels.ExtraKeysAttention.apply), ("autograd", _extra_keys_by_autograd)):
-        (q, k, v), keep = _extra_keys_inputs()
-        saved, _ = _saved_storages(functools.partial(fn, q, k, v, keep, 0.3))
-        shapes[name] = sorted(saved.values())
-    scores = 2 * 3 * 40 * 5
-    assert scores not in shapes["function"] and scores in shapes["autograd"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
