@@ -1,9 +1,14 @@
 """What the recipes share: argument dataclasses, parsing with clear errors, data loading, logging, resuming."""
 
 import ast
+import codecs
+import csv
 import functools
+import json
 import logging
+import re
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,8 +17,9 @@ import torch
 import transformers
 from datasets import DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
-from transformers.trainer_utils import get_last_checkpoint
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ls_hf import LongShortConfig, LongShortXLConfig
 from ls_hf.convert_roberta import misspelt_folder
@@ -29,8 +35,18 @@ class UsageError(ValueError):
     """A bad argument or unusable data; the message names the argument and the fix."""
 
 
+class FinishedRun(Exception):
+    """--output_dir holds a run that has reached this run's limit: nothing is left to train. ``cli`` prints the
+    message and returns ``results`` (the run's ``all_results.json``)."""
+
+    def __init__(self, message: str, results: dict):
+        super().__init__(message)
+        self.results = results
+
+
 def cli(main):
-    """Decorate a recipe's ``main(argv=None)``: a ``UsageError`` exits with status 2 and its message, no traceback.
+    """Decorate a recipe's ``main(argv=None)``: a ``UsageError`` exits with status 2 and its message, no traceback; a
+    ``FinishedRun`` prints its message and returns the finished run's results, writing nothing.
     In a distributed run (``accelerate launch``, ``torchrun``), a ``main`` that returns destroys the process group:
     a process that exits with it alive may abort in the interpreter's shutdown (SIGABRT, "terminate called without an
     active exception": gloo's threads still hold tensors), which fails the launch although training went well. After
@@ -43,6 +59,9 @@ def cli(main):
         except UsageError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
+        except FinishedRun as finished:
+            print(finished)
+            results = finished.results
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return results
@@ -155,6 +174,8 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    # Set by load_data when the validation examples are --validation_split_percentage of the training ones.
+    held_out: bool = field(default=False, init=False, repr=False)
 
     def files(self) -> dict[str, str]:
         """The local data file of each split given, e.g. ``{"train": ..., "validation": ...}``."""
@@ -166,11 +187,12 @@ class DataArguments:
         return {"train": "train", "validation": self.eval_split}
 
     def data_name(self, split: str) -> str:
-        """What ``split`` is read from, for model cards: a local file's name (the training file's for held-out
-        examples) or the Hub dataset."""
-        if self.train_file is None:
-            return self.dataset_name
-        return Path(self.files().get(split, self.train_file)).name
+        """What ``split`` is read from, for model cards: a local file's name or the Hub dataset, and for held-out
+        validation examples the share of the training examples they are."""
+        name = self.dataset_name if self.train_file is None else Path(self.files().get(split, self.train_file)).name
+        if split == "validation" and self.held_out:
+            return f"{name} ({self.validation_split_percentage} % held out)"
+        return name
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the argument if the data cannot be loaded."""
@@ -256,6 +278,67 @@ def hub_dataset(name: str, config_name: str | None, **kwargs):
         ) from err
 
 
+def column_option(data_args: DataArguments, column: str) -> str:
+    """The option that names ``column``: --text_column_name or --label_column_name."""
+    return "--text_column_name" if column == data_args.text_column_name else "--label_column_name"
+
+
+def file_columns(path: str) -> list[str] | None:
+    """The columns ``load_dataset`` reads from a local data file, as its first line tells them: a CSV's header, the
+    keys of a JSON Lines file's first object, ``text`` for a text file; None when the first line does not tell (a JSON
+    array spread over lines)."""
+    if Path(path).suffix == ".txt":
+        return ["text"]
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        if Path(path).suffix == ".csv":
+            return next(csv.reader(f), [])
+        try:
+            first = json.loads(f.readline())
+        except ValueError:
+            return None
+    return list(first) if isinstance(first, dict) else None
+
+
+def utf8_error(path: str) -> str | None:
+    """Where ``path`` stops being UTF-8 text, and why; None if all of it is."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                at = offset - pending + err.start
+                return f"byte {at}, {err.object[err.start : err.start + 1]!r}: {err.reason}"
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def unreadable_data(files: dict[str, str], err: Exception) -> str:
+    """Why ``load_dataset`` could not read the local ``files`` (split -> path), naming the file and the fix: text that
+    is not UTF-8, files with different columns, or a file without examples."""
+    for split, path in files.items():
+        if (problem := utf8_error(path)) is not None:
+            utf8 = Path(path).with_name(f"{Path(path).stem}.utf8{Path(path).suffix}")
+            return (
+                f"--{split}_file {path!r} is not UTF-8 text ({problem}); the recipes read UTF-8: re-encode it, e.g. "
+                f"from Latin-1: iconv -f latin1 -t utf-8 {path} > {utf8}"
+            )
+    columns = {split: file_columns(path) for split, path in files.items()}
+    if len({frozenset(found) for found in columns.values() if found is not None}) > 1:
+        listed = "; ".join(f"--{split}_file: {', '.join(found)}" for split, found in columns.items() if found)
+        return (
+            f"the data files have different columns ({listed}); they are read as one dataset, so give every file the "
+            f"same columns."
+        )
+    return (
+        f"no examples could be read from {', '.join(files.values())} ({err}); a CSV needs a header row and at least "
+        f"one example row."
+    )
+
+
 def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, need_test: bool = False) -> DatasetDict:
     """``train``, ``validation`` if ``need_eval`` and ``test`` if ``need_test``, with ``columns`` checked.
 
@@ -264,13 +347,19 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
     """
     if data_args.train_file is not None:
         files = data_args.files()
+        for split, path in files.items():
+            found = file_columns(path)
+            missing = [column for column in columns if found is not None and column not in found]
+            if missing:
+                raise UsageError(
+                    f"--{split}_file {path!r} has no column {missing[0]!r} (its columns: {', '.join(found)}); every "
+                    f"data file needs the columns the recipe reads: rename that column in the file, or name the "
+                    f"column with {column_option(data_args, missing[0])}."
+                )
         try:
             raw = load_dataset(BUILDERS[Path(data_args.train_file).suffix], data_files=files)
-        except (ValueError, DatasetGenerationError) as err:  # e.g. a CSV with a header and no rows
-            raise UsageError(
-                f"no examples could be read from {', '.join(files.values())} ({err}); a CSV needs a "
-                f"header row and at least one example row."
-            ) from err
+        except (ValueError, DatasetGenerationError) as err:
+            raise UsageError(unreadable_data(files, err)) from err
         sources = {split: split for split in files}
     else:
         raw = hub_dataset(data_args.dataset_name, data_args.dataset_config_name)
@@ -294,13 +383,14 @@ def load_data(data_args: DataArguments, columns: list[str], need_eval: bool, nee
         percent = data_args.validation_split_percentage
         held_out = data["train"].train_test_split(test_size=percent / 100, seed=0)
         data["train"], data["validation"] = held_out["train"], held_out["test"]
+        data_args.held_out = True
         logger.info("Evaluating on %d%% of the training examples, held out (%d).", percent, len(data["validation"]))
     for split, dataset in data.items():
         missing = [column for column in columns if column not in dataset.column_names]
         if missing:
             raise UsageError(
                 f"{split} data has no column {missing[0]!r} (columns: {dataset.column_names}); name the right one "
-                f"with --{'text' if missing[0] == data_args.text_column_name else 'label'}_column_name."
+                f"with {column_option(data_args, missing[0])}."
             )
     for split, limit in (("train", data_args.max_train_samples), ("validation", data_args.max_eval_samples)):
         if split in data and limit is not None:
@@ -331,16 +421,30 @@ RESUMABLE_CHANGES = (
 
 
 def checkpoint_to_resume(training_args, model) -> str | None:
-    """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour),
-    said on stderr; a ``UsageError`` before any work if its config differs from ``model``'s in anything but
-    ``RESUMABLE_CHANGES`` (another window, rank, width, ...: resuming would mix two models)."""
+    """--resume_from_checkpoint, else the last checkpoint in --output_dir when training (the examples' behaviour,
+    said on stderr). Before any work, a ``UsageError`` if a file of that checkpoint cannot be read (``damaged``) or
+    its config differs from ``model``'s in anything but ``RESUMABLE_CHANGES`` (another window, rank, width, ...:
+    resuming would mix two models), and a ``FinishedRun`` if it has reached this run's limit (``reached``)."""
     checkpoint = training_args.resume_from_checkpoint
     output_dir = Path(training_args.output_dir)
     if checkpoint is None and training_args.do_train and output_dir.is_dir():
         checkpoint = get_last_checkpoint(output_dir)
-        if checkpoint is not None:
-            print(f"Resuming training from {checkpoint} (use a new --output_dir to start over).", file=sys.stderr)
-    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+    if checkpoint is None:
+        return None
+    if not Path(checkpoint).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r}: no such folder.")
+    if (problem := damaged(Path(checkpoint))) is not None:
+        folder, name = Path(checkpoint).parent, Path(checkpoint).name
+        found = [path.name for path in checkpoints(folder)]
+        earlier = found[: found.index(name)] if name in found else []
+        fix = (
+            f"To resume from the checkpoint before it, {folder / earlier[-1]}, delete {checkpoint}; to start afresh, "
+            f"use a new --output_dir."
+            if earlier
+            else f"No earlier checkpoint is there: delete {checkpoint}, or use a new --output_dir, to start afresh."
+        )
+        raise UsageError(f"the checkpoint {checkpoint} cannot be read: {problem}. {fix}")
+    if (Path(checkpoint) / "config.json").is_file():
         saved, wanted = type(model.config).from_pretrained(checkpoint).to_dict(), model.config.to_dict()
         changed = {
             key: (saved.get(key), wanted.get(key))
@@ -352,7 +456,73 @@ def checkpoint_to_resume(training_args, model) -> str | None:
                 f"the checkpoint {checkpoint} holds a model with other settings: {changed} (saved, this "
                 f"run's); use a new --output_dir, or the same model arguments as that run."
             )
+    if training_args.do_train and (limit := reached(Path(checkpoint), training_args)) is not None:
+        finished_run(output_dir, checkpoint, *limit)
+    if training_args.resume_from_checkpoint is None:
+        print(f"Resuming training from {checkpoint} (use a new --output_dir to start over).", file=sys.stderr)
     return checkpoint
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The Trainer's checkpoint folders in ``folder``, by step."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    found = [path for path in folder.iterdir() if path.is_dir() and pattern.match(path.name)]
+    return sorted(found, key=lambda path: int(pattern.match(path.name).group(1)))
+
+
+def damaged(checkpoint: Path) -> str | None:
+    """The first file of a Trainer checkpoint that cannot be read, and why; None if all can. Reads the JSON files,
+    the safetensors headers and the zip directories of torch's files (.pt, .pth, .bin), not the tensors."""
+    if not (checkpoint / "trainer_state.json").is_file():
+        return "it has no trainer_state.json (was it written to the end?)"
+    for path in sorted(checkpoint.iterdir()):
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                with safe_open(path, "pt"):
+                    pass
+            elif path.suffix in (".pt", ".pth", ".bin"):
+                zipfile.ZipFile(path).close()
+        except (ValueError, OSError, SafetensorError, zipfile.BadZipFile) as err:
+            return f"{path.name}: {err}"
+    return None
+
+
+def reached(checkpoint: Path, training_args) -> tuple[str, str] | None:
+    """The limit of this run that ``checkpoint`` has reached, as a phrase naming its step, and the option setting it
+    (--max_steps, else --num_train_epochs); None if training goes on from it."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    step, epochs = state["global_step"], training_args.num_train_epochs
+    if training_args.max_steps > 0:
+        done = step >= training_args.max_steps
+        return (f"step {step} of --max_steps {training_args.max_steps}", "--max_steps") if done else None
+    if step >= state["max_steps"] and state["epoch"] >= epochs - 1e-6:
+        return f"step {step}, epoch {state['epoch']:g} of --num_train_epochs {epochs:g}", "--num_train_epochs"
+    return None
+
+
+def finished_run(output_dir: Path, checkpoint: str, limit: str, option: str) -> None:
+    """Raise ``FinishedRun`` with the results of the run in ``output_dir``, whose ``checkpoint`` reached ``limit``
+    (set by ``option``); a ``UsageError`` if the run's results are missing (it stopped after its last checkpoint)."""
+    try:
+        results = json.loads((output_dir / "all_results.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(
+            f"{checkpoint} has reached {limit}, but {output_dir / 'all_results.json'} cannot be read ({err}): the run "
+            f"stopped after its last checkpoint. Evaluate that checkpoint with --model_name_or_path {checkpoint} "
+            f"and --do_eval without --do_train, raise {option} to train on, or use a new --output_dir to start over."
+        ) from err
+    shown = ", ".join(
+        f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+        for key, value in results.items()
+        if not key.endswith(("_runtime", "_per_second", "total_flos"))
+    )
+    raise FinishedRun(
+        f"{output_dir} holds a finished run ({limit}): {shown} ({output_dir / 'all_results.json'}). Nothing was "
+        f"trained or written; raise {option} to train on, or use a new --output_dir to start over.",
+        results,
+    )
 
 
 class TiedKeysFilter(logging.Filter):
@@ -410,6 +580,32 @@ def check_memory(
     )
 
 
+class WarmupCheck(TrainerCallback):
+    """A warning when training starts if the warmup lasts the whole run: the learning rate never reaches its peak
+    (a fraction of the steps, --warmup_steps below 1, always ends within the run)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        warmup, steps = args.get_warmup_steps(state.max_steps), state.max_steps
+        if (
+            warmup < steps
+            or args.lr_scheduler_type in ("constant", "reduce_lr_on_plateau")
+            or not state.is_world_process_zero
+        ):
+            return
+        limit = (
+            f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        )
+        logger.warning(
+            "--warmup_steps %d is at least as long as this run, %d training steps (%s): the learning rate rises all "
+            "run and never reaches --learning_rate %g. Lower --warmup_steps (e.g. --warmup_steps 0.1, a tenth of the "
+            "run) or train longer.",
+            warmup,
+            steps,
+            limit,
+            args.learning_rate,
+        )
+
+
 def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:
     """Train (resuming from ``checkpoint``), evaluate on the validation data (--do_eval) and on ``test_dataset``
     (--do_predict), saving the model, the metrics and the state.
@@ -430,6 +626,7 @@ def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, te
         results.update(metrics)
 
     if training_args.do_train:
+        trainer.add_callback(WarmupCheck)
         tied_keys = TiedKeysFilter(trainer.model)
         transformers.trainer.logger.addFilter(tied_keys)
         try:

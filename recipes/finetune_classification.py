@@ -58,6 +58,18 @@ class ClassificationDataArguments(DataArguments):
     text_pair_column_name: str | None = field(
         default=None, metadata={"help": "Column holding the second text of a pair (e.g. a hypothesis), if any."}
     )
+    class_names: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Names of the integer labels 0, 1, ... for the model's id2label (e.g. neg pos), where the data "
+            "names none; default: the numbers (a string label is its own name)."
+        },
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.class_names is not None and len(set(self.class_names)) != len(self.class_names):
+            raise ValueError(f"--class_names must be distinct names, got {self.class_names}.")
 
     def files(self) -> dict[str, str]:
         return {**super().files(), **({"test": self.test_file} if self.test_file else {})}
@@ -103,6 +115,22 @@ def classification_metrics(prediction) -> dict[str, float]:
     return {"accuracy": accuracy, "accuracy_loss_tiebreak": accuracy - loss / (1 + loss) / len(labels)}
 
 
+def class_names(feature, values: list, given: list[str] | None) -> list[str]:
+    """The names of the sorted label ``values``: a ``ClassLabel``'s own, else ``given`` (--class_names) for integer
+    labels, else the values as strings."""
+    if isinstance(feature, ClassLabel):
+        return [feature.int2str(value) for value in values]
+    if given is None or not all(isinstance(value, int) for value in values):
+        return [str(value) for value in values]
+    outside = [value for value in values if not 0 <= value < len(given)]
+    if outside:
+        raise UsageError(
+            f"--class_names names the labels 0 to {len(given) - 1} ({' '.join(given)}), but the training data has "
+            f"label {outside[0]}: pass --class_names with a name for each of the labels {values}."
+        )
+    return [given[value] for value in values]
+
+
 def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> dict:
     """Parse ``argv`` with ``data_arguments`` (a preset may change its defaults), train, select, score; returns the
     metrics."""
@@ -128,7 +156,7 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
             f"the training data holds the single label {values} (--max_train_samples takes the first "
             f"rows, which may be sorted by label); a classifier needs at least two."
         )
-    names = [feature.int2str(v) if isinstance(feature, ClassLabel) else str(v) for v in values]
+    names = class_names(feature, values, data_args.class_names)
     label_ids = {value: i for i, value in enumerate(values)}
 
     tokenizer, model = model_args.load(
@@ -137,6 +165,7 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
     )
+    checkpoint = checkpoint_to_resume(training_args, model)
     length = max_tokens(model.config, tokenizer, data_args.max_seq_length)
     if training_args.do_train:  # batches are padded to their longest document: up to `length` tokens
         check_memory(model, training_args.per_device_train_batch_size, length, training_args)
@@ -181,7 +210,6 @@ def finetune(data_arguments: type[ClassificationDataArguments], argv=None) -> di
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=classification_metrics,
     )
-    checkpoint = checkpoint_to_resume(training_args, model)
     extra = {"max_seq_length": length, **truncated}
     return finish(trainer, training_args, data_args, checkpoint, lambda metrics: extra, data.get("test"))
 

@@ -1,10 +1,18 @@
 """Tiny local stand-ins for roberta-base: a byte-level BPE tokenizer trained on local text and a small RoBERTa.
 
-They let the demo and the tests run the real recipes offline in seconds; nothing is downloaded.
+They let the demo and the tests run the real recipes offline in seconds; nothing is downloaded. As a command, a small
+converted model to try every recipe with, offline:
+
+    python -m recipes.tiny --output_dir tiny-roberta-ls
+
+writes the LongShort masked LM (2 layers, hidden 32, 512 tokens, window 16, rank 4) to ``tiny-roberta-ls`` and the
+RoBERTa it was converted from, with its tokenizer, to ``tiny-roberta-ls-roberta`` (a source for ``ls-convert``).
 """
 
+import argparse
 import contextlib
 import csv
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,9 +88,9 @@ def tiny_roberta(folder, texts: list[str] | None = None, *, max_length: int = 51
 
 def tiny_long_short(folder, *, window_size: int = 16, projection_rank: int = 4, max_length: int = 512) -> Path:
     """``tiny_roberta`` converted by ``ls-convert-roberta`` (DualLN on) into ``folder``; its RoBERTa source is saved
-    next to it as ``<folder>-roberta``."""
+    next to it as ``source_folder(folder)``."""
     folder = Path(folder)
-    source = tiny_roberta(folder.with_name(folder.name + "-roberta"), max_length=max_length)
+    source = tiny_roberta(source_folder(folder), max_length=max_length)
     return convert_roberta(
         source,
         folder,
@@ -91,3 +99,58 @@ def tiny_long_short(folder, *, window_size: int = 16, projection_rank: int = 4, 
         projection_rank=projection_rank,
         log=lambda message: None,
     )
+
+
+def source_folder(folder) -> Path:
+    """Where ``tiny_long_short`` saves the RoBERTa it converts into ``folder``: ``<folder>-roberta`` beside it."""
+    return Path(folder).with_name(Path(folder).name + "-roberta")
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.tiny",
+        description="Build a small RoBERTa and its tokenizer from the shipped sample and convert it into a LongShort "
+        "masked LM, offline in seconds: a model to try every recipe with (--model_name_or_path OUTPUT_DIR).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--output_dir", required=True, help="the converted model; its RoBERTa goes to OUTPUT_DIR-roberta"
+    )
+    parser.add_argument("--max_length", type=int, default=512, help="tokens the model reads")
+    parser.add_argument("--window_size", type=int, default=16, help="window segment length w")
+    parser.add_argument("--projection_rank", type=int, default=4, help="dynamic projection rank r")
+    parser.add_argument("--overwrite", action="store_true", help="replace the two folders if they hold files")
+    args = parser.parse_args(argv)
+    folder = Path(args.output_dir).expanduser().resolve()
+    targets = (folder, source_folder(folder))
+    for path in targets:
+        if path.exists() and (not path.is_dir() or any(path.iterdir())) and not args.overwrite:
+            parser.error(f"{str(path)!r} already exists and is not empty; pass --overwrite to replace it.")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as built, one_thread():  # nothing half-written in place
+        try:
+            tiny_long_short(
+                Path(built) / folder.name,
+                window_size=args.window_size,
+                projection_rank=args.projection_rank,
+                max_length=args.max_length,
+            )
+        except ValueError as err:
+            parser.error(str(err))
+        for path in targets:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            (Path(built) / path.name).rename(path)
+    print(
+        f"wrote {folder} (LongShort masked LM: 2 layers, hidden 32, {args.max_length} tokens, window "
+        f"{args.window_size}, rank {args.projection_rank}) and its source {source_folder(folder)} (RoBERTa and its "
+        f"tokenizer). Try it: python -m recipes.finetune_imdb --model_name_or_path {folder} --train_file "
+        f"{IMDB_TRAIN} --output_dir {folder}-imdb --do_train --do_eval --max_steps 20"
+    )
+    return folder
+
+
+if __name__ == "__main__":
+    main()

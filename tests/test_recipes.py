@@ -2,6 +2,7 @@
 the artefacts appear, an interrupted run resumes, and bad arguments exit with a clear message."""
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import EvalPrediction
 
 from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification, LongShortXLConfig, LongShortXLForCausalLM
-from recipes import char_lm, common, demo, finetune_classification, finetune_imdb, pretrain_mlm, push_to_hub
+from recipes import char_lm, common, demo, finetune_classification, finetune_imdb, pretrain_mlm, push_to_hub, tiny
 from recipes.tiny import IMDB_TEST, IMDB_TRAIN, one_thread, sample_texts, tiny_long_short, tiny_roberta
 
 FAST = ["--learning_rate", "1e-3", "--per_device_train_batch_size", "16", "--seed", "0", "--disable_tqdm", "True"]
@@ -82,6 +83,15 @@ def logged_losses(output_dir):
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
 
+def files_of(folder):
+    """Every file under ``folder`` with its modification time and a hash of its bytes: equal if nothing was written."""
+    return {
+        path.relative_to(folder): (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+        for path in folder.rglob("*")
+        if path.is_file()
+    }
+
+
 def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
     out = tmp_path / "mlm"
     args = [
@@ -106,7 +116,7 @@ def test_pretrain_mlm_trains_evaluates_and_resumes(model_dir, tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
     assert metrics["perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert metrics["bits_per_token"] == pytest.approx(metrics["eval_loss"] / math.log(2))
-    assert metrics["eval_dataset"] == IMDB_TRAIN.name  # held-out 5% of the training documents
+    assert metrics["eval_dataset"] == f"{IMDB_TRAIN.name} (5 % held out)"  # of the training documents
     for name in ("model.safetensors", "config.json", "tokenizer.json", "all_results.json", "checkpoint-12"):
         assert (out / name).exists(), name
     LongShortForMaskedLM.from_pretrained(out)
@@ -142,7 +152,7 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     losses = logged_losses(out)
     assert len(losses) == 40 and sum(losses[-10:]) < sum(losses[:10])
     # The best epoch is chosen on reviews held out of the training file; the test file only scores the kept model.
-    assert metrics["eval_dataset"] == IMDB_TRAIN.name and metrics["test_dataset"] == IMDB_TEST.name
+    assert metrics["eval_dataset"] == f"{IMDB_TRAIN.name} (5 % held out)" and metrics["test_dataset"] == IMDB_TEST.name
     state = json.loads((out / "trainer_state.json").read_text())
     validation = [entry["eval_accuracy"] for entry in state["log_history"] if "eval_accuracy" in entry]
     assert len(validation) == 4 and max(validation) == metrics["eval_accuracy"]
@@ -157,8 +167,15 @@ def test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes(model_d
     assert 0.0 <= metrics["test_accuracy"] <= 1.0
     assert json.loads((out / "test_results.json").read_text())["test_accuracy"] == metrics["test_accuracy"]
     model = LongShortForSequenceClassification.from_pretrained(out)
-    assert model.config.id2label == {0: "0", 1: "1"}
+    assert model.config.id2label == {0: "neg", 1: "pos"} and model.config.label2id == {"neg": 0, "pos": 1}
     assert all((out / name).is_file() for name in ("model.safetensors", "all_results.json", "eval_results.json"))
+
+    # The same command again: the finished run is reported, not trained on, and nothing in its folder changes.
+    written = files_of(out)
+    capsys.readouterr()
+    assert finetune_imdb.main([*args, "--num_train_epochs", "4"]) == json.loads((out / "all_results.json").read_text())
+    assert f"{out} holds a finished run (step 40, epoch 4 of --num_train_epochs 4)" in capsys.readouterr().out
+    assert files_of(out) == written
 
     finetune_imdb.main([*args, "--num_train_epochs", "5", "--seed", "1"])  # resumes from the epoch-4 checkpoint
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 50
@@ -277,7 +294,7 @@ def test_imdb_dataset_name_holds_out_validation_reviews_and_keeps_test_apart(tmp
     again = common.load_data(data_args, columns, need_eval=True)
     assert again["validation"]["text"] == data["validation"]["text"] and "test" not in again
     assert set(common.load_data(data_args, columns, need_eval=False)) == {"train"}
-    assert data_args.data_name("validation") == str(folder)
+    assert data_args.data_name("validation") == f"{folder} (5 % held out)"
 
 
 @pytest.mark.parametrize(("extra", "selects"), [([], True), (["--eval_strategy", "no"], False)])
@@ -302,7 +319,7 @@ def test_finetune_imdb_train_only(model_dir, tmp_path, extra, selects):
     assert metrics["train_loss"] > 0 and (out / "model.safetensors").is_file()
     state = json.loads((out / "trainer_state.json").read_text())
     assert (state["best_model_checkpoint"] is not None) == selects
-    assert metrics.get("eval_dataset") == (IMDB_TRAIN.name if selects else None)
+    assert metrics.get("eval_dataset") == (f"{IMDB_TRAIN.name} (5 % held out)" if selects else None)
 
 
 def test_max_tokens_is_the_models_max_input_length():
@@ -625,6 +642,62 @@ def test_best_epoch_among_equal_accuracies_has_the_lowest_loss(model_dir, tmp_pa
             ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--dataset_name", "./imdb_folder"],
             "--dataset_name './imdb_folder': no such local folder",
         ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--do_predict",
+                "--train_file",
+                "sentiment.csv",
+                "--test_file",
+                str(IMDB_TEST),
+            ],
+            "--train_file 'sentiment.csv' has no column 'label' (its columns: text, sentiment)",
+        ),
+        (
+            finetune_imdb,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--do_predict",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--test_file",
+                "with_id.csv",
+            ],
+            "the data files have different columns (--train_file: text, label; --test_file: text, label, id)",
+        ),
+        (
+            pretrain_mlm,
+            ["--model_name_or_path", "MODEL", "--output_dir", "o", "--do_train", "--train_file", "latin1.txt"],
+            (
+                "--train_file 'latin1.txt' is not UTF-8 text (byte 3, b'\\xe9': invalid continuation byte); the "
+                "recipes read UTF-8: re-encode it, e.g. from Latin-1: iconv -f latin1 -t utf-8 latin1.txt > "
+                "latin1.utf8.txt"
+            ),
+        ),
+        (
+            finetune_classification,
+            [
+                "--model_name_or_path",
+                "MODEL",
+                "--output_dir",
+                "o",
+                "--do_train",
+                "--train_file",
+                str(IMDB_TRAIN),
+                "--class_names",
+                "negative",
+            ],
+            "--class_names names the labels 0 to 0 (negative), but the training data has label 1",
+        ),
         (push_to_hub, ["MODEL", "not a repo id!", "--dry-run", "o"], "REPO_ID"),
         (push_to_hub, ["./nowhere", "user/model", "--dry-run", "o"], "MODEL_DIR"),
     ],
@@ -638,6 +711,9 @@ def test_bad_arguments_exit_with_a_clear_message(
     (tmp_path / "empty.csv").write_text("")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one_line.txt").write_text("a single short document\n")
+    (tmp_path / "sentiment.csv").write_text("text,sentiment\n" + "".join(f"review {i},{i % 2}\n" for i in range(8)))
+    (tmp_path / "with_id.csv").write_text("text,label,id\n" + "".join(f"review {i},{i % 2},{i}\n" for i in range(8)))
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1") * 20)
     (tmp_path / "ls-tiny-model").mkdir()
     shutil.copy(model_dir / "config.json", tmp_path / "ls-tiny-model")
     with zipfile.ZipFile(tmp_path / "two.zip", "w") as archive:
@@ -678,7 +754,7 @@ def test_hub_dataset_offline_is_a_clear_error(model_dir, tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("script", [finetune_classification, finetune_imdb, pretrain_mlm, char_lm, push_to_hub])
+@pytest.mark.parametrize("script", [finetune_classification, finetune_imdb, pretrain_mlm, char_lm, push_to_hub, tiny])
 def test_help(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--help"])
@@ -927,6 +1003,137 @@ def test_resume_is_said_and_a_checkpoint_of_another_shape_is_refused(tmp_path, c
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "holds a model with other settings" in err and message in err
         assert "use a new --output_dir" in err and not (out / "checkpoint-4").exists()
+
+
+@pytest.mark.parametrize("script", [pretrain_mlm, char_lm])
+def test_a_finished_run_rerun_is_reported_and_left_as_it_is(script, model_dir, tmp_path, capsys):
+    """A run that reached --max_steps, run again unchanged: its results are printed and returned, and nothing in its
+    folder is written (no step past the limit, no new checkpoint, model and results untouched); a larger --max_steps
+    trains on. (finetune_imdb's epochs: test_finetune_imdb_selects_on_held_out_data_reports_test_and_resumes.)"""
+    out = tmp_path / "run"
+    if script is pretrain_mlm:
+        data = ["--model_name_or_path", str(model_dir), "--train_file", str(IMDB_TRAIN), "--max_seq_length", "64"]
+    else:
+        (tmp_path / "text.txt").write_text("\n\n".join(sample_texts()))
+        data = ["--train_file", str(tmp_path / "text.txt"), *TINY_CHAR_LM]
+    args = [*data, "--output_dir", str(out), "--do_train", "--do_eval", "--warmup_steps", "0", *FAST]
+    first = script.main([*args, "--max_steps", "2"])
+    written = files_of(out)
+    capsys.readouterr()
+    again = script.main([*args, "--max_steps", "2"])
+    printed = capsys.readouterr().out
+    assert again == first == json.loads((out / "all_results.json").read_text())
+    assert f"{out} holds a finished run (step 2 of --max_steps 2): " in printed and "Nothing was trained" in printed
+    assert files_of(out) == written and not (out / "checkpoint-3").exists()
+
+    script.main([*args, "--max_steps", "3"])
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_a_damaged_checkpoint_is_named_with_the_way_back(model_dir, tmp_path, capsys):
+    """A checkpoint file cut short or overwritten stops the rerun before any work, naming the file, the error and the
+    way back: delete that checkpoint to resume from the one before it (done here), or a new --output_dir."""
+    out = tmp_path / "mlm"
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "--max_seq_length",
+        "64",
+        "--save_steps",
+        "1",
+        *FAST,
+    ]
+    pretrain_mlm.main([*args, "--max_steps", "2"])
+    last, before = out / "checkpoint-2", out / "checkpoint-1"
+    optimizer = (last / "optimizer.pt").read_bytes()
+    for name, damage, error in (
+        ("optimizer.pt", optimizer[: len(optimizer) // 2], "File is not a zip file"),
+        ("model.safetensors", b"\xff" * 64, "header too large"),
+    ):
+        (last / name).write_bytes(damage)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            pretrain_mlm.main([*args, "--max_steps", "3"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"the checkpoint {last} cannot be read: {name}: " in err and error in err
+        assert f"To resume from the checkpoint before it, {before}, delete {last}; to start afresh, use a new" in err
+        assert not (out / "checkpoint-3").exists()
+        (last / "optimizer.pt").write_bytes(optimizer)
+
+    shutil.rmtree(last)
+    pretrain_mlm.main([*args, "--max_steps", "3"])
+    assert f"Resuming training from {before}" in capsys.readouterr().err
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_a_warmup_as_long_as_the_run_is_warned(model_dir, tmp_path, caplog):
+    """pretrain_mlm's default 500 warmup steps in a 2-step run: one warning naming both numbers and the flag; a
+    fraction of the run (--warmup_steps below 1) gets none."""
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(IMDB_TRAIN),
+        "--do_train",
+        "--max_seq_length",
+        "64",
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        *FAST,
+    ]
+    pretrain_mlm.main([*args, "--output_dir", str(tmp_path / "a")])
+    warnings = [record.getMessage() for record in caplog.records if "--warmup_steps" in record.getMessage()]
+    expected = (
+        "--warmup_steps 500 is at least as long as this run, 2 training steps (--max_steps 2): the learning rate "
+        "rises all run and never reaches --learning_rate 0.001. Lower --warmup_steps (e.g. --warmup_steps 0.1, a "
+        "tenth of the run) or train longer."
+    )
+    assert warnings == [expected]
+    caplog.clear()
+    pretrain_mlm.main([*args, "--output_dir", str(tmp_path / "b"), "--warmup_steps", "0.5"])
+    assert not [record for record in caplog.records if "--warmup_steps" in record.getMessage()]
+
+
+def test_tiny_builds_a_model_the_recipes_run_offline(tmp_path, capsys):
+    """``python -m recipes.tiny --output_dir tiny-roberta-ls``: a small RoBERTa and tokenizer built here and converted,
+    which pretrain_mlm and finetune_imdb take as they are; an existing non-empty folder is kept unless --overwrite."""
+    folder = tmp_path / "tiny-roberta-ls"
+    assert tiny.main(["--output_dir", str(folder)]) == folder
+    assert f"wrote {folder}" in capsys.readouterr().out
+    assert (folder / "model.safetensors").is_file() and (
+        tmp_path / "tiny-roberta-ls-roberta" / "tokenizer.json"
+    ).is_file()
+    steps = ["--max_steps", "2", "--max_seq_length", "64", *FAST]
+    mlm = pretrain_mlm.main(
+        ["--model_name_or_path", str(folder), "--train_file", str(IMDB_TRAIN), "--output_dir", str(tmp_path / "mlm")]
+        + ["--do_train", "--do_eval", *steps]
+    )
+    imdb = finetune_imdb.main(
+        ["--model_name_or_path", str(folder), "--train_file", str(IMDB_TRAIN), "--test_file", str(IMDB_TEST)]
+        + ["--output_dir", str(tmp_path / "imdb"), "--do_train", "--do_eval", "--do_predict", *steps]
+    )
+    assert mlm["eval_loss"] > 0 and 0 <= imdb["test_accuracy"] <= 1
+
+    model = (folder / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.main(["--output_dir", str(folder)])
+    assert exit_info.value.code == 2 and "already exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert (folder / "model.safetensors").read_bytes() == model
+    tiny.main(["--output_dir", str(folder), "--overwrite", "--window_size", "8"])
+    assert json.loads((folder / "config.json").read_text())["window_size"] == 8
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "imdb",
+        "mlm",
+        "tiny-roberta-ls",
+        "tiny-roberta-ls-roberta",
+    ]
 
 
 def test_checkpoints_are_bounded_by_default():
