@@ -11,7 +11,7 @@ from recipes.lra import data as lra_data
 from recipes.lra.data import LISTOPS_VOCAB, OPERATORS, ListOpsRules, generate_listops, listops
 from recipes.lra.model import LRAClassifier, LRAConfig, from_official
 from recipes.lra.train import machine as train_machine
-from recipes.lra.train import main
+from recipes.lra.train import main, resolve
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SMALL = ListOpsRules(max_depth=4, max_args=5, min_length=10, max_length=60, train=64, dev=16, test=16)
@@ -323,6 +323,40 @@ def test_checkpoints_that_would_run_code_are_refused(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="objects other than tensors and plain data"):
         main(_argv(run, 4))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "overwritten", "empty", "results.json"])
+def test_a_damaged_checkpoint_is_named_with_how_to_start_afresh(tmp_path, capsys, damage):
+    """A last.pt cut short (``OSError: [Errno 22]`` from torch), overwritten with other bytes or empty, or a damaged
+    results.json: the rerun stops before any work, naming the file and how to go on, not with a traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": {"w": torch.ones(1000)}, "state": {"step": 2}}, run / "last.pt")
+    whole = (run / "last.pt").read_bytes()
+    name = "results.json" if damage == "results.json" else "last.pt"
+    changed = {"cut short": whole[:-10], "overwritten": bytes(range(256)) * 20, "empty": b"", "results.json": b'{"ru'}
+    (run / name).write_bytes(changed[damage])
+    with pytest.raises(SystemExit, match=rf"{run / name} cannot be read \(.*\): the file is damaged") as stop:
+        main(_argv(run, 6))
+    assert "start the run afresh, delete" in str(stop.value) and "or use another --output_dir" in str(stop.value)
+    assert not (tmp_path / "data").exists()  # stopped before generating the data
+
+
+def test_a_short_run_scales_the_default_warmup_and_an_explicit_one_must_fit(tmp_path, capsys):
+    """--steps 5 without --warmup: Table 8's 1000 warm-up steps (of 5000) cannot fit, so the warm-up is the same 20 %
+    (at least OneCycleLR's 2 steps), said on stdout; a run the task's warm-up fits keeps it; an explicit --warmup that
+    does not fit, and fewer than 4 steps, are refused with the range."""
+    out = ["--task", "listops", "--output_dir", str(tmp_path / "run")]
+    assert resolve([*out, "--steps", "5"]).warmup == 2 and resolve([*out, "--steps", "50"]).warmup == 10
+    assert "--warmup 2: Table 8's 1000 warm-up steps (of 5000) do not fit --steps 5" in capsys.readouterr().out
+    assert resolve([*out, "--steps", "2000"]).warmup == 1000 and resolve([*out]).warmup == 1000
+    for argv, message in (
+        (["--steps", "5", "--warmup", "1000"], "--warmup must be in [2, --steps - 2] = [2, 3]"),
+        (["--steps", "3"], "--steps must be >= 4"),
+    ):
+        with pytest.raises(SystemExit):
+            resolve([*out, *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_label_scores_and_reweighting():

@@ -17,7 +17,9 @@ import pickle
 import platform
 import sys
 import time
+import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -140,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
 def resolve(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     defaults = TASKS[args.task]
+    warmup_given = args.warmup is not None
     for key in ("steps", "warmup", "max_length", "weight_decay", "dropout"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
@@ -148,8 +151,19 @@ def resolve(argv=None) -> argparse.Namespace:
     for key in ("steps", "batch_size", "eval_batch_size", "eval_every", "max_length"):
         if getattr(args, key) < 1:
             parser().error(f"--{key} must be >= 1, got {getattr(args, key)}")
-    if not 2 <= args.warmup <= args.steps - 2:  # OneCycleLR's two phases need two steps each
-        parser().error(f"--warmup must be in [2, --steps - 2], got {args.warmup} with --steps {args.steps}")
+    if args.steps < 4:  # OneCycleLR's two phases need two steps each
+        parser().error(f"--steps must be >= 4 (a warm-up and a decay of at least 2 steps each), got {args.steps}")
+    if not warmup_given and args.warmup > args.steps - 2:
+        args.warmup = min(max(round(defaults["warmup"] * args.steps / defaults["steps"]), 2), args.steps - 2)
+        print(
+            f"--warmup {args.warmup}: Table 8's {defaults['warmup']} warm-up steps (of {defaults['steps']}) do not fit "
+            f"--steps {args.steps}, so the warm-up is the same share of this run (--warmup sets it)."
+        )
+    if not 2 <= args.warmup <= args.steps - 2:
+        parser().error(
+            f"--warmup must be in [2, --steps - 2] = [2, {args.steps - 2}] (OneCycleLR's warm-up and decay need 2 "
+            f"steps each), got {args.warmup}; pass a --warmup in that range, or more --steps."
+        )
     if args.task != "listops" and args.data_dir is None:
         parser().error(f"--data_dir is required for --task {args.task}: the folder with its train/dev/test data")
     if args.threads is not None and args.threads < 1:
@@ -278,15 +292,31 @@ def save(obj, path: Path) -> None:
 
 def load(path: Path, device: torch.device | str) -> dict:
     """A checkpoint of this recipe, read with ``torch.load(weights_only=True)``: tensors and plain data only, so a
-    file from elsewhere cannot run code. A file holding anything else exits with a message saying so."""
+    file from elsewhere cannot run code. A file holding anything else, or that cannot be read (``damaged``), exits
+    with a message saying so."""
     try:
         return torch.load(path, weights_only=True, map_location=device)
     except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):  # not torch's format: bytes lost or overwritten
+            damaged(path, err)
         raise SystemExit(
             f"error: {path} holds objects other than tensors and plain data ({str(err).splitlines()[0]})"
             f"; this recipe writes no such checkpoint and does not load it. Remove it, or use another "
             f"folder."
         ) from err
+    except (RuntimeError, OSError, EOFError) as err:  # a zip cut short, a file of zeros, an empty file
+        damaged(path, err)
+
+
+def damaged(path: Path, err: Exception) -> NoReturn:
+    """Exit naming ``path``, a file of the run's folder that cannot be read, and how to go on."""
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__  # EOFError: no message
+    raise SystemExit(
+        f"error: {path} cannot be read ({reason}): the file is damaged, e.g. by a stop while it was written. This "
+        f"recipe keeps no earlier checkpoint to resume from: to start the run afresh, delete "
+        f"{path.parent / 'last.pt'}, {path.parent / 'best.pt'} and {path.parent / 'results.json'}, or use another "
+        f"--output_dir."
+    ) from err
 
 
 def saved_settings(results: dict | None, last: dict | None) -> dict | None:
@@ -332,7 +362,10 @@ def main(argv=None):
     out = Path(args.output_dir)
     results_path, last_path, best_path = out / "results.json", out / "last.pt", out / "best.pt"
     run = {key: getattr(args, key) for key in RUN_KEYS}
-    results = json.loads(results_path.read_text()) if results_path.exists() else None
+    try:
+        results = json.loads(results_path.read_text()) if results_path.exists() else None
+    except ValueError as err:
+        damaged(results_path, err)
     last = load(last_path, "cpu") if last_path.exists() else None
     saved = saved_settings(results, last)
     if saved is not None and saved != run:
