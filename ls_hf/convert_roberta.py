@@ -29,12 +29,16 @@ source's function (tested to 1e-5 on the logits or hidden states, with global to
 import argparse
 import difflib
 import re
+import ssl
 import sys
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from huggingface_hub import constants, is_offline_mode
 from tokenizers import Tokenizer
 from transformers import (
     AutoConfig,
@@ -135,6 +139,24 @@ def misspelt_folder(name) -> str | None:
     return str(path.parent / close[0]) if close else None
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be asked for a model now: offline mode (``HF_HUB_OFFLINE``), or no answer from its endpoint
+    within 5 s; None when it answers. One request, without the retries of a download (about 30 s with no network)."""
+    if is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=5).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, ssl.SSLError):  # it answered; certificates are the Hub client's to judge
+            return None
+        return f"the Hub ({constants.ENDPOINT}) cannot be reached ({err.reason})"
+    except OSError as err:  # a timeout
+        return f"the Hub ({constants.ENDPOINT}) cannot be reached ({err})"
+    return None
+
+
 def _load_source(src: str):
     """Source config, masked LM and tokenizer; ``ValueError`` naming the problem if SRC is unusable."""
     src = str(src)
@@ -148,9 +170,17 @@ def _load_source(src: str):
             f"the owner, owner/name.)"
         )
     src = str(path) if local else src
+    offline = None if local else hub_unreachable()
+    cached = {"local_files_only": True} if offline else {}  # only the Hub cache: no download to retry
     try:
-        config = AutoConfig.from_pretrained(src)
+        config = AutoConfig.from_pretrained(src, **cached)
     except (OSError, ValueError) as err:
+        if offline:
+            raise ValueError(
+                f"SRC {src!r}: no local folder of that name, {offline}, and the Hub cache ({constants.HF_HUB_CACHE}) "
+                f"holds no copy of it. Pass a local checkpoint folder, or convert where the Hub can be reached"
+                f"{' (without HF_HUB_OFFLINE)' if is_offline_mode() else ''}."
+            ) from err
         where = "" if local else " no local folder of that name, and"
         raise ValueError(f"SRC {src!r}:{where} could not load a config.json from it ({err}).") from err
     if config.model_type not in SOURCES:
@@ -181,13 +211,13 @@ def _load_source(src: str):
             f"it to the tokenizer's pad id (RoBERTa's is 1) in SRC's config.json."
         )
     try:
-        source, info = family.auto_class.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
+        source, info = family.auto_class.from_pretrained(src, dtype=torch.float32, output_loading_info=True, **cached)
     except OSError as err:
         raise ValueError(f"SRC {src!r}: could not load masked-LM weights from it ({err}).") from err
     if info["missing_keys"]:
         raise ValueError(f"SRC {src!r} lacks masked-LM weights {sorted(info['missing_keys'])[:5]}; pass {family.kind}.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        tokenizer = AutoTokenizer.from_pretrained(src, **cached)
     except (OSError, ValueError) as err:
         raise ValueError(f"SRC {src!r} has no usable tokenizer ({err}); save one next to the weights.") from err
     problem = _tokenizer_problem(tokenizer, config)

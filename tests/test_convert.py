@@ -6,7 +6,9 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
+import huggingface_hub
 import pytest
 import torch
 from transformers import (
@@ -254,6 +256,24 @@ def test_errors_are_clear_and_leave_nothing_behind(roberta, tmp_path, capsys, mo
     assert not (existing / "keep.txt").exists() and (existing / "model.safetensors").is_file()
     assert LongShortForMaskedLM.from_pretrained(existing).config.use_dual_ln is False
     assert not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("why", ["offline mode", "no answer"])
+def test_a_hub_id_offline_fails_fast_naming_why(why, tmp_path, monkeypatch):
+    """A Hub id that is not in the cache, with HF_HUB_OFFLINE set or no Hub that answers (here a closed local port),
+    is refused at once with the reason, instead of after the downloads' retries (about 30 s)."""
+    if why == "offline mode":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        expected = "HF_HUB_OFFLINE is set"
+    else:
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+        expected = r"the Hub \(http://127.0.0.1:9\) cannot be reached"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"SRC 'ls-tests/tiny-roberta':.*{expected}.*holds no copy of it"):
+        convert_roberta("ls-tests/tiny-roberta", tmp_path / "out")
+    assert time.perf_counter() - start < 10 and not (tmp_path / "out").exists()
 
 
 def test_unusable_sources_are_refused_before_writing(roberta, tmp_path, capsys):
