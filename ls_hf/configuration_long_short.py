@@ -22,8 +22,11 @@ class LongShortConfig(PreTrainedConfig):
 
     Long-Short fields (paper Sec. 3, Appendix D):
         window_size (`int` or `list[int]`, defaults to 256): segment length w of the sliding window; a query sees
-            its segment plus w/2 keys on each side (span 2w), or causally the w keys left of its segment and its
-            segment's past. One value for every layer or a list with one per layer.
+            its segment plus ``max(w // 2, 1)`` keys on each side (``long_short_rules.window_extent``): span 2w for
+            an even w, w + 2 (w // 2) = 2w - 1 for an odd w >= 3, and 3 for w = 1. Causally it sees the w keys left
+            of its segment and its segment's past (w >= 1). w = 0, bidirectional only, turns the window off: the
+            projection only, each query sees the r projected rows (and the global tokens), so r must be >= 1. One
+            value for every layer or a list with one per layer.
         projection_rank (`int` or `list[int]`, defaults to 64): rows r of the dynamic projection (Eq. 3) per head;
             0 turns the long-range branch off. Int or per-layer list.
         causal_segment_length (`int`, defaults to 16): causal models only: the projection compresses each segment

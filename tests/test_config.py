@@ -8,6 +8,7 @@ from transformers import AutoConfig, PreTrainedConfig, RobertaConfig
 
 import ls_hf
 from ls_hf import LongShortConfig
+from ls_hf.long_short_rules import window_bounds
 
 
 def test_roberta_fields_map_one_to_one():
@@ -105,3 +106,18 @@ def test_edited_config_is_checked_when_a_model_is_built():
     config.is_decoder = True  # RoBERTa's way to make a decoder; l = 8 > w = 4 is now invalid
     with pytest.raises(ValueError, match="causal_segment_length"):
         ls_hf.LongShortForCausalLM(config)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 8])
+def test_the_docstring_states_the_window_of_odd_and_zero_window_sizes(window):
+    """What ``window_size`` means for odd values, 1 and 0 is the docstring's, and it is what the code does: the span of
+    keys a bidirectional segment sees, and w = 0 (projection only) needing a projection."""
+    doc = " ".join(LongShortConfig.__doc__.split())
+    assert "max(w // 2, 1)" in doc and "2w - 1 for an odd w >= 3, and 3 for w = 1" in doc
+    assert "w = 0, bidirectional only, turns the window off: the projection only" in doc
+    low, high = window_bounds(0, window, causal=False)
+    documented = 3 if window == 1 else 2 * window - 1 if window % 2 else 2 * window
+    assert high - low == documented
+    LongShortConfig(window_size=0, projection_rank=4)
+    with pytest.raises(ValueError, match="both 0"):
+        LongShortConfig(window_size=0, projection_rank=0)
