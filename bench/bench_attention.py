@@ -26,7 +26,7 @@ memory is skipped, not run into the OOM killer.
     python -m bench.bench_attention --device cuda --dtype bf16 --max-n 65536
 
 Writes ``bench/results/attention_<device>[_<dtype>].json``, ``.md`` and ``.png`` and prints markdown tables with
-each peer's ratio to Long-Short. Times are never asserted anywhere.
+Long-Short's speed and memory over each peer's. Times are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -308,27 +308,30 @@ def _get(rows, peer, n):
 
 
 def _cell(row, key, scale, fmt, base=None):
+    """``row[key]`` scaled, and beside it the ratio of Long-Short's (``base``) to the row's: of speeds for a time,
+    of the quantities otherwise."""
     if row is None:
         return "-"
     if row["status"] != "ok":
         return row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
     text = format(row[key] * scale, fmt)
-    if base is not None and base.get("status") == "ok" and base[key] > 0:
-        text += f" ({row[key] / base[key]:.2f}x)"
+    if base is not None and base.get("status") == "ok" and base[key] > 0 and row[key] > 0:
+        ratio = row[key] / base[key] if key == "time_s" else base[key] / row[key]
+        text += f" ({ratio:.2f}x)"
     return text
 
 
 def tables(rows, peers, ns, memory_label) -> str:
-    """Markdown tables: time and memory (ratio to long-short in parentheses), GFLOP/s and the FLOP bound."""
+    """Markdown tables: time (Long-Short's speed over each peer's in parentheses) and memory (Long-Short's over each
+    peer's), GFLOP/s and the FLOP bound."""
     lines = []
+    ratio = "(x) = long-short / peer"
     metrics = [
-        ("median time, forward + backward (ms); (x) = peer / long-short", "time_s", 1e3, ".1f"),
-        (f"{memory_label} (MiB); (x) = peer / long-short", "peak_mem_bytes", 2.0**-20, ".0f"),
+        ("median time, forward + backward (ms); (x) = long-short's speed / peer's", "time_s", 1e3, ".1f"),
+        (f"{memory_label} (MiB); {ratio}", "peak_mem_bytes", 2.0**-20, ".0f"),
     ]
     if any("peak_alloc_bytes" in row for row in rows):
-        metrics.append(
-            ("peak tensor memory, CPU allocator (MiB); (x) = peer / long-short", "peak_alloc_bytes", 2.0**-20, ".0f")
-        )
+        metrics.append((f"peak tensor memory, CPU allocator (MiB); {ratio}", "peak_alloc_bytes", 2.0**-20, ".0f"))
     for title, key, scale, fmt in metrics:
         lines += [f"**{title}**", "", "| n | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
         for n in ns:
