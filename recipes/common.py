@@ -607,8 +607,8 @@ class WarmupCheck(TrainerCallback):
 
 
 def finish(trainer, training_args, data_args, checkpoint, extra_metrics=None, test_dataset=None) -> dict:
-    """Train (resuming from ``checkpoint``), evaluate on the validation data (--do_eval) and on ``test_dataset``
-    (--do_predict), saving the model, the metrics and the state.
+    """Train (resuming from ``checkpoint``; ``WarmupCheck`` warns of a warmup as long as the run), evaluate on the
+    validation data (--do_eval) and on ``test_dataset`` (--do_predict), saving the model, the metrics and the state.
 
     ``extra_metrics`` adds derived numbers to the evaluation and test metrics, which also name their data
     (``eval_dataset``, ``test_dataset``: a Hub dataset or a local file name, for model cards). Returns all metrics.
