@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
-#   bash run.sh demo   runs the main job on built-in small data
-#   bash run.sh test   runs the test suite
-#   bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile]   on a CUDA machine, each part within 5 minutes:
-#                      'tests' runs the tests that take the device (tests/device_tests.txt) on CUDA in float32 and
-#                      bfloat16 side by side for at most GPU_CHECK_TIME_LIMIT s, 270 (each outcome logged as it
-#                      finishes in GPU_CHECK_LOG_DIR, default bench/results/); 'bench' runs bench.gpu_bars, the GPU
-#                      targets within the same budget, compiling included (one table with each ratio and whether it is
-#                      met; JSON in bench/results/ and in GPU_CHECK_LOG_DIR); 'profile' runs bench.profile_attention
-#                      (where the time goes: the 1-D layer and cvt_ls_13's inference and training, at most 100 s each,
-#                      into GPU_CHECK_LOG_DIR); without a part, all three in turn; 'tests <dtype>' one precision. It
-#                      first says which declared dependencies the environment (VENV, default .venv) lacks, and refuses
-#                      when the check needs one. Without a GPU it says so and exits 0
+#   bash run.sh demo        runs the main job on built-in small data
+#   bash run.sh test        runs the test suite
+#   bash run.sh gpu-check   on a CUDA machine: the tests that take the device (tests/device_tests.txt) on CUDA in
+#                           float32 and in bfloat16, then each benchmark in bench/ on CUDA in bfloat16, each printing
+#                           its table (JSON in bench/results/). Without a GPU it says so and exits 0
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in  # an unknown command is refused before anything is created or installed
@@ -19,23 +12,13 @@ case "${1:-}" in  # an unknown command is refused before anything is created or 
     *) echo "usage: bash run.sh demo|test|gpu-check [args]${1:+, got '$1'}" >&2; exit 2 ;;
 esac
 if [ "$1" = gpu-check ]; then
-    part="${2:-all}" dtypes="${3:-float32 bfloat16}"
-    usage="usage: bash run.sh gpu-check [tests [float32|bfloat16]|bench|profile] (all when omitted)"
-    if [ "$part" != all ] && [ "$part" != tests ] && [ "$part" != bench ] && [ "$part" != profile ]; then
-        echo "$usage, got '$part'" >&2
-        exit 2
-    fi
-    if [ -n "${3:-}" ] && { [ "$part" != tests ] || { [ "$3" != float32 ] && [ "$3" != bfloat16 ]; }; }; then
-        echo "$usage: a precision follows 'tests' and is float32 or bfloat16, got '$part $3'" >&2
+    if [ "$#" -gt 1 ]; then
+        echo "usage: bash run.sh gpu-check (no arguments), got '${*:2}'" >&2
         exit 2
     fi
     if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
         echo "run.sh gpu-check: no GPU found (no NVIDIA driver answers nvidia-smi); nothing to check on this machine."
         exit 0
-    fi
-    if [ -x "${VENV:-.venv}/bin/python" ]; then  # an environment made without run.sh is checked before any work
-        "${VENV:-.venv}/bin/python" -m bench.dependencies || exit 1
-        dependencies_checked=1
     fi
 fi
 VENV="${VENV:-.venv}"
@@ -60,59 +43,25 @@ case "${1:-}" in
                  "torch (pip install torch --index-url https://download.pytorch.org/whl/cu128, say)." >&2
             exit 1
         fi
-        [ -n "${dependencies_checked:-}" ] || "$VENV/bin/python" -m bench.dependencies || exit 1
-        log_dir="${GPU_CHECK_LOG_DIR:-bench/results}" limit="${GPU_CHECK_TIME_LIMIT:-270}"
-        mkdir -p "$log_dir"
         status=0
-        if [ "$part" = all ] || [ "$part" = tests ]; then
-            pids=()
-            for dtype in $dtypes; do  # the precisions side by side: GPU_CHECK_WORKERS pytest workers each
-                log="$log_dir/gpu_check_tests_$dtype.log"
-                echo "run.sh gpu-check: tests on CUDA in $dtype, each outcome in $log as it finishes (at most ${limit} s)"
-                # -v logs each outcome as it finishes, so a run stopped at the limit (SIGINT: pytest still prints its
-                # summary) names what ran; one compile thread per worker, the workers being many; the file list
-                # expanded here, for any pytest version
-                # shellcheck disable=SC2046
-                LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 15 "$limit" \
-                    "$VENV/bin/python" -m pytest -v -p no:cacheprovider --durations=15 -n "${GPU_CHECK_WORKERS:-6}" \
-                    $(cat tests/device_tests.txt) > "$log" 2>&1 &
-                pids+=("$!")
-            done
-            for pid in "${pids[@]}"; do
-                wait "$pid" || status=1
-            done
-            for dtype in $dtypes; do
-                log="$log_dir/gpu_check_tests_$dtype.log"
-                echo "run.sh gpu-check: $dtype ($log):"
-                grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)|no tests ran" "$log" || echo "  no summary"
-                if grep -q KeyboardInterrupt "$log"; then
-                    echo "  stopped after ${limit} s (GPU_CHECK_TIME_LIMIT): the tests the log does not name did not run"
-                fi
-            done
-        fi
-        if [ "$part" = all ] || [ "$part" = bench ]; then
-            # the bars, compiling included, within the same limit; the table at the end, JSON in bench/results/ and in
-            # the log folder, both written after each section; stopped 30 s after the budget should a section
-            # overrun it (a compilation under way may hold off the section's alarm), keeping what was measured
-            timeout -s INT -k 15 "$((limit + 30))" \
-                "$VENV/bin/python" -m bench.gpu_bars --budget-s "$limit" --copy-to "$log_dir" || status=1
-        fi
-        if [ "$part" = all ] || [ "$part" = profile ]; then
-            # where the time goes: the attention layer at 4k tokens, batch 8, beside the window's kernel; cvt_ls_13
-            # beside Transformers' CvT-13 at 224, batch 32, each stage's attention layers timed; its training steps on
-            # FlexAttention and on the Triton window kernels
-            profiles=("attention --n 4096 --batch 8"
-                "vision --vision cvt_ls_13 cvt_ls_13-triton hf_cvt_13 --resolution 224 --batch 32"
-                "vision-train --vision cvt_ls_13 cvt_ls_13-triton --train --resolution 224 --batch 32")
-            for profile in "${profiles[@]}"; do  # a name, then bench.profile_attention's arguments
-                name="${profile%% *}"
-                echo "run.sh gpu-check: profiling $name (at most 100 s): $log_dir/profile_${name}_cuda.txt"
-                # shellcheck disable=SC2086
-                timeout 100 "$VENV/bin/python" -m bench.profile_attention ${profile#* } \
-                    --out "$log_dir/profile_${name}_cuda.txt" > "$log_dir/profile_$name.log" 2>&1 \
-                    || { echo "run.sh gpu-check: the $name profile did not finish (see its log)"; status=1; }
-            done
-        fi
-        exit "${status:-0}"
+        for dtype in float32 bfloat16; do
+            echo "run.sh gpu-check: the device tests on CUDA in $dtype"
+            # four workers share the GPU, with one compile thread each
+            LS_TEST_DEVICE=cuda LS_TEST_DTYPE=$dtype TORCHINDUCTOR_COMPILE_THREADS=1 \
+                "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 4 @tests/device_tests.txt || status=1
+        done
+        benchmark() {  # python -m bench.<$1> with the other arguments, on CUDA in bfloat16
+            echo "run.sh gpu-check: python -m bench.$* --device cuda --dtype bf16"
+            "$VENV/bin/python" -m "bench.$1" "${@:2}" --device cuda --dtype bf16 || status=1
+        }
+        benchmark bench_attention --max-n 65536
+        benchmark bench_models --layers 12 --lengths 4096 16384 --batch 2 --optimizer-step --contexts 512 8192 \
+            --peers long-short roberta-sdpa longformer modernbert
+        benchmark bench_vision --batch 32 --resolutions 224 448 --train-resolutions 224 448 \
+            --models cvt_ls_13 hf_cvt_13 deit_small_patch16_224
+        benchmark bench_vision --batch 32 --resolutions 224 448 --train-resolutions 224 448 \
+            --models vil_ls_medium swin_small_patch4_window7_224 --out bench/results/vision_cuda_bf16_vil_ls.json
+        benchmark bench_limits --budgets memory --memory-gib 16
+        exit "$status"
         ;;
 esac

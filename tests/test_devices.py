@@ -1,9 +1,5 @@
-"""The test device/dtype settings (tests/devices.py), the GPU run's selection of tests, and ``bash run.sh gpu-check``
-on a machine without a GPU."""
+"""The test device/dtype settings (tests/devices.py) and the GPU run's selection of tests."""
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,35 +18,6 @@ from tests.devices import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_gpu_check_without_a_gpu_says_so_and_succeeds():
-    if shutil.which("nvidia-smi") or torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: bash run.sh gpu-check runs the CUDA tests and benchmarks here")
-    env = {**os.environ, "VENV": "/nonexistent"}  # the check comes before any environment is made
-    done = subprocess.run(
-        ["bash", str(ROOT / "run.sh"), "gpu-check"], capture_output=True, text=True, env=env, check=False, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    assert "no GPU found" in done.stdout
-    assert not Path("/nonexistent").exists()
-
-
-@pytest.mark.parametrize("args", [["benchmarks"], ["tests", "float16"], ["bench", "bfloat16"], ["profile", "float32"]])
-def test_gpu_check_refuses_unknown_arguments_before_anything_runs(args):
-    """An unknown part, an unknown precision, or a precision after anything but 'tests': usage error, exit 2."""
-    env = {**os.environ, "VENV": "/nonexistent"}
-    done = subprocess.run(
-        ["bash", str(ROOT / "run.sh"), "gpu-check", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    assert "gpu-check [tests [float32|bfloat16]|bench|profile]" in done.stderr and f"'{' '.join(args)}'" in done.stderr
-    assert not Path("/nonexistent").exists()
 
 
 def test_device_test_list_names_existing_test_files():
