@@ -41,6 +41,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
+from .long_short_plan import AttentionPlan, plan_attention
 
 # The decoding cache's name as a forward argument, in model outputs and in ``generate``'s model kwargs:
 # ``past_key_values`` up to Transformers 5.23, ``cache`` from 5.24 (which still reads the old name and warns).
@@ -94,16 +95,6 @@ def roberta_position_ids(
     earlier = past_length - (real.shape[1] - n)  # cached tokens before the first column of `real`
     real = real.long()
     return ((real.cumsum(1) + earlier) * real + padding_idx)[:, -n:]
-
-
-def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``attention_mask`` for the attention layers, or None when it marks every token real, as Transformers' SDPA
-    mask preparation drops an all-ones mask (one read of the device per forward pass): the layers then take their
-    unpadded path, with no key-validity mask and no masked projection, whose compiled code serves every length.
-    Kept as it is inside ``torch.compile``, which cannot branch on its values."""
-    if attention_mask is None or torch.compiler.is_compiling() or not bool((attention_mask > 0).all()):
-        return attention_mask
-    return None
 
 
 def first_token_global(reference: torch.Tensor) -> torch.Tensor:
@@ -189,27 +180,14 @@ class LongShortAttention(nn.Module):
 
     def __init__(self, config: LongShortConfig, layer_idx: int):
         super().__init__()
-        self.config = config
         self.self = LongShortSelfAttention(**config.attention_kwargs(layer_idx))
         self.output = LongShortSelfOutput(config)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        state: CausalState | None = None,
-        output_attentions: bool = False,
-        global_attention_mask: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, *, plan: AttentionPlan, state: CausalState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The implementation is read from the config at each call, so ``set_attn_implementation`` takes effect."""
-        context, attentions = self.self(
-            hidden_states,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            state=state,
-            output_attentions=output_attentions,
-            attn_implementation=self.config._attn_implementation or "sdpa",
-        )
+        """``plan``: the model's attention plan of this forward pass (``plan_attention``)."""
+        context, attentions = self.self(hidden_states, plan=plan, state=state)
         return self.output(hidden_states=context, input_tensor=hidden_states), attentions
 
 
@@ -244,29 +222,17 @@ class LongShortLayer(GradientCheckpointingLayer):
         self.intermediate = LongShortIntermediate(config)
         self.output = LongShortOutput(config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
-        global_attention_mask: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *, plan: AttentionPlan, **kwargs) -> torch.Tensor:
         cache = kwargs.get(CACHE_NAME)  # by that name, so that gradient checkpointing can drop it
         state = cache.layers[self.layer_idx].state if cache is not None else None
-        attention_output, _ = self.attention(
-            hidden_states,
-            attention_mask=attention_mask,
-            state=state,
-            output_attentions=output_attentions,
-            global_attention_mask=global_attention_mask,
-        )
+        attention_output, _ = self.attention(hidden_states, plan=plan, state=state)
         return self.output(hidden_states=self.intermediate(attention_output), input_tensor=attention_output)
 
 
 class LongShortEncoder(nn.Module):
     def __init__(self, config: LongShortConfig):
         super().__init__()
+        self.config = config
         self.layer = nn.ModuleList([LongShortLayer(config, i) for i in range(config.num_hidden_layers)])
 
     def forward(
@@ -277,15 +243,20 @@ class LongShortEncoder(nn.Module):
         output_attentions: bool = False,
         global_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Makes the attention plan of the forward pass once (the masks' validity, the global tokens, the backend, the
+        fused path's block masks) and hands it to every layer, as Transformers' models build their masks once."""
+        plan = plan_attention(
+            [layer.attention.self for layer in self.layer],
+            hidden_states,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            cached_tokens=None if cache is None else cache.get_seq_length(),
+            output_attentions=output_attentions,
+            attn_implementation=self.config._attn_implementation or "sdpa",
+        )
         for layer in self.layer:
             # hidden_states positionally, for reentrant gradient checkpointing
-            hidden_states = layer(
-                hidden_states,
-                attention_mask=attention_mask,
-                output_attentions=output_attentions,
-                global_attention_mask=global_attention_mask,
-                **{CACHE_NAME: cache},
-            )
+            hidden_states = layer(hidden_states, plan=plan, **{CACHE_NAME: cache})
         return hidden_states
 
 
@@ -396,15 +367,15 @@ class LongShortPreTrainedModel(PreTrainedModel):
     # "sdpa" (Transformers' default) runs the fastest exact path where the tensors are: on CUDA one block-sparse
     # FlexAttention call per layer (compiled once per process), elsewhere F.scaled_dot_product_attention on the window
     # tiles; "eager" always the latter (the portable reference); "flex_attention" FlexAttention everywhere (forward
-    # only on CPU). Attention weights and cached decoding steps take the SDPA/explicit path. Each call reads
-    # config._attn_implementation, so set_attn_implementation works after loading. output_attentions=True works in a
+    # only on CPU). Attention weights and cached decoding steps take the SDPA/explicit path. Each forward pass reads
+    # config._attn_implementation (``LongShortEncoder.forward``), so set_attn_implementation works after loading. output_attentions=True works in a
     # call under any; Transformers allows config.output_attentions only with eager.
     _supports_sdpa = True
     _supports_flex_attn = True
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
-        """The attention reads ``config._attn_implementation`` at each call (``LongShortAttention.forward``), so
+        """The attention reads ``config._attn_implementation`` at each call (``LongShortEncoder.forward``), so
         ``set_attn_implementation`` may switch it (Transformers' own test of the source looks for its attention
         interface, which Long-Short attention does not use)."""
         return True
@@ -544,7 +515,7 @@ class LongShortModel(LongShortPreTrainedModel):
         )
         hidden_states = self.encoder(
             hidden_states=hidden_states,
-            attention_mask=padding_mask(attention_mask),
+            attention_mask=attention_mask,
             cache=cache,
             output_attentions=output_attentions,
             global_attention_mask=global_attention_mask,
@@ -692,15 +663,22 @@ class LongShortForCausalLM(LongShortLanguageModel, GenerationMixin):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
-        """Transformers' checks, then: the prompt and the new tokens must fit the position table, checked before the
-        first step rather than failing after some tokens."""
-        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        """The prompt must leave room in the position table for a new token (else it must be cut), Transformers'
+        checks, then the prompt and the new tokens must fit the table: checked before the first step rather than
+        failing after some tokens."""
         limit = self.config.max_input_length
+        if input_ids_length >= limit:
+            raise ValueError(
+                f"The prompt has {input_ids_length} tokens, and this model's position table holds {limit}: no new "
+                f"token fits after it. Cut the prompt to fit, at most {limit - 1} tokens (e.g. keep its last "
+                f"{limit - 1}), so that prompt + max_new_tokens <= {limit}."
+            )
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
         if generation_config.max_length > limit:
             raise ValueError(
                 f"The prompt ({input_ids_length} tokens) plus the new tokens would reach {generation_config.max_length} "
                 f"tokens, beyond the {limit} this model's position table holds: keep prompt + max_new_tokens <= {limit} "
-                f"(e.g. max_new_tokens={max(limit - input_ids_length, 0)}) or shorten the prompt."
+                f"(e.g. max_new_tokens={limit - input_ids_length}) or shorten the prompt."
             )
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):

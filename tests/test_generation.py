@@ -262,3 +262,15 @@ def test_generation_beyond_the_position_limit_is_refused_before_the_first_step(m
     with pytest.raises(ValueError, match=rf"prompt \(20 tokens\).*{limit + 1} tokens.*max_new_tokens={limit - 20}"):
         model.generate(tokens(1, 20), max_new_tokens=limit - 19, do_sample=False)
     assert model.generate(tokens(1, 20), max_new_tokens=limit - 20, do_sample=False).shape == (1, limit)
+
+
+@pytest.mark.parametrize("extra", [0, 5])
+def test_a_prompt_that_fills_the_position_table_must_be_cut(model, extra):
+    """A prompt of the model's length or longer leaves no position for a new token: the error says to cut it to at
+    most max_input_length - 1 tokens, not to generate no token (max_new_tokens=0)."""
+    limit = model.config.max_input_length
+    with pytest.raises(
+        ValueError, match=rf"prompt has {limit + extra} tokens.*Cut the prompt.*at most {limit - 1}"
+    ) as e:
+        model.generate(tokens(1, limit + extra), max_new_tokens=1, do_sample=False)
+    assert "max_new_tokens=0" not in str(e.value)

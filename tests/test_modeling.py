@@ -397,16 +397,18 @@ def test_right_padding_does_not_change_real_positions(overrides, device, dtype):
 
 @pytest.mark.parametrize("overrides", [{}, {"is_decoder": True}], ids=["bidirectional", "causal"])
 def test_an_all_ones_mask_reaches_the_layers_as_none(overrides):
-    """As Transformers drops an all-ones mask before SDPA, the model passes the layers None for a mask that marks every
-    token real (the unpadded path, whose compiled code serves every length), the same outputs; a mask with padding
-    reaches them as it is."""
+    """As Transformers drops an all-ones mask before SDPA, the model's attention plan holds None for a mask that marks
+    every token real (the unpadded path, whose compiled code serves every length), the same outputs; a mask with
+    padding reaches the layers as it is. Every layer gets the same plan, made once a forward pass."""
     model = LongShortModel(tiny_config(**overrides)).eval()
-    masks = []
+    masks, plans = [], []
+
+    def plan_of(module, args, kwargs):
+        plans.append(kwargs["plan"])
+        masks.append(kwargs["plan"].masks.valid)
+
     for layer in model.encoder.layer:
-        layer.attention.self.register_forward_pre_hook(
-            lambda module, args, kwargs: masks.append(kwargs["attention_mask"]),
-            with_kwargs=True,
-        )
+        layer.attention.self.register_forward_pre_hook(plan_of, with_kwargs=True)
     ids, padded = tokens(2, 19), torch.ones(2, 19, dtype=torch.long)
     padded[1, slice(0, 5) if overrides else slice(14, None)] = 0  # causal: left padding; bidirectional: right
     with torch.no_grad():
@@ -415,7 +417,8 @@ def test_an_all_ones_mask_reaches_the_layers_as_none(overrides):
         ones = model(ids, attention_mask=torch.ones(2, 19, dtype=torch.long)).last_hidden_state
         assert masks[2:] == [None, None]
         model(ids, attention_mask=padded)
-    assert all(mask is not None and mask.equal(padded) for mask in masks[4:]) and len(masks) == 6
+    assert all(mask is not None and mask.equal(padded.bool()) for mask in masks[4:]) and len(masks) == 6
+    assert all(plans[i] is plans[i + 1] for i in range(0, 6, 2))
     torch.testing.assert_close(ones, plain, atol=0, rtol=0)
 
 
@@ -498,13 +501,11 @@ def test_attn_implementations_load_and_the_fused_path_matches_the_explicit_softm
 def test_set_attn_implementation_after_loading_switches_the_attention(tmp_path, monkeypatch):
     """``model.set_attn_implementation(...)`` after ``from_pretrained`` changes the path the attention runs at the next
     call (FlexAttention's block mask is built, or no longer), with the same output."""
-    from ls_hf import long_short_attention
+    from ls_hf import long_short_fused
 
     built = []
-    real = long_short_attention.long_short_flex_attend
-    monkeypatch.setattr(
-        long_short_attention, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k)
-    )
+    real = long_short_fused.long_short_flex_attend
+    monkeypatch.setattr(long_short_fused, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k))
     LongShortForMaskedLM(tiny_config()).save_pretrained(tmp_path)
     model = AutoModelForMaskedLM.from_pretrained(tmp_path).double().eval()
     ids, mask = tokens(), torch.ones(2, 19, dtype=torch.long)
