@@ -6,12 +6,15 @@ models, where ``attn_implementation="sdpa"`` takes it, and its errors. Its block
 Checked, never timed. Eager FlexAttention warns that it materialises the scores; that is expected at these sizes.
 """
 
+import functools
+
 import pytest
 import timm
 import torch
 
 import ls_hf.long_short_rules as rules
-from ls_hf import long_short_attention, long_short_blocks
+from ls_hf import long_short_blocks, long_short_fused
+from ls_hf.long_short_blocks import flex_attend
 from ls_timm import long_short_attention_2d, long_short_blocks_2d
 from ls_timm.long_short_attention_2d import LongShortAttention2d
 from tests.cuda_lowered import compile_on_cpu
@@ -53,14 +56,16 @@ def test_flex_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, strips, use_dual_l
     ids=["vil_bias_cls", "cvt_one_head"],
 )
 def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
-    """The package's compiled FlexAttention kernel (``compiled_flex_attention`` on ``COMPILED_DEVICES``, as CUDA runs
-    it: the fused kernel, which skips the blocks the BlockMask leaves out and calls no mask_mod on full ones), float32,
-    tolerance scaled to the outputs' magnitude: 588 and 400 slots in tile order, partial tiles on both sides for ViL-LS
-    (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, each compiled specialised to its size."""
-    monkeypatch.setattr(long_short_blocks, "COMPILED_DEVICES", (device.type,))
+    """The package's compiled FlexAttention kernel (``compiled_flex_attention`` on ``FUSED_DEVICES``, as CUDA runs it:
+    the fused kernel, which skips the blocks the BlockMask leaves out and calls no mask_mod on full ones; the rest of
+    the layer uncompiled), float32, tolerance scaled to the outputs' magnitude: 588 and 400 slots in tile order,
+    partial tiles on both sides for ViL-LS (w = 7, 8-wide heads); one head (CvT stage 1). Two map sizes each, each
+    compiled specialised to its size."""
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", (device.type,))
     for shrink in (0, 3):
         H, W = case[0] - shrink, case[1] - shrink
         sdpa, flex, x = pair(H, W, *case[2:], device, torch.float32)
+        flex.compile_attention = False
         with torch.no_grad():
             expected = sdpa(x, (H, W))
             out = flex(x, (H, W))
@@ -92,19 +97,21 @@ def built(case, *, seed=2, **kwargs):
 
 @pytest.mark.compiled
 def test_compiled_layer_matches_sdpa_and_is_shared(monkeypatch):
-    """The fused path's whole layer compiled (``compiled_attention_layer_2d``; the CPU standing in for CUDA,
+    """The fused path's whole layer compiled (``compiled_attention_layer``; the CPU standing in for CUDA,
     FlexAttention computed densely there with its score_mod, float64; CvT projections with BatchNorm in training mode,
     the ViL-LS window bias, a global token, partial tiles): the output, and the gradients of the input and of every
     parameter, are the SDPA layouts'; a second module of the same settings reuses every compilation."""
     from torch._dynamo.utils import counters
 
     compile_on_cpu(monkeypatch)
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_attention_2d, "flex_attend", _dense_flex_attend)
     compiled_layers = []
-    real = long_short_attention_2d.compiled_attention_layer_2d
+    real = long_short_attention_2d.compiled_attention_layer
     monkeypatch.setattr(
-        long_short_attention_2d, "compiled_attention_layer_2d", lambda: compiled_layers.append(1) or real()
+        long_short_attention_2d,
+        "compiled_attention_layer",
+        lambda layer, **kwargs: compiled_layers.append(1) or real(layer, **kwargs),
     )
     case = (9, 11, 16, 2, 3, 2, 1, {"conv_proj": True, "conv_dynamic_proj": True, "window_bias": True})
     results, new_graphs = {}, []
@@ -143,11 +150,11 @@ def test_compiled_layer_is_specialised_to_each_map_size(monkeypatch):
         graphs.append(symbolic(graph))
         return graph.forward
 
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     case = (20, 18, 16, 2, 4, 4, 1, {"window_bias": True})
     new_graphs = []
-    cached = (long_short_attention_2d.compiled_attention_layer_2d, long_short_blocks.compiled_flex_attention)
+    cached = (long_short_fused.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
     with package_compiled_with(monkeypatch, recording, *cached):
         for seed, shrink in ((2, 0), (2, 3), (3, 0)):  # the third: another module, the first map size
             H, W = case[0] - shrink, case[1] - shrink
@@ -164,19 +171,18 @@ def test_compiled_layer_is_specialised_to_each_map_size(monkeypatch):
 
 
 def test_compiled_layer_runs_where_it_can(monkeypatch):
-    """``forward`` sends the fused path to ``compiled_attention_layer_2d`` on ``ls_hf``'s ``COMPILED_LAYER_DEVICES`` in
+    """``forward`` sends the fused path to ``compiled_attention_layer`` on ``ls_hf``'s ``FUSED_DEVICES`` in
     ``FUSED_DTYPES``, and not with ``compile_attention=False`` (``timm.create_model``'s too) or on the SDPA layouts;
     the output is the layer's either way. (The compiled region itself is checked above; here it runs uncompiled, to
-    count its calls.)"""
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    count its calls, FlexAttention computed densely.)"""
+    monkeypatch.setattr(long_short_attention_2d, "flex_attend", _dense_flex_attend)
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return LongShortAttention2d._layer(*args, **kwargs)
 
-    monkeypatch.setattr(long_short_attention_2d, "compiled_attention_layer_2d", lambda: counted)
+    monkeypatch.setattr(long_short_attention_2d, "compiled_attention_layer", lambda layer, **kwargs: counted)
     kwargs = {"depths": (1, 1, 1, 1), "img_size": 64}
     default = timm.create_model("vil_ls_small", **kwargs)
     _randomise(default)
@@ -190,7 +196,8 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
 
     count, expected = compiled_calls(default)
     assert count == 0  # the CPU does not compile the layer by default
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     count, out = compiled_calls(default)
     assert count == 2  # the two Long-Short stages
     assert_close(out, expected, atol=EXACT)
@@ -220,8 +227,12 @@ def test_default_matches_the_portable_path_on_the_test_device(case, device, dtyp
     layer compiled around it; here on any test device, the CPU standing in, uncompiled) against "eager" (the SDPA
     layouts) on the test device, with several 128-token blocks and partial tiles: outputs, and where FlexAttention
     has a backward (not on the CPU) the gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7)."""
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (dtype,))
+    if (
+        device.type == "cpu"
+    ):  # FlexAttention uncompiled there, as the CPU runs it (its compiled kernel takes no float64)
+        monkeypatch.setattr(long_short_attention_2d, "flex_attend", functools.partial(flex_attend, compiled=False))
     grads = device.type != "cpu"
     outs = []
     for implementation in ("sdpa", "eager"):
@@ -327,11 +338,12 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch):
             out = model(x)
         return out, len(built)
 
+    monkeypatch.setattr(long_short_attention_2d, "flex_attend", functools.partial(flex_attend, compiled=False))
     expected, count = builds(default)
     assert count == 0  # the CPU is not a fused device
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
     assert builds(default)[1] == 0  # nor is float64 a fused dtype
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     out, count = builds(default)
     assert count == 2
     assert_close(out, expected, atol=EXACT)

@@ -16,9 +16,9 @@ import pytest
 import timm
 import torch
 
-from ls_hf import long_short_attention
+from ls_hf import long_short_blocks, long_short_fused
 from ls_timm import long_short_attention_2d, window_kernel_2d
-from ls_timm.long_short_attention_2d import LongShortAttention2d
+from ls_timm.long_short_attention_2d import LongShortAttention2d, plan_attention_2d
 from ls_timm.window_kernel_2d import (
     LaunchGeometry,
     bias_table_rows,
@@ -100,8 +100,8 @@ def kernel_calls(monkeypatch):
 
 def _fused_on(monkeypatch, device, dtype):
     """The fused path where the test runs (CUDA and its dtypes take it anyway; the CPU and float64 stand in)."""
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (dtype,))
 
 
 def test_launch_geometry_of_cvt_ls_13_at_224():
@@ -153,7 +153,7 @@ def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_ca
     sdpa.strip_max_tokens = 0
     kernel = LongShortAttention2d(dim, heads, w, r, num_prefix_tokens=g, **kwargs, compile_attention=False).eval()
     kernel.load_state_dict(sdpa.state_dict())
-    kernel.window_kernel_devices = (device.type,)
+    kernel.window_kernel = True
     x = torch.randn(2, g + H * W, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     sdpa, kernel, x = sdpa.to(device, dtype), kernel.to(device, dtype), x.to(device, dtype)
     _assert_all_close(_output_and_gradients(kernel, x, (H, W)), _output_and_gradients(sdpa, x, (H, W)))
@@ -161,30 +161,38 @@ def test_window_kernel_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, kernel_ca
 
 
 def test_window_kernel_where_asked(monkeypatch):
-    """``_backend`` takes the kernels on ``window_kernel_devices`` (none by default), on the fused path, in training
-    as in inference, but not for training under ``torch.use_deterministic_algorithms``; ``"flex_attention"`` always
-    FlexAttention, ``"eager"`` and the CPU by default the SDPA layouts."""
+    """The plan (``plan_attention_2d``) takes the kernels with ``window_kernel`` (off by default), on the fused path,
+    in training as in inference, but not for training under ``torch.use_deterministic_algorithms``;
+    ``"flex_attention"`` always FlexAttention, ``"eager"`` and the CPU by default the SDPA layouts."""
     _fused_on(monkeypatch, torch.device("cpu"), torch.float32)
     module = LongShortAttention2d(16, 2, 4, 2)
     x = torch.randn(1, 36, 16)
-    assert module._backend(x) == "flex"  # no devices by default
-    module.window_kernel_devices = ("cpu",)
-    assert module._backend(x) == "window_kernel"
+
+    def backend(x):
+        return plan_attention_2d([module], x, (6, 6)).backend
+
+    assert backend(x) == "flex"  # off by default
+    module.window_kernel = True
+    assert backend(x) == "window_kernel"
     with torch.inference_mode():
-        assert module._backend(x) == "window_kernel"
-    assert module._backend(x.double()) == "sdpa"  # not a fused dtype
+        assert backend(x) == "window_kernel"
+    assert backend(x.double()) == "sdpa"  # not a fused dtype
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert module._backend(x) == "flex"  # the kernels' backward adds gradients atomically
+        assert backend(x) == "flex"  # the kernels' backward adds gradients atomically
         with torch.no_grad():
-            assert module._backend(x) == "window_kernel"
+            assert backend(x) == "window_kernel"
     finally:
         torch.use_deterministic_algorithms(deterministic)
     module.attn_implementation = "flex_attention"
-    assert module._backend(x) == "flex"
+    with torch.no_grad():  # FlexAttention has no backward on the CPU
+        assert backend(x) == "flex"
     module.attn_implementation = "eager"
-    assert module._backend(x) == "sdpa"
+    assert backend(x) == "sdpa"
+    module.attn_implementation = "sdpa"
+    _fused_on(monkeypatch, torch.device("cuda"), torch.float32)
+    assert backend(x) == "sdpa"  # the CPU is no longer a fused device
 
 
 def test_query_rectangle_holds_whole_blocks_or_rows_of_one():
@@ -212,7 +220,7 @@ def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
     _randomise(model)
     expected = timm.create_model("vil_ls_small", **kwargs, attn_implementation="eager").double().eval()
     expected.load_state_dict(model.state_dict())
-    monkeypatch.setattr(LongShortAttention2d, "window_kernel_devices", ("cpu",))
+    monkeypatch.setattr(LongShortAttention2d, "window_kernel", True)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
         assert_close(model(x), expected(x), atol=EXACT)
@@ -227,18 +235,18 @@ def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
 @pytest.mark.parametrize("compiled_by", ["package", "caller"])
 def test_compiled_layer_calls_the_kernels(compiled_by, monkeypatch):
     """The layer compiled with the kernels inside, as operators of its graphs (the profiler sees the forward and
-    backward operators run): by the package (the fused path's ``compiled_attention_layer_2d``, static shapes) or by
+    backward operators run): by the package (the fused path's ``compiled_attention_layer``, static shapes) or by
     the caller (``torch.compile`` of a module with ``compile_attention=False``, as timm's training script compiles a
     model); float32: the SDPA layouts' output and gradients, tolerance scaled to their magnitudes."""
     compile_on_cpu(monkeypatch)
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float32,))
-    long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float32,))
+    long_short_fused.compiled_attention_layer.cache_clear()
     sdpa = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, attn_implementation="eager")
     _randomise(sdpa)
     kwargs = {"compile_attention": compiled_by == "package"}
     compiled = LongShortAttention2d(16, 2, 7, 2, num_prefix_tokens=1, window_bias=True, **kwargs)
     compiled.load_state_dict(sdpa.state_dict())
-    compiled.window_kernel_devices = ("cpu",)
+    compiled.window_kernel = True
     call = torch.compile(compiled) if compiled_by == "caller" else compiled
     x = torch.randn(2, 1 + 9 * 11, 16, generator=torch.Generator().manual_seed(2))
     try:
@@ -246,7 +254,7 @@ def test_compiled_layer_calls_the_kernels(compiled_by, monkeypatch):
             expected = _output_and_gradients(sdpa.eval(), x, (9, 11))
             actual = _output_and_gradients(compiled.eval(), x, (9, 11), call)
     finally:
-        long_short_attention_2d.compiled_attention_layer_2d.cache_clear()
+        long_short_fused.compiled_attention_layer.cache_clear()
     _assert_all_close(actual, expected, relative=1e-5)
     ran = {event.name for event in profile.events() if event.name.startswith(("transformer_ls::", "Torch-Compiled"))}
     assert {"transformer_ls::window_attention_2d", "transformer_ls::window_attention_2d_backward"} <= ran
@@ -313,13 +321,13 @@ def test_operator_names_what_it_lacks(monkeypatch):
     with pytest.raises(ValueError, match=r"in one dtype, got .*float64.*call window_attention_2d"):
         window_kernel_2d._window_attention_2d_forward(q, q.double(), q, q[:, :0], q[:, :0], 2, 2, 2, 1, None)
     huge = torch.empty_strided((1, 2, 8), (2**32, 2**30, 1), device="meta")  # rows 2**30 elements apart
-    with pytest.raises(ValueError, match="32-bit offsets.*window_kernel_devices empty"):
+    with pytest.raises(ValueError, match="32-bit offsets.*window_kernel False"):
         window_kernel_2d._inputs(huge, q, q, q[:, :0], q[:, :0], None, 2, 1)
     monkeypatch.setattr(window_kernel_2d, "_window_attention_2d_kernel", object())  # as compiled for a GPU
     with pytest.raises(RuntimeError, match="only in Triton's interpreter; set TRITON_INTERPRET=1"):
         window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes)
     monkeypatch.setattr(window_kernel_2d, "triton", None)
-    with pytest.raises(RuntimeError, match="needs Triton.*window_kernel_devices empty"):
+    with pytest.raises(RuntimeError, match="needs Triton.*window_kernel False"):
         window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes)
 
 
