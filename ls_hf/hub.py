@@ -13,6 +13,7 @@ __all__ = ["REMOTE_CODE_FILES", "REMOTE_CODE_FILES_XL", "is_local_path", "save_f
 
 # The files a folder needs to load with trust_remote_code=True where ls_hf is not installed.
 REMOTE_CODE_FILES = (
+    "cache_long_short.py",
     "configuration_long_short.py",
     "modeling_long_short.py",
     "long_short_attention.py",

@@ -11,8 +11,9 @@ As Transformers builds its attention masks once in the model and hands them to e
 * the fused path's block masks, one per layer geometry (``long_short_fused.plan_block_mask``);
 * the DualLN ``LN_L`` layers whose input can be recovered from their output (one read of every gain).
 
-``AttentionPlan.for_layer`` turns it into what one layer's call takes (``LayerPlan``). This file imports nothing from
-Transformers or timm.
+``AttentionPlan.for_layer`` turns it into what one layer's call takes (``LayerPlan``). Longformer's default global
+tokens for the heads (``first_token_global``, ``question_global_mask``) are made here too. This file imports nothing
+from Transformers or timm.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from . import long_short_blocks, long_short_fused, long_short_tiles
-from .long_short_blocks import FUSED_DTYPES
 from .long_short_kernels import FUSED_CPU, recoverable_layer_norms
 from .long_short_rules import check_attn_implementation, check_flex_call, takes_grad
 
@@ -37,8 +37,10 @@ __all__ = [
     "AttentionPlan",
     "LayerPlan",
     "MaskPlan",
+    "first_token_global",
     "fused_by_default",
     "plan_attention",
+    "question_global_mask",
     "runs_fused",
 ]
 
@@ -182,6 +184,32 @@ def plan_attention(
         block_masks=block_masks,
         recoverable_norms=_recoverable_norms(modules, backend, cached=cached),
     )
+
+
+def first_token_global(reference: torch.Tensor) -> torch.Tensor:
+    """Longformer's default for classification: the first token (``<s>``) global. reference (B, n, ...) -> (B, n)."""
+    mask = torch.zeros(reference.shape[:2], dtype=torch.long, device=reference.device)
+    mask[:, 0] = 1
+    return mask
+
+
+def question_global_mask(input_ids: torch.Tensor, sep_token_id: int | None) -> torch.Tensor:
+    """Longformer's default for question answering: the tokens before the first separator (``<s>`` and the question
+    of ``<s> question </s></s> context </s>``) global. input_ids (B, n) -> (B, n)."""
+    if sep_token_id is None:
+        raise ValueError(
+            "config.sep_token_id is None, so the question tokens cannot be found; set it (RoBERTa's is 2) or pass "
+            "global_attention_mask."
+        )
+    is_sep = input_ids == sep_token_id
+    if not torch.compiler.is_compiling() and not is_sep.any(1).all():
+        rows = (~is_sep.any(1)).nonzero().flatten().tolist()
+        raise ValueError(
+            f"input_ids rows {rows} hold no separator token (sep_token_id={sep_token_id}), so the question tokens "
+            f"cannot be found; encode question and context as a pair, or pass global_attention_mask."
+        )
+    first = is_sep.int().argmax(1)
+    return (torch.arange(input_ids.shape[1], device=input_ids.device) < first[:, None]).long()
 
 
 def _check_inputs(module, hidden_states, attention_mask, *, global_attention_mask, cls_hidden, cached_tokens):

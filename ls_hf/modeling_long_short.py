@@ -11,9 +11,7 @@ difference: the attention core owns its query/key/value/output projections, so R
 ``attention.self.output``. A converted RoBERTa with ``use_dual_ln=False``, ``projection_rank=0`` and a window
 covering the input computes RoBERTa's function.
 
-Causal models (``config.is_decoder=True``) decode with ``LongShortCache``: per layer the last window of
-keys/values and the projected rows of finished segments, so a step costs O(w + r n / l) instead of O(n).
-This file only uses single-dot relative imports: it is copied as-is into saved folders as Hub remote code.
+Causal models (``config.is_decoder=True``) decode with ``LongShortCache`` (``cache_long_short``). This file only uses single-dot relative imports: it is copied as-is into saved folders as Hub remote code.
 """
 
 import math
@@ -24,7 +22,6 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN, gelu
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.loss.loss_utils import fixed_cross_entropy
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -39,33 +36,10 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .cache_long_short import CACHE_NAME, LongShortCache, decoding_cache, prepare_own_cache
 from .configuration_long_short import LongShortConfig
 from .long_short_attention import CausalState, LongShortSelfAttention
-from .long_short_plan import AttentionPlan, plan_attention
-
-# The decoding cache's name as a forward argument, in model outputs and in ``generate``'s model kwargs:
-# ``past_key_values`` up to Transformers 5.23, ``cache`` from 5.24 (which still reads the old name and warns).
-CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def decoding_cache(cache, past_key_values):
-    """The decoding cache given as ``cache`` (Transformers >= 5.24) or ``past_key_values`` (its earlier name)."""
-    if cache is not None and past_key_values is not None:
-        raise ValueError(
-            "Pass the decoding cache once, as cache=... (named past_key_values before Transformers 5.24), not both."
-        )
-    return cache if cache is not None else past_key_values
-
-
-def prepare_own_cache(generation_config, model_kwargs, make_cache, refusal: str) -> None:
-    """``generate``'s cache for a model that decodes only with its own cache type: ``make_cache()`` unless the caller
-    passed a cache or turned caching off. Any ``cache_implementation`` is refused with ``refusal`` (the other cache
-    types hold full K/V)."""
-    if generation_config.cache_implementation is not None:
-        raise ValueError(f"{refusal}; drop cache_implementation={generation_config.cache_implementation!r}.")
-    if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
-        model_kwargs[CACHE_NAME] = make_cache()
-
+from .long_short_plan import AttentionPlan, first_token_global, plan_attention, question_global_mask
 
 # RoBERTa checkpoint key -> LongShort key (regex -> replacement, for `from_pretrained(key_mapping=...)`). Every other
 # RoBERTa key keeps its name; the LongShort-only parameters (dynamic_projection, dual_ln_*) are new.
@@ -95,32 +69,6 @@ def roberta_position_ids(
     earlier = past_length - (real.shape[1] - n)  # cached tokens before the first column of `real`
     real = real.long()
     return ((real.cumsum(1) + earlier) * real + padding_idx)[:, -n:]
-
-
-def first_token_global(reference: torch.Tensor) -> torch.Tensor:
-    """Longformer's default for classification: the first token (``<s>``) global. reference (B, n, ...) -> (B, n)."""
-    mask = torch.zeros(reference.shape[:2], dtype=torch.long, device=reference.device)
-    mask[:, 0] = 1
-    return mask
-
-
-def question_global_mask(input_ids: torch.Tensor, sep_token_id: int | None) -> torch.Tensor:
-    """Longformer's default for question answering: the tokens before the first separator (``<s>`` and the question
-    of ``<s> question </s></s> context </s>``) global. input_ids (B, n) -> (B, n)."""
-    if sep_token_id is None:
-        raise ValueError(
-            "config.sep_token_id is None, so the question tokens cannot be found; set it (RoBERTa's is 2) or pass "
-            "global_attention_mask."
-        )
-    is_sep = input_ids == sep_token_id
-    if not is_sep.any(1).all():
-        rows = (~is_sep.any(1)).nonzero().flatten().tolist()
-        raise ValueError(
-            f"input_ids rows {rows} hold no separator token (sep_token_id={sep_token_id}), so the question tokens "
-            f"cannot be found; encode question and context as a pair, or pass global_attention_mask."
-        )
-    first = is_sep.int().argmax(1)
-    return (torch.arange(input_ids.shape[1], device=input_ids.device) < first[:, None]).long()
 
 
 def require_bidirectional(model_class: type, config: LongShortConfig, reason: str) -> None:
@@ -301,75 +249,14 @@ class LongShortClassificationHead(nn.Module):
         return self.out_proj(x)
 
 
-class LongShortCacheLayer(CacheLayerMixin):
-    """One layer's decoding cache: a ``CausalState`` that ``LongShortSelfAttention`` reads and extends in place."""
-
-    is_compileable = False
-    is_croppable = False  # finished segments are compressed into projected rows
-    supports_early_init = False
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.state = CausalState()
-
-    def lazy_initialization(self, key_states, value_states):
-        """Nothing to allocate: the attention fills ``state`` on its first call."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("LongShortSelfAttention extends `state` itself; there are no raw K/V to append.")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.state.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.state = CausalState()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            "A LongShortCache cannot be cropped: finished segments are compressed into projected rows. Decode without "
-            "assisted generation / prompt lookup, or restart from the prompt."
-        )
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.state.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.state.map_batch(lambda t: t[indices])
-
-
-class LongShortCache(Cache):
-    """Decoding cache of a causal LongShort model, one ``LongShortCacheLayer`` per layer.
-
-    It holds only what causal Long-Short attention needs (Appendix D): window keys/values of the current and
-    previous window segment, the projected rows of every finished segment of l tokens and the projection scores of
-    the unfinished one. ``get_seq_length()`` is the number of tokens seen.
-    """
-
-    def __init__(self, config: LongShortConfig):
-        super().__init__(layers=[LongShortCacheLayer() for _ in range(config.num_hidden_layers)])
-
-
 class LongShortPreTrainedModel(PreTrainedModel):
     config_class = LongShortConfig
     base_model_prefix = "long_short"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list] = ["LongShortEmbeddings", "LongShortLayer"]
     _can_record_outputs: ClassVar[dict] = {"hidden_states": LongShortLayer, "attentions": LongShortSelfAttention}
-    # "sdpa" (Transformers' default) runs the fastest exact path where the tensors are: on CUDA one block-sparse
-    # FlexAttention call per layer (compiled once per process), elsewhere F.scaled_dot_product_attention on the window
-    # tiles; "eager" always the latter (the portable reference); "flex_attention" FlexAttention everywhere (forward
-    # only on CPU). Attention weights and cached decoding steps take the SDPA/explicit path. Each forward pass reads
-    # config._attn_implementation (``LongShortEncoder.forward``), so set_attn_implementation works after loading. output_attentions=True works in a
-    # call under any; Transformers allows config.output_attentions only with eager.
+    # "sdpa", "eager" and "flex_attention" as ``LongShortSelfAttention`` documents them; output_attentions=True works
+    # in a call under any (Transformers allows config.output_attentions only with eager).
     _supports_sdpa = True
     _supports_flex_attn = True
 

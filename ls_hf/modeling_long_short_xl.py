@@ -47,9 +47,10 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
+from .cache_long_short import CACHE_NAME, LongShortCacheLayer, decoding_cache, prepare_own_cache
 from .long_short_attention import BatchFirstState
 from .long_short_rules import segment_keep, validate_long_short_args, window_keep
-from .modeling_long_short import CACHE_NAME, LongShortCacheLayer, decoding_cache, hub_auto_map, prepare_own_cache
+from .modeling_long_short import hub_auto_map
 
 __all__ = [
     "AUTO_CLASSES_XL",
