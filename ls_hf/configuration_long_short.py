@@ -51,6 +51,9 @@ class LongShortConfig(PreTrainedConfig):
             process for all layers; False compiles the kernel alone.
         sep_token_id (`int`, *optional*, defaults to 2): the separator token; question answering makes the tokens
             before the first one (the question) global, as Longformer does.
+        max_global_tokens (`int`, defaults to 64): the most global tokens of a sample that a traced graph
+            (``torch.export``, ONNX, ``torch.compile``) serves, which cannot read their count from the device; later
+            ones attend as ordinary tokens there. Eager calls count them and serve any number.
 
     The model is causal when ``is_decoder=True`` (RoBERTa's convention); ``LongShortForCausalLM`` requires it.
     Invalid values raise a ``ValueError`` naming the field, at construction and when a model is built.
@@ -86,6 +89,7 @@ class LongShortConfig(PreTrainedConfig):
     recompute_window_tiles: bool = False
     compile_attention: bool = True
     sep_token_id: int | None = 2
+    max_global_tokens: int = 64
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -142,6 +146,15 @@ class LongShortConfig(PreTrainedConfig):
             raise ValueError(
                 f"max_position_embeddings ({self.max_position_embeddings}) must exceed pad_token_id + 1 "
                 f"({self.pad_token_id + 1}): positions start after the padding index. Use tokens + pad_token_id + 1."
+            )
+        if (
+            isinstance(self.max_global_tokens, bool)
+            or not isinstance(self.max_global_tokens, int)
+            or (self.max_global_tokens < 1)
+        ):
+            raise ValueError(
+                f"max_global_tokens must be an integer >= 1 (the global tokens a traced graph serves per sample), "
+                f"got {self.max_global_tokens!r}."
             )
         if self.global_projections and self.is_decoder:
             raise ValueError(

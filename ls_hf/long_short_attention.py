@@ -44,7 +44,7 @@ from .long_short_rules import (
     projection_scores,
     validate_long_short_args,
 )
-from .long_short_tiles import ExtraKeys, JointInputs, probabilities, sdpa, take, weighted
+from .long_short_tiles import ExtraKeys, JointInputs, pad_seq, probabilities, sdpa, take, weighted
 
 __all__ = [
     "BACKENDS",
@@ -415,6 +415,8 @@ class LongShortSelfAttention(nn.Module):
         """The n tokens attend in the plan's order (the others first, then the K global tokens, which the window and
         the projection skip). ``joined_norm``: k, v are the Linears' outputs, normalized by ``LN_L`` where they are
         joined with the projected rows."""
+        if masks.padding:  # a traced call's slots for its global tokens (``long_short_plan._mask_plan``)
+            q, k, v, hidden_states = (pad_seq(x, 0, masks.padding) for x in (q, k, v, hidden_states))
         B, n = q.shape[:2]
         K = masks.global_count
         masked = masks.valid is not None
@@ -477,6 +479,8 @@ class LongShortSelfAttention(nn.Module):
             rows = is_global[:, n - K :, None, None]
             context = torch.cat([context[:, : n - K], torch.where(rows, out.transpose(1, 2), context[:, n - K :])], 1)
             context = take(context, torch.argsort(order, dim=1))
+        if masks.padding:
+            context = context[:, : n - masks.padding]
         return context, attn
 
     def _global_inputs(self, *, hidden_states, order, q, k, v, valid, count, projected):

@@ -80,7 +80,7 @@ def plan_block_mask(module, masks, hidden_states: Tensor, *, has_cls: bool) -> B
     """The block mask of ``module``'s uncached call on hidden_states (B, n, d) with the ``MaskPlan`` ``masks``: the
     window keys, then [cls key; the K global tokens' keys; r projected rows] bidirectionally, or the projected rows of
     the finished segments causally (each row's counted from its first real token), valid as the layer makes them."""
-    B, n = hidden_states.shape[:2]
+    B, n = hidden_states.shape[0], hidden_states.shape[1] + masks.padding
     w, r = module.window_size, module.projection_rank
     offsets = None
     if module.causal:

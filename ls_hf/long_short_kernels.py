@@ -59,7 +59,9 @@ def gather_tiles(rows: Tensor | None, x: Tensor, index: Tensor) -> Tensor:
     window = x.index_select(1, index.clamp(max=max(L - 1, 0)).flatten()).view(B, G, S, *x.shape[2:])
     outside = index == L
     if torch.compiler.is_compiling() or outside.any():  # traced: no branch on the values
-        window = window.masked_fill(outside.view(1, G, S, *(1,) * (x.dim() - 2)), 0)
+        outside = outside.view(1, G, S, *(1,) * (x.dim() - 2))
+        # a bool tensor (validity) with & (ONNX Runtime has no bool Where)
+        window = window & ~outside if window.dtype == torch.bool else window.masked_fill(outside, 0)
     if rows is None:
         return window
     return torch.cat([rows[:, None].expand(B, G, *rows.shape[1:]), window], 2)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -79,6 +80,7 @@ class MaskPlan(NamedTuple):
     ordered_global: Tensor | None = None  # (B, n) ``is_global`` in that order (with K)
     local: Tensor | None = None  # (B, n) in that order: real and not global; None: every token
     leading: Tensor | None = None  # (B,) causal: padding before each row's first real token; None: no row has any
+    padding: int = 0  # invalid tokens appended for a traced call's global slots (``_mask_plan``); the others cover them
 
 
 class LayerPlan(NamedTuple):
@@ -123,7 +125,7 @@ def plan_attention(
     *,
     attention_mask: Tensor | None = None,
     global_attention_mask: Tensor | None = None,
-    global_count: int | None = None,
+    max_global_tokens: int = 64,
     cls_hidden: Tensor | None = None,
     cached_tokens: int | None = None,
     output_attentions: bool = False,
@@ -134,9 +136,9 @@ def plan_attention(
     naming the argument and the fix, before any work).
 
     attention_mask (B, n), 1 for real tokens; with a cache of ``cached_tokens`` earlier tokens (B, cached + n) too.
-    global_attention_mask (B, n), 1 for global tokens (bidirectional). ``global_count``: the most global tokens of
-    a sample, when the caller knows it (a model that made the mask itself); otherwise counted, in one read of the
-    device. cls_hidden (B, 1, d): the official post-CLS token. ``attn_implementation``: None takes the first module's.
+    global_attention_mask (B, n), 1 for global tokens (bidirectional), counted in one read of the device;
+    ``max_global_tokens``: their count in a traced call (``_mask_plan``). cls_hidden (B, 1, d): the official post-CLS
+    token. ``attn_implementation``: None takes the first module's.
     """
     module = modules[0]
     attn_implementation = attn_implementation or module.attn_implementation
@@ -159,7 +161,7 @@ def plan_attention(
                 dropout_name="attention_dropout",
                 dropout_setting="attention_probs_dropout_prob",
             )
-    masks = _mask_plan(module, valid, global_attention_mask, global_count, device=hidden_states.device)
+    masks = _mask_plan(module, valid, global_attention_mask, max_global_tokens, device=hidden_states.device)
     backend = _backend(modules, hidden_states, output_attentions, attn_implementation)
     cached = cached_tokens is not None
     compiled = (
@@ -265,9 +267,14 @@ def _check_inputs(module, hidden_states, attention_mask, *, global_attention_mas
     return real
 
 
-def _mask_plan(module, valid, global_attention_mask, global_count: int | None, *, device: torch.device) -> MaskPlan:
+def _mask_plan(module, valid, global_attention_mask, max_global_tokens: int, *, device: torch.device) -> MaskPlan:
     """The ``MaskPlan`` of a call: bidirectionally the global tokens, their count and the attention's order;
-    causally each row's leading padding (``LongShortSelfAttention._first_real``)."""
+    causally each row's leading padding (``LongShortSelfAttention._first_real``).
+
+    The global tokens are counted in one read of the device. A traced call (``torch.export``, ONNX, ``torch.compile``)
+    cannot read it: there the count is ``max_global_tokens`` (a sample's later global tokens attend as ordinary ones),
+    and as many invalid tokens are appended (``padding``), so that the K global slots at the end of the attention's
+    order never depend on how the length compares with K."""
     if module.causal:
         leading = None
         if valid is not None:
@@ -280,10 +287,17 @@ def _mask_plan(module, valid, global_attention_mask, global_count: int | None, *
     is_global = global_attention_mask.to(device=device) > 0
     if valid is not None:
         is_global = is_global & valid
-    count = int(is_global.sum(1).max()) if global_count is None else global_count
+    padding = 0
+    if torch.compiler.is_compiling():
+        count = padding = max_global_tokens
+        is_global = F.pad(is_global & (is_global.cumsum(1) <= count), (0, padding))
+        valid = F.pad(torch.ones_like(is_global[:, :-padding]) if valid is None else valid, (0, padding))
+    else:
+        count = int(is_global.sum(1).max())
     if not count:
         return MaskPlan(valid=valid, is_global=is_global, local=valid)
-    order = torch.sort(is_global.to(torch.uint8), dim=1, stable=True).indices
+    n = is_global.shape[1]  # the other tokens first, in their order, then the global ones: a unique key each
+    order = torch.argsort(is_global.long() * n + torch.arange(n, device=device), dim=1)
     ordered_valid = torch.ones_like(is_global) if valid is None else valid
     ordered_valid, ordered_global = (x.gather(1, order) for x in (ordered_valid, is_global))
     return MaskPlan(
@@ -294,6 +308,7 @@ def _mask_plan(module, valid, global_attention_mask, global_count: int | None, *
         ordered_valid=ordered_valid,
         ordered_global=ordered_global,
         local=ordered_valid & ~ordered_global,
+        padding=padding,
     )
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .long_short_kernels import TiledAttention, gather_tiles
 from .long_short_rules import masked_sdpa, segment_keep, window_extent, window_keep
@@ -95,8 +96,9 @@ def take(x: Tensor, index: Tensor) -> Tensor:
 
 
 def pad_seq(x: Tensor, left: int, right: int) -> Tensor:
-    """Zero-pad (or crop, for negative amounts) dim 1 of a (B, L, ...) tensor."""
-    if left == 0 and right == 0:
+    """Zero-pad (or crop, for negative amounts) dim 1 of a (B, L, ...) tensor. With symbolic sizes (a traced call) an
+    amount that is not known to be 0 pads: no guard on the length."""
+    if statically_known_true(left == 0) and statically_known_true(right == 0):
         return x
     return F.pad(x, [0, 0] * (x.dim() - 2) + [left, right])
 
@@ -151,9 +153,10 @@ def _tiles(module, inputs: JointInputs) -> Tiles:
     w, L, causal = module.window_size, inputs.k.shape[1], module.causal
     R = extra.keys.shape[1] if extra is not None else 0
     device = q.device
-    if w and (m >= w or not causal):
+    if w and (not causal or m >= w):
         first = q_start // w
-        groups = -(-(q_start + m) // w) - first
+        # two groups at least: a traced graph then serves lengths below w too (one more all-padding group there)
+        groups = torch.sym_max((q_start + m + w - 1) // w - first, 2)
         skip = q_start - first * w
         before, after = (w, 0) if causal else ((window_extent(w),) * 2)
         k_pos, index = _window_index(first, groups, w, before, after, k_start, L)
@@ -254,7 +257,10 @@ def _gathered(inputs: JointInputs, tiles: Tiles) -> tuple[Tensor, Tensor, Tensor
 def _ungroup(out: Tensor, inputs: JointInputs, tiles: Tiles) -> Tensor:
     """(B*G, H, Q, d) per group -> the context of the m queries, (B, m, H, d)."""
     B, m, H = inputs.q.shape[:3]
-    return out.transpose(1, 2).reshape(B, tiles.groups * tiles.size, H, -1)[:, tiles.skip : tiles.skip + m]
+    out = out.transpose(1, 2).reshape(B, tiles.groups * tiles.size, H, -1)
+    if torch.compiler.is_compiling():  # a crop, which adds no guard on the length (a slice would)
+        return pad_seq(out, -tiles.skip, tiles.skip + m - tiles.groups * tiles.size)
+    return out[:, tiles.skip : tiles.skip + m]
 
 
 @_rows_aligned

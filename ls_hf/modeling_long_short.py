@@ -198,6 +198,7 @@ class LongShortEncoder(nn.Module):
             hidden_states,
             attention_mask=attention_mask,
             global_attention_mask=global_attention_mask,
+            max_global_tokens=self.config.max_global_tokens,
             cached_tokens=None if cache is None else cache.get_seq_length(),
             output_attentions=output_attentions,
             attn_implementation=self.config._attn_implementation or "sdpa",
