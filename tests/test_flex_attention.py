@@ -16,8 +16,17 @@ from torch.nn.attention.flex_attention import create_mask
 from transformers import AutoModel, AutoModelForCausalLM
 
 import ls_hf.long_short_rules as rules
-from ls_hf import LongShortForCausalLM, LongShortModel
+from ls_hf import (
+    LongShortForCausalLM,
+    LongShortModel,
+    long_short_attention,
+    long_short_blocks,
+    long_short_fused,
+    long_short_plan,
+)
 from ls_hf.long_short_attention import CausalState, LongShortSelfAttention
+from ls_hf.long_short_kernels import recoverable_layer_norms
+from ls_hf.long_short_plan import plan_attention
 from tests import cuda_lowered
 from tests.cuda_lowered import compile_on_cpu
 from tests.devices import assert_close
@@ -54,14 +63,10 @@ def same_output(sdpa, flex, *args, atol=EXACT, **kwargs):
 @given(
     **{**bidirectional_grid, "n": st.integers(1, 24), "mask_kind": st.sampled_from(["none", "right", "random"])},
     extra=st.sampled_from(["none", "cls", "global", "global_projections"]),
-    in_kernel=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_bidirectional_flex_matches_sdpa(
-    dims, window, rank, n, batch, mask_kind, pad, extra, in_kernel, seed, device, dtype
-):
-    """Window, projection, padding, the cls token and global tokens (with and without their own projections), their
-    keys in the kernel or apart (``long_range_in_kernel``)."""
+def test_bidirectional_flex_matches_sdpa(dims, window, rank, n, batch, mask_kind, pad, extra, seed, device, dtype):
+    """Window, projection, padding, the cls token and global tokens (with and without their own projections)."""
     if window == rank == 0:
         rank = 1
     if extra == "cls" and dims.get("qk_head_dim"):  # the cls query attends to the token outputs
@@ -75,7 +80,6 @@ def test_bidirectional_flex_matches_sdpa(
         dtype=dtype,
         **dims,
     )
-    flex.long_range_in_kernel = in_kernel
     x, cls = inputs(sdpa, batch, n, seed)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra.startswith("global"):
@@ -180,8 +184,6 @@ def test_compiled_flex_matches_sdpa(causal):
 
 def counting_boundary_calls(monkeypatch) -> list:
     """A list that grows by one at each call of the FlexAttention kernel that crosses a compile boundary."""
-    from ls_hf import long_short_blocks
-
     calls, boundary = [], long_short_blocks._flex_attend_outside_graph
     monkeypatch.setattr(
         long_short_blocks, "_flex_attend_outside_graph", lambda *a, **k: calls.append(1) or boundary(*a, **k)
@@ -192,7 +194,7 @@ def counting_boundary_calls(monkeypatch) -> list:
 @pytest.fixture
 def lowered_as_for_cuda(monkeypatch):
     """While the test runs, inductor generates for CPU tensors the code it generates for CUDA, and Triton's
-    interpreter runs its kernels (``bench.cuda_lowered.lowered_as_for_cuda``)."""
+    interpreter runs its kernels (``tests.cuda_lowered.lowered_as_for_cuda``)."""
     with cuda_lowered.lowered_as_for_cuda(monkeypatch):
         yield
 
@@ -200,18 +202,18 @@ def lowered_as_for_cuda(monkeypatch):
 @pytest.mark.compiled
 @pytest.mark.parametrize("kind", ["cls", "causal"])
 def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypatch):
-    """The default path's compiled layer as inductor lowers it for CUDA (``compiled_attention_layer``,
-    ``KERNEL_IN_GRAPH_DEVICES``): FlexAttention's Triton templates inside the layer's one graph, forward and backward,
-    the block mask's tensors made there by its operator, every kernel run in Triton's interpreter (float32). Against
-    the grouped SDPA path, with padding (right; causal: left, counted from each row's first real token) and the cls
-    token: the output and the gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7); then the output
-    without padding at a second length (symbolic). The window is wide enough for key blocks that every query of a
-    block sees (full blocks, which skip the mask_mod). No call crosses a compile boundary; two layers of the same
-    settings share every compilation, and with right padding the block mask that the first one built."""
+    """The default path's compiled layer as inductor lowers it for CUDA (``compiled_attention_layer`` on
+    ``FUSED_DEVICES``): FlexAttention's Triton templates inside the layer's one graph, forward and backward, the plan's
+    block mask an input of it, every kernel run in Triton's interpreter (float32). Against the grouped SDPA path, with
+    padding (right; causal: left, counted from each row's first real token) and the cls token: the output and the
+    gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7); then the output without padding at a second
+    length (symbolic). The window is wide enough for key blocks that every query of a block sees (full blocks, which
+    skip the mask_mod). No call crosses a compile boundary; two layers of the same settings share every compilation,
+    and, given one plan, the padded block mask that it built once for both."""
     from torch._dynamo.utils import counters
 
     boundary_calls = counting_boundary_calls(monkeypatch)
-    compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    compile_on_cpu(monkeypatch)
     built = counting_mask_builds(monkeypatch)
     causal = kind == "causal"
     config = {
@@ -224,33 +226,40 @@ def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypat
     }
     layers = [make(**config, seed=seed, dtype=torch.float32) for seed in (0, 1)]
 
-    def output_and_gradients(layer, x, mask, implementation, backward, **extra):
+    def output_and_gradients(layer, x, backward, **call):
         layer.zero_grad()
         x = x.clone().requires_grad_()
-        out, _ = layer(x, mask, attn_implementation=implementation, **extra)
+        out, _ = layer(x, **call)
         if not backward:
             return (out.detach(),)
         out.square().sum().backward()
         return out.detach(), x.grad, layer.dynamic_projection.weight.grad, layer.dual_ln_local.weight.grad
 
     new_graphs, builds = [], []  # per call of the compiled layer: the graphs dynamo compiled, the masks built
+    plan_builds = []  # per length: the masks that the plan of both layers built
     # gradients at the first length, of the first layer; every other call runs the same compiled forward pass
     for n, padding, gradients in ((260, "left" if causal else "right", True), (270, "none", False)):
         x, cls = inputs(layers[0], 2, n)
         mask = make_mask(padding, 2, n, 40)
         extra = {} if causal else {"cls_hidden": cls}
+        built_before = len(built)
+        plan = plan_attention(layers, x, attention_mask=mask, **extra)
+        plan_builds.append(len(built) - built_before)
+        assert plan.compiled
         for layer in layers:
             backward = gradients and layer is layers[0]
-            expected = output_and_gradients(layer, x, mask, "eager", backward, **extra)
+            expected = output_and_gradients(
+                layer, x, backward, attention_mask=mask, attn_implementation="eager", **extra
+            )
             graphs_before, built_before = counters["stats"]["unique_graphs"], len(built)
-            got = output_and_gradients(layer, x, mask, "sdpa", backward, **extra)
+            got = output_and_gradients(layer, x, backward, plan=plan, **extra)
             new_graphs.append(counters["stats"]["unique_graphs"] - graphs_before)
             builds.append(len(built) - built_before)
             for tensor, reference in zip(got, expected):
                 assert_close(tensor, reference, atol=1e-5 * reference.abs().max().item())
     assert not boundary_calls
-    # per padded call, the masks built: the second layer takes the first one's (left padding has offsets, built anew)
-    assert builds[:2] == ([1, 1] if causal else [1, 0])
+    # the padded mask (left padding: with each row's offset) built once by the plan, none by the layers
+    assert plan_builds[0] == 1 and builds == [0] * 4
     assert new_graphs[0] == 1  # the first call compiled the layer: one graph, the kernel inside
     assert new_graphs[2] > 0  # the second length compiled again, with symbolic lengths
     assert new_graphs[1::2] == [0, 0]  # the second layer reuses the first one's compilations
@@ -265,7 +274,7 @@ def package_compiled_with(monkeypatch, backend, *cached):
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": backend}))
     for compiled in cached:
         compiled.cache_clear()
-    compile_on_cpu(monkeypatch, kernel_in_graph=True)
+    compile_on_cpu(monkeypatch)
     try:
         yield
     finally:
@@ -280,10 +289,8 @@ def _graphs_compiled_per_length(monkeypatch, layer, lengths, padding: str) -> li
     of the second row; each output matches the grouped SDPA path's."""
     from torch._dynamo.utils import counters
 
-    from ls_hf import long_short_attention, long_short_blocks
-
     new_graphs = []
-    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
+    cached = (long_short_fused.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
     with package_compiled_with(monkeypatch, "eager", *cached):
         for n in lengths:
             x, _ = inputs(layer, 2, n)
@@ -302,13 +309,11 @@ def test_compiled_layer_runs_each_modules_hooks(monkeypatch):
     """Every module of the same settings shares the compiled layer; one whose Linear has a forward hook gets code that
     calls it, not the code compiled first for a module without one (dynamo guards on module hooks while the package's
     compiled code runs: ``compile_in_package``): the hook runs and changes the output as on the portable path."""
-    from ls_hf import long_short_attention, long_short_blocks
-
     layers = [make(hidden=16, heads=2, window=8, rank=2, seed=seed, dtype=torch.float32) for seed in (0, 1)]
     calls = []
     layers[1].value.register_forward_hook(lambda linear, args, out: calls.append(1) or 1.5 * out)
     x, _ = inputs(layers[0], 2, 40)
-    cached = (long_short_attention.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
+    cached = (long_short_fused.compiled_attention_layer, long_short_blocks.compiled_flex_attention)
     with package_compiled_with(monkeypatch, "eager", *cached), torch.no_grad():
         layers[0](x)  # compiles the layer without a hook
         expected, _ = layers[1](x, attn_implementation="eager")
@@ -339,9 +344,7 @@ def test_compiled_layer_compiles_once_for_any_number_of_extra_key_copies(monkeyp
     """Bidirectionally the kernel takes the extra keys in one copy per band of queries (``extra_key_copies``; a band
     of 8 here): the compiled layer makes the lengths symbolic at the second length, the copies' count with them, and
     compiles nothing more as the count grows from 5 to 8."""
-    from ls_hf import long_short_blocks
-
-    monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 8)
+    monkeypatch.setattr(long_short_fused, "EXTRA_KEY_BAND", 8)
     layer = make(hidden=16, heads=2, window=8, rank=2, dtype=torch.float32)
     assert _graphs_compiled_per_length(monkeypatch, layer, range(40, 60), "right") == [1, 1] + [0] * 18
 
@@ -351,17 +354,16 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
     padding): its output and its gradients of the input and of every parameter are the grouped SDPA path's, with the
     cls token by default (``LN_L`` applied where the keys are joined) and with ``recompute_window_tiles`` (compiled with
-    torch's activation memory budget, which keeps less for the backward pass: not P), and with global tokens and the
-    extra keys apart from the kernel (``long_range_in_kernel=False``); the kernel in the layer's graph, as on CUDA."""
-    from ls_hf import long_short_attention, long_short_blocks
+    torch's activation memory budget, which keeps less for the backward pass: not P), and with global tokens; the
+    kernel in the layer's graph, as on CUDA."""
     from tests.test_attention import _saved_storages
 
-    compile_on_cpu(monkeypatch, kernel_in_graph=True)
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    compile_on_cpu(monkeypatch)
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
     n, hidden = 150, 32
     kept, grads = {}, {}
-    runs = [("eager", "cls"), ("default", "cls"), ("recompute", "cls"), ("eager", "global"), ("apart", "global")]
+    runs = [("eager", "cls"), ("default", "cls"), ("recompute", "cls"), ("eager", "global"), ("default", "global")]
     if torch.torch_version.TorchVersion(torch.__version__) < "2.14":
         # torch 2.11's compiled float64 CPU SDPA backward (the global tokens' own rows) gets a float32 tensor
         # ("expected scalar type Double but found Float"); that kernel is the CPU's alone
@@ -371,7 +373,6 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
             hidden=hidden, heads=2, window=16, rank=4, attn_implementation="eager" if name == "eager" else "sdpa"
         )
         module.recompute_window_tiles = name == "recompute"
-        module.long_range_in_kernel = name != "apart"
         x, cls = inputs(module, 2, n)
         x.requires_grad_()
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -395,21 +396,23 @@ def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypa
 
 
 def test_compiled_layer_runs_where_it_can(monkeypatch):
-    """``forward`` sends the fused path to ``compiled_attention_layer`` on ``COMPILED_LAYER_DEVICES`` in
-    ``FUSED_DTYPES``, global tokens included, and not with ``compile_attention=False``, a decoding cache, another path or
-    inside the caller's ``torch.compile``; the output is the layer's either way. (The compiled region itself is
+    """``forward`` sends the fused path to ``compiled_attention_layer(LongShortSelfAttention._attend,
+    recompute=recompute_window_tiles)`` where the fused path runs by default (the one device rule: ``FUSED_DEVICES``
+    in ``FUSED_DTYPES``), global tokens included, and not with ``compile_attention=False``, a decoding cache, another
+    path, or FlexAttention asked for elsewhere; the output is the layer's either way. (The compiled region itself is
     checked above; here it runs uncompiled, to count its calls.)"""
-    from ls_hf import long_short_attention
-
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    calls = []
+    uncompiled_kernel(monkeypatch)
+    calls, compiled = [], []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return LongShortSelfAttention._attend(*args, **kwargs)
 
-    monkeypatch.setattr(long_short_attention, "compiled_attention_layer", lambda recompute=False: counted)
+    def compiled_attention_layer(layer, *, recompute=False):
+        compiled.append((layer, recompute))
+        return counted
+
+    monkeypatch.setattr(long_short_attention, "compiled_attention_layer", compiled_attention_layer)
     bidirectional, causal = make(window=3, rank=2), make(window=3, rank=2, causal=True, segment_length=3)
     x, _ = inputs(bidirectional, 2, 13)
 
@@ -419,10 +422,13 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
             out, _ = module(*args, **kwargs)
         return len(calls), out
 
-    assert compiled_calls(bidirectional, x)[0] == 0  # the CPU does not compile the layer by default
-    monkeypatch.setattr(long_short_attention, "COMPILED_LAYER_DEVICES", ("cpu",))
+    assert compiled_calls(bidirectional, x)[0] == 0  # the CPU is not a fused device
+    assert compiled_calls(bidirectional, x, attn_implementation="flex_attention")[0] == 0
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
+    assert compiled_calls(bidirectional, x)[0] == 0  # nor is float64 a fused dtype
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     count, out = compiled_calls(bidirectional, x)
-    assert count == 1
+    assert count == 1 and compiled == [(LongShortSelfAttention._attend, False)]
     assert_close(out, compiled_calls(bidirectional, x, attn_implementation="eager")[1], atol=EXACT)
     assert compiled_calls(causal, x)[0] == 1
     count, out = compiled_calls(bidirectional, x, global_attention_mask=global_mask(2, 13, 0.2, 0))
@@ -437,6 +443,9 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
     assert compiled_calls(causal, x, state=CausalState())[0] == 0
     assert compiled_calls(bidirectional, x, attn_implementation="eager")[0] == 0
     assert compiled_calls(bidirectional, x, output_attentions=True)[0] == 0
+    bidirectional.recompute_window_tiles = True
+    compiled.clear()
+    assert compiled_calls(bidirectional, x)[0] == 1 and compiled == [(LongShortSelfAttention._attend, True)]
     bidirectional.compile_attention = False
     assert compiled_calls(bidirectional, x)[0] == 0
 
@@ -484,32 +493,46 @@ def _dense_flex_attend(
     return (out, scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(-1)) if return_lse else out
 
 
+def fused_on_cpu(monkeypatch, kernel=_dense_flex_attend) -> None:
+    """The CPU in float64 stands in for CUDA in the device rule (``long_short_blocks.FUSED_DEVICES`` and
+    ``FUSED_DTYPES``): the default path is the fused one there, its FlexAttention computed by ``kernel`` (by default
+    densely, which autograd differentiates on any device). Its modules are built with ``compile_attention=False``: the
+    layer runs uncompiled, the kernel's call a compile boundary."""
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "flex_attend", kernel)
+
+
+def uncompiled_kernel(monkeypatch) -> None:
+    """FlexAttention's kernel runs uncompiled (eager: the mask_mod on every pair) where ``FUSED_DEVICES`` would have
+    it compiled (the CPU standing in for CUDA)."""
+    flex_attend = functools.partial(long_short_blocks.flex_attend, compiled=False)
+    monkeypatch.setattr(long_short_blocks, "flex_attend", flex_attend)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_fused_path_hands_the_kernel_token_major_contiguous_tensors(causal, monkeypatch):
     """The fused path hands FlexAttention its query, keys and values token-major and contiguous (``tokens_first``),
     as the projections and ``JoinedProjectedKeys`` make them: no tensor that enters the compile boundary around the
     kernel is a heads-first view, whose gradient torch 2.11's AOTAutograd copies into a contiguous tensor."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
     calls = []
 
     def recording_flex_attend(query, key, value, block_mask, **kwargs):
         calls.append((kwargs.get("tokens_first"), [x.is_contiguous() for x in (query, key, value)]))
         return _dense_flex_attend(query, key, value, block_mask, **kwargs)
 
-    monkeypatch.setattr(long_short_blocks, "flex_attend", recording_flex_attend)
+    fused_on_cpu(monkeypatch, recording_flex_attend)
     settings = {"window": 4, "causal": True, "segment_length": 2} if causal else {"window": 3}
     default, eager = (
-        make(rank=2, hidden=12, heads=3, **settings, attn_implementation=name) for name in ("sdpa", "eager")
+        make(rank=2, hidden=12, heads=3, **settings, attn_implementation=name, compile_attention=False)
+        for name in ("sdpa", "eager")
     )
     x, _ = inputs(default, 2, 21)
     torch.testing.assert_close(default(x)[0], eager(x)[0], atol=EXACT, rtol=0)
     assert calls == [(True, [True, True, True])]
 
 
-@pytest.mark.parametrize("long_range", ["in_kernel", "in_kernel_copies", "apart"])
+@pytest.mark.parametrize("copies", [False, True], ids=["one_copy", "copies"])
 @pytest.mark.parametrize("extra", ["none", "cls", "global", "causal"])
 @pytest.mark.parametrize(
     "dims",
@@ -520,32 +543,27 @@ def test_fused_path_hands_the_kernel_token_major_contiguous_tensors(causal, monk
     ],
     ids=["dual_ln", "no_dual_ln", "lmsa"],
 )
-def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, long_range, monkeypatch):
+def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, copies, monkeypatch):
     """The fused path's outputs and gradients on the CPU, with FlexAttention computed densely (it has no backward
     there): its keys and values built by ``JoinedProjectedKeys`` ([window; cls and global tokens' keys; projected
-    rows]; causal: the rows of each finished segment, Eq. 5, the last segment unfinished), bidirectionally also with
-    the extra keys in copies, one per band of 8 queries (``extra_key_copies``: 3 for 21 tokens), or with
-    ``long_range_in_kernel=False`` the window alone in the kernel merged with a dense softmax over the extra keys
-    (bidirectional; causal rows stay in the kernel), give the output and gradients of the SDPA path, for the input and
-    every parameter (float64, right padding)."""
-    from ls_hf import long_short_attention, long_short_blocks
-
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    rows]; causal: the rows of each finished segment, Eq. 5, the last segment unfinished), bidirectionally in one copy
+    or in copies, one per band of 8 queries (``extra_key_copies``: 3 for 21 tokens), give the output and gradients of
+    the SDPA path, for the input and every parameter (float64, right padding)."""
     key_lengths = []
 
     def dense_flex_attend(query, key, value, block_mask, **kwargs):
         key_lengths.append(key.shape[1 if kwargs.get("tokens_first") else 2])
         return _dense_flex_attend(query, key, value, block_mask, **kwargs)
 
-    monkeypatch.setattr(long_short_blocks, "flex_attend", dense_flex_attend)
-    if long_range == "in_kernel_copies":
-        monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 8)
+    fused_on_cpu(monkeypatch, dense_flex_attend)
+    if copies:
+        monkeypatch.setattr(long_short_fused, "EXTRA_KEY_BAND", 8)
     if extra == "cls" and "qk_head_dim" in dims:  # the cls query attends to the token outputs
         extra = "none"
     causal = {"window": 4, "causal": True, "segment_length": 2} if extra == "causal" else {"window": 3}
-    default, eager = (make(rank=2, **causal, **dims, attn_implementation=name) for name in ("sdpa", "eager"))
-    default.long_range_in_kernel = long_range != "apart"
+    default, eager = (
+        make(rank=2, **causal, **dims, attn_implementation=name, compile_attention=False) for name in ("sdpa", "eager")
+    )
     x, cls = inputs(default, 2, 21)
     kwargs = {"cls_hidden": cls} if extra == "cls" else {}
     if extra == "global":
@@ -566,11 +584,11 @@ def test_fused_path_gradients_match_sdpa_on_cpu(dims, extra, long_range, monkeyp
     assert "dynamic_projection.weight" in grads[0]
     for name, expected in grads[1].items():
         torch.testing.assert_close(grads[0][name], expected, atol=1e-9, rtol=0, msg=name)
-    if extra != "causal" and long_range != "apart":  # the kernel's keys: the window's, then the extra keys' copies
+    if extra != "causal":  # the kernel's keys: the window's, then the extra keys' copies
         per_copy = (
             2 + (extra == "cls") + (int(kwargs["global_attention_mask"].sum(1).max()) if extra == "global" else 0)
         )
-        assert key_lengths == [21 + (3 if long_range == "in_kernel_copies" else 1) * per_copy]
+        assert key_lengths == [21 + (3 if copies else 1) * per_copy]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -578,14 +596,12 @@ def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
     """Where the fused path joins the window keys with the projected rows, ``LN_L`` is applied there
     (``JoinedProjectedKeys``), which recovers its normalized input from its output: autograd keeps neither the key
     nor the value Linear's output (two (n, hidden) tensors fewer). A gain below ``LN_MIN_GAMMA`` in an LN_L turns
-    that off, and so do a decoding cache and, causally, left padding (the keys are not joined then); the outputs and
-    gradients are the SDPA path's either way (float64, FlexAttention computed densely)."""
-    from ls_hf import long_short_attention, long_short_blocks
+    that off (the plan's ``LayerPlan.local_norm``), and so do a decoding cache and, causally, left padding (the keys
+    are not joined then); the outputs and gradients are the SDPA path's either way (float64, FlexAttention computed
+    densely)."""
     from tests.test_attention import _saved_storages
 
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    fused_on_cpu(monkeypatch)
     n, hidden, unit = 24, 12, 2 * 24 * 12
     settings = {"window": 4, "causal": True, "segment_length": 2} if causal else {"window": 3}
     cases = {"joined": ("right", False), "small gain": ("right", True)}
@@ -594,16 +610,21 @@ def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
     kept = {}
     for name, (padding, small_gain) in cases.items():
         default, eager = (
-            make(hidden=hidden, heads=3, rank=2, **settings, attn_implementation=a) for a in ("sdpa", "eager")
+            make(hidden=hidden, heads=3, rank=2, **settings, attn_implementation=a, compile_attention=False)
+            for a in ("sdpa", "eager")
         )
         if small_gain:
             for module in (default, eager):
                 with torch.no_grad():
                     module.dual_ln_local.weight[1] = 1e-4
-        assert default._joins_local_norm("flex", cached=False) == (not small_gain)
-        assert not (causal and default._joins_local_norm("flex", cached=True))
         x, _ = inputs(default, 2, n)
         mask = make_mask(padding, 2, n, 5)
+        layer = plan_attention([default], x, attention_mask=mask).for_layer(default, cached=False)
+        assert layer.joins_keys and layer.local_norm == (not small_gain)
+        if causal:
+            cached = plan_attention([default], x, attention_mask=mask, cached_tokens=0)
+            layer = cached.for_layer(default, cached=True)
+            assert cached.backend == "flex" and not layer.joins_keys and not layer.local_norm
         grads = []
         for module in (default, eager):
             x_in = x.clone().requires_grad_()
@@ -621,8 +642,6 @@ def test_fused_path_applies_ln_l_where_it_joins_the_keys(causal, monkeypatch):
 def counting_mask_builds(monkeypatch) -> list:
     """A list that gets an entry for each padded block mask built (``long_short_blocks._block_mask``: a mask with
     padding or offsets, which is not cached per shape)."""
-    from ls_hf import long_short_blocks
-
     built, build = [], long_short_blocks._block_mask
     monkeypatch.setattr(
         long_short_blocks, "_block_mask", lambda *args, **kwargs: built.append(1) or build(*args, **kwargs)
@@ -630,59 +649,58 @@ def counting_mask_builds(monkeypatch) -> list:
     return built
 
 
-def test_layers_share_their_padded_block_mask(monkeypatch):
-    """With padding the fused path's layers share one block mask a forward pass, which the first layer builds
-    (``long_short_flex_attend``'s ``key_valid_source``: the masks a model passes to every layer). It is built anew
-    when a mask changes in place or another mask comes, once with global tokens beside the padding, and at every
-    layer for an inference tensor's mask (no version counter shows its changes); the output is the grouped SDPA
-    path's each time. A layer of another layout (window) given the same mask builds its own."""
-    from ls_hf import LongShortForMaskedLM, long_short_attention, long_short_blocks
+def test_the_plan_builds_the_padded_block_mask_once_for_all_layers(monkeypatch):
+    """With padding a model's forward pass builds the fused path's block mask once, in its plan, for all its layers
+    (one geometry), with global tokens beside the padding and for an inference tensor's mask too; nothing is kept
+    across forward passes, so a mask changed in place gives the new mask's output. The output is the grouped SDPA
+    path's each time. Bare layers given one plan (``plan_attention``) share its masks, one per geometry: a layer of
+    another window gets its own."""
+    from ls_hf import LongShortForMaskedLM
 
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    fused_on_cpu(monkeypatch)
     built = counting_mask_builds(monkeypatch)
     torch.manual_seed(0)
-    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3)).double().eval()
+    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3, compile_attention=False)).double().eval()
     ids = tokens(length=24)
     mask = torch.ones_like(ids)
     mask[0, 17:] = 0
 
-    def fused(**masks) -> tuple[torch.Tensor, int]:
-        """The logits on the fused path, the masks built for them; checked against the grouped SDPA path's."""
+    def fused(**masks) -> int:
+        """The masks built for the logits on the fused path, which are checked against the grouped SDPA path's."""
         built.clear()
-        with torch.no_grad(), monkeypatch.context() as patch:
-            patch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+        with torch.no_grad():
             logits = model(input_ids=ids, **masks).logits
             count = len(built)
-        with torch.no_grad():
-            assert_close(logits, model(input_ids=ids, **{k: v.clone() for k, v in masks.items()}).logits, atol=EXACT)
-        return logits, count
+            with monkeypatch.context() as patch:
+                patch.setattr(long_short_blocks, "FUSED_DEVICES", ())
+                expected = model(input_ids=ids, **{k: v.clone() for k, v in masks.items()}).logits
+        assert_close(logits, expected, atol=EXACT)
+        return count
 
-    assert fused(attention_mask=mask)[1] == 1
-    assert fused(attention_mask=mask)[1] == 0  # the same mask, unchanged: the one built before
+    assert fused(attention_mask=mask) == 1
+    assert fused(attention_mask=mask) == 1  # the next forward pass builds its own
     mask[1, 20:] = 0
-    assert fused(attention_mask=mask)[1] == 1  # changed in place
-    assert fused(attention_mask=mask.clone())[1] == 1  # another mask
+    assert fused(attention_mask=mask) == 1  # changed in place
     first = torch.zeros_like(ids)
     first[:, 0] = 1
-    assert fused(attention_mask=mask, global_attention_mask=first)[1] == 1
+    assert fused(attention_mask=mask, global_attention_mask=first) == 1
     with torch.inference_mode():
         frozen = mask.clone()
-    assert fused(attention_mask=frozen)[1] == 3
+    assert fused(attention_mask=frozen) == 1
 
-    wide = make(window=8, rank=2)
-    x = torch.randn(2, 24, wide.query.in_features, dtype=torch.float64)
-    layer = model.long_short.encoder.layer[0].attention.self
-    hidden = torch.randn(2, 24, layer.query.in_features, dtype=torch.float64)
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    layers = [
+        make(hidden=16, heads=2, window=window, rank=2, seed=seed, compile_attention=False)
+        for window, seed in ((3, 0), (3, 1), (8, 2))
+    ]
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
     built.clear()
     with torch.no_grad():
-        layer(hidden, mask)
-        wide(x, mask)
-        out, _ = wide(x, mask)
-    assert len(built) == 2
-    with torch.no_grad():
-        assert_close(out, wide(x, mask, attn_implementation="eager")[0], atol=EXACT)
+        plan = plan_attention(layers, x, attention_mask=mask)
+        outs = [layer(x, plan=plan)[0] for layer in layers]
+    assert len(built) == 2 and set(plan.block_masks) == {(3, 2), (8, 2)}
+    for layer, out in zip(layers, outs):
+        with torch.no_grad():
+            assert_close(out, layer(x, mask, attn_implementation="eager")[0], atol=EXACT)
 
 
 def counting_device_reads(monkeypatch) -> Counter:
@@ -702,67 +720,84 @@ def counting_device_reads(monkeypatch) -> Counter:
     return reads
 
 
-def test_training_reads_the_device_once_a_step_for_all_layers(monkeypatch):
-    """On the fused path a model's layers read the device once a step in all, not once each (on a GPU every read
-    stalls the host until the device has caught up): the LN_L gains (``recoverable_layer_norms``) are read again only
-    after an optimizer step changed them, then every layer's in one read, and not at all while they stay; a gain set
-    below ``LN_MIN_GAMMA`` in place is seen by the next step. A classification head's global tokens are counted once
-    a forward pass for all layers (``most_global_tokens``), and again when the global mask changes in place: the
-    output is that of a fresh mask."""
-    from ls_hf import LongShortForMaskedLM, LongShortForSequenceClassification, long_short_attention, long_short_blocks
+def test_a_forward_pass_reads_the_device_once_for_all_layers(monkeypatch):
+    """A model's forward pass reads the device (on a GPU every read stalls the host until the device has caught up)
+    in its plan, once for all layers, never once a layer: in training on the fused path every layer's LN_L gains in
+    one read (``recoverable_layer_norms``), at every step; with an attention mask, whether it masks anything; with
+    global tokens (a classification head's), their count; causally, whether a row is left-padded. A gain set below
+    ``LN_MIN_GAMMA`` in place is seen by the next step's plan; a global mask changed in place gives the output of a
+    fresh mask."""
+    from ls_hf import LongShortForCausalLM, LongShortForMaskedLM, LongShortForSequenceClassification
 
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    monkeypatch.setattr(long_short_blocks, "flex_attend", _dense_flex_attend)
+    fused_on_cpu(monkeypatch)
     torch.manual_seed(0)
-    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3)).double()
+    model = LongShortForMaskedLM(tiny_config(num_hidden_layers=3, compile_attention=False)).double()
     layers = [layer.attention.self for layer in model.long_short.encoder.layer]
+    plans = []
+    layers[0].register_forward_pre_hook(lambda module, args, kwargs: plans.append(kwargs["plan"]), with_kwargs=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = tokens(length=24)
+    padded = torch.ones_like(ids)
+    padded[1, 20:] = 0
 
-    def step(update: bool) -> dict:
+    def step(**masks) -> dict:
         reads.clear()
-        model(input_ids=ids, labels=ids).loss.backward()
-        if update:
-            optimizer.step()
+        model(input_ids=ids, labels=ids, **masks).loss.backward()
+        optimizer.step()
         return dict(reads)
 
     reads = counting_device_reads(monkeypatch)
-    assert step(update=True) == {"tolist": 3}  # the first step: each layer's gains, as it meets them
-    assert step(update=False) == {"tolist": 1}  # changed by the update: every layer's in one read
-    assert step(update=False) == {}
+    assert step() == {"tolist": 1}
+    assert step() == {"tolist": 1}  # changed by the update: read again
+    assert plans[-1].backend == "flex"
+    assert step(attention_mask=padded) == {"__bool__": 1, "tolist": 1}
     with torch.no_grad():
         layers[1].dual_ln_local.weight[2] = 1e-4
-    assert [layer._joins_local_norm("flex", cached=False) for layer in layers] == [True, False, True]
-    assert step(update=False) == {}
+    assert step() == {"tolist": 1}
+    assert [plans[-1].for_layer(layer, cached=False).local_norm for layer in layers] == [True, False, True]
 
-    classifier = LongShortForSequenceClassification(tiny_config(num_hidden_layers=3)).double().eval()
+    classifier = LongShortForSequenceClassification(tiny_config(num_hidden_layers=3, compile_attention=False))
+    classifier = classifier.double().eval()
     first = torch.zeros_like(ids)
     first[:, 0] = 1
     with torch.no_grad():
         reads.clear()
         classifier(input_ids=ids)  # the first token global, a new mask each forward pass
         assert dict(reads) == {"__int__": 1}
-        classifier(input_ids=ids, global_attention_mask=first)
-        reads.clear()
-        classifier(input_ids=ids, global_attention_mask=first)
-        assert dict(reads) == {}
         first[1, 1:4] = 1
         reads.clear()
         changed = classifier(input_ids=ids, global_attention_mask=first).logits
         assert dict(reads) == {"__int__": 1}
         assert_close(changed, classifier(input_ids=ids, global_attention_mask=first.clone()).logits, atol=EXACT)
 
+    causal = LongShortForCausalLM(tiny_config(is_decoder=True, num_hidden_layers=3, compile_attention=False))
+    left = torch.ones_like(ids)
+    left[1, :5] = 0
+    with torch.no_grad():
+        reads.clear()
+        causal.double().eval()(input_ids=ids, attention_mask=left, use_cache=False)
+    assert dict(reads) == {"__bool__": 2}
+
 
 @pytest.mark.compiled_layer
-def test_training_step_on_cuda_never_waits_for_the_device(device, dtype):
+def test_training_step_on_cuda_waits_for_the_device_once(device, dtype, monkeypatch):
     """On CUDA a training step of the encoder's layers on the default path (the fused path, each layer compiled around
-    its kernel), once their gains have been read, makes the host wait for the device nowhere:
-    ``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronizing call. (The embeddings are left out:
-    CUDA's embedding backward may synchronize, in any model.) The CPU counts the host's reads instead
-    (``test_training_reads_the_device_once_a_step_for_all_layers``)."""
+    its kernel) makes the host wait for the device once, in the plan's one read of every layer's LN_L gains
+    (``recoverable_layer_norms``, let through): ``torch.cuda.set_sync_debug_mode("error")`` raises at any other
+    synchronizing call. (The embeddings are left out: CUDA's embedding backward may synchronize, in any model.) The
+    CPU counts the host's reads instead (``test_a_forward_pass_reads_the_device_once_for_all_layers``)."""
     if device.type != "cuda":
         pytest.skip("CUDA only: synchronizations are CUDA's")
+    gain_reads = []
+
+    def read_gains(norms):
+        gain_reads.append(len(norms))
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return recoverable_layer_norms(norms)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
     torch.manual_seed(0)
     encoder = LongShortModel(tiny_config(num_hidden_layers=3)).encoder.to(device=device, dtype=dtype)
     x = torch.randn(2, 120, 32, device=device, dtype=dtype, requires_grad=True)
@@ -776,11 +811,13 @@ def test_training_step_on_cuda_never_waits_for_the_device(device, dtype):
     step()
     step()
     torch.cuda.synchronize()
+    monkeypatch.setattr(long_short_plan, "recoverable_layer_norms", read_gains)
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert gain_reads == [3]  # the 3 layers' gains
     assert torch.isfinite(loss)
 
 
@@ -818,15 +855,12 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
     float64; here the CPU in float64 stands in), decided at each call from where the tensors are, with the output of
     the grouped SDPA path; not for attention maps, active attention dropout or a decoding step (fewer than w causal
     tokens); "eager" never does."""
-    from ls_hf import long_short_attention
-
+    uncompiled_kernel(monkeypatch)
     built = []
-    real = long_short_attention.long_short_flex_attend
-    monkeypatch.setattr(
-        long_short_attention, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k)
-    )
+    real = long_short_fused.long_short_flex_attend
+    monkeypatch.setattr(long_short_fused, "long_short_flex_attend", lambda *a, **k: built.append(1) or real(*a, **k))
     config = {"window": 3, "rank": 2, "causal": causal, "segment_length": 2 if causal else None}
-    default, eager = make(**config), make(**config, attn_implementation="eager")
+    default, eager = make(**config, compile_attention=False), make(**config, attn_implementation="eager")
     x, _ = inputs(default, 2, 13)
     mask = make_mask("left" if causal else "right", 2, 13, 4)
 
@@ -838,9 +872,9 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
 
     expected, calls = fused_calls(default, x, mask)
     assert calls == 0  # the CPU is not a fused device
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", ("cpu",))
     assert fused_calls(default, x, mask)[1] == 0  # nor is float64 a fused dtype
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (torch.float64,))
     out, calls = fused_calls(default, x, mask)
     assert calls == 1
     assert_close(out, expected, atol=EXACT)
@@ -856,18 +890,19 @@ def test_sdpa_runs_the_fused_path_where_fused_devices_say(monkeypatch, causal):
 @pytest.mark.parametrize("kind", ["cls", "global", "causal"])
 def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtype, monkeypatch):
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path with its block-sparse mask, the
-    layer compiled with the kernel inside; here on any test device, the CPU standing in, uncompiled) against "eager"
-    (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the cls token or global tokens
-    (bidirectional, their extra keys in 3 copies, one per band of 128 queries: ``extra_key_copies``) and 128-token
-    blocks: outputs, and where FlexAttention has a backward (not on the CPU) the gradients of the input, of W^P
-    (Eq. 3) and of LN_L's gain (Eq. 7). On CUDA the kernel runs inside the compiled layer's graph, crossing no compile
-    boundary."""
-    from ls_hf import long_short_attention, long_short_blocks
-
+    layer compiled with the kernel inside; on any other test device, the CPU standing in, the layer and its kernel
+    uncompiled) against "eager" (grouped SDPA everywhere) on the test device, with padding (right; causal: left), the
+    cls token or global tokens (bidirectional, their extra keys in 3 copies, one per band of 128 queries:
+    ``extra_key_copies``) and 128-token blocks: outputs, and where FlexAttention has a backward (not on the CPU) the
+    gradients of the input, of W^P (Eq. 3) and of LN_L's gain (Eq. 7). On CUDA the kernel runs inside the compiled
+    layer's graph, crossing no compile boundary; uncompiled, its call is one."""
     boundary_calls = counting_boundary_calls(monkeypatch)
-    monkeypatch.setattr(long_short_attention, "FUSED_DEVICES", (device.type,))
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (dtype,))
-    monkeypatch.setattr(long_short_blocks, "EXTRA_KEY_BAND", 128)
+    compiled = device.type == "cuda"
+    monkeypatch.setattr(long_short_blocks, "FUSED_DEVICES", (device.type,))
+    monkeypatch.setattr(long_short_blocks, "FUSED_DTYPES", (dtype,))
+    monkeypatch.setattr(long_short_fused, "EXTRA_KEY_BAND", 128)
+    if not compiled:
+        uncompiled_kernel(monkeypatch)
     causal = kind == "causal"
     config = {
         "hidden": 32,
@@ -877,7 +912,7 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
         "causal": causal,
         "segment_length": 8 if causal else None,
     }
-    default = make(**config, device=device, dtype=dtype)
+    default = make(**config, device=device, dtype=dtype, compile_attention=compiled)
     eager = make(**config, device=device, dtype=dtype, attn_implementation="eager")
     x, cls = inputs(default, 2, 300)
     mask = make_mask("left" if causal else "right", 2, 300, 70, device=device)
@@ -896,7 +931,7 @@ def test_default_matches_the_portable_path_on_the_test_device(kind, device, dtyp
                 out.float().square().sum().backward()
         params = (module.dynamic_projection.weight, module.dual_ln_local.weight)
         outs.append((out.detach(), x_in.grad, *(p.grad for p in params)))
-    assert len(boundary_calls) == (0 if device.type in long_short_blocks.KERNEL_IN_GRAPH_DEVICES else 1)
+    assert len(boundary_calls) == (0 if compiled else 1)
     for got, expected in zip(*outs):
         if got is not None or grads:
             assert_close(got, expected, atol=EXACT)
@@ -909,30 +944,3 @@ def test_config_compile_attention_reaches_every_layer():
         layers = [m for m in model.modules() if isinstance(m, LongShortSelfAttention)]
         assert layers and all(layer.compile_attention is setting for layer in layers)
     assert LongShortModel(tiny_config()).config.compile_attention is True
-
-
-@pytest.mark.compiled
-def test_bench_peer_at_the_boundary_crosses_it(monkeypatch):
-    """``bench.bench_attention``'s ``long-short-boundary`` peer beside the default ``long-short``, both compiled where
-    the kernel joins the layer's graph (the CPU standing in for CUDA, dynamo's eager backend): the default's kernel
-    crosses no compile boundary, the peer's does, the setting restored after its call, and the outputs are equal
-    (float64: the two calls lay their tensors out differently)."""
-    from bench.bench_attention import Shape, build_peer
-    from ls_hf import long_short_attention, long_short_blocks
-
-    boundary_calls = counting_boundary_calls(monkeypatch)
-    monkeypatch.setattr(long_short_attention, "FUSED_DTYPES", (torch.float64,))
-    shape = Shape(hidden=16, heads=2, window=8, rank=2)
-    x = torch.randn(1, 40, 16, dtype=torch.float64)
-    outs, calls = {}, {}
-    with package_compiled_with(monkeypatch, "eager", long_short_attention.compiled_attention_layer):
-        for peer in ("long-short", "long-short-boundary"):
-            torch.manual_seed(0)
-            module = build_peer(peer, shape).double()
-            boundary_calls.clear()
-            with torch.no_grad():
-                outs[peer] = module(x)
-            calls[peer] = len(boundary_calls)
-            assert long_short_blocks.KERNEL_IN_GRAPH_DEVICES == ("cpu",)
-    assert calls == {"long-short": 0, "long-short-boundary": 1}
-    assert_close(outs["long-short-boundary"], outs["long-short"], atol=EXACT)
