@@ -375,7 +375,9 @@ class LongShortSelfAttention(nn.Module):
         joined_norm = layer.joins_keys and layer.local_norm
         q = self._split(self.query(hidden_states))
         k, v = self._local_keys_values(hidden_states, layer, normalize=not joined_norm)
-        if self.causal:
+        if self.causal and state is None and torch.compiler.is_exporting():
+            context, attn = self._causal_exported(q=q, k=k, v=v, hidden=hidden_states, masks=masks, layer=layer)
+        elif self.causal:
             context, attn = self._causal(
                 q=q, k=k, v=v, hidden=hidden_states, masks=masks, state=state, layer=layer, joined_norm=joined_norm
             )
@@ -641,6 +643,32 @@ class LongShortSelfAttention(nn.Module):
         state.keys, state.values, state.valid = (t[:, keep_from - k_start :] for t in (k_all, v_all, valid_all))
         state.rows_k, state.rows_v, state.rows_valid, state.pending = rows_k, rows_v, rows_valid, pending
         state.seen, state.offsets = end, offsets
+        return context, attn
+
+    def _causal_exported(self, *, q, k, v, hidden, masks: MaskPlan, layer: LayerPlan):
+        """``_causal`` without a cache in an exported graph (``torch.export``, as ONNX exports): the same function,
+        laid out so that no shape depends on how the length compares with w or l. A row with left padding is shifted
+        to start at column 0 (its rules count from its first real token, ``_first_real``) and back after; Eq. 5
+        projects the inputs zero-padded to whole segments, two at least, the unfinished last one seen by no query."""
+        B, n = q.shape[:2]
+        r, l = self.projection_rank, self.segment_length
+        valid = masks.valid if masks.valid is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
+        positions = torch.arange(n, device=q.device)[None]
+        if masks.leading is not None:  # slot j holds the row's token j + leading
+            source = positions + masks.leading[:, None]
+            q, k, v, hidden, valid = (take(x, source.clamp(max=n - 1)) for x in (q, k, v, hidden, valid))
+            valid = valid & (source < n)
+        extra = None
+        if r:
+            segments = torch.sym_max((n + l - 1) // l, 2)
+            whole = (pad_seq(x, 0, segments * l - n) for x in (hidden, k, v, valid))
+            rows = self._project(*whole, l)
+            extra = ExtraKeys(rows.keys, rows.values, rows.valid, torch.arange(segments * r, device=q.device) // r)
+        inputs = JointInputs(q=q, q_start=0, k=k, v=v, k_valid=valid, k_start=0, extra=extra)
+        context, attn = self._joint_softmax(inputs, q_valid=valid, layer=layer)
+        if masks.leading is not None:  # back to the positions: token j of the row from slot j - leading
+            target = positions - masks.leading[:, None]
+            context = take(context, target.clamp(min=0)) * (target >= 0)[..., None, None].to(context.dtype)
         return context, attn
 
     @staticmethod

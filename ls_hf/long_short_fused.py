@@ -1,5 +1,5 @@
 """Long-Short attention's fused path: one FlexAttention call per layer over [window keys; extra keys], the default on
-CUDA (``long_short_plan.FUSED_DEVICES``) and ``attn_implementation="flex_attention"``'s everywhere.
+CUDA (``long_short_blocks.FUSED_DEVICES``) and ``attn_implementation="flex_attention"``'s everywhere.
 
 * ``attend_flex``, the ``"flex"`` backend: the visibility as a block-sparse mask built from the window geometry
   (``long_short_blocks``), never an n x n evaluation, so nothing is gathered. Its mask comes from the plan, built

@@ -153,7 +153,7 @@ def _tiles(module, inputs: JointInputs) -> Tiles:
     w, L, causal = module.window_size, inputs.k.shape[1], module.causal
     R = extra.keys.shape[1] if extra is not None else 0
     device = q.device
-    if w and (not causal or m >= w):
+    if w and (not causal or torch.compiler.is_exporting() or m >= w):  # exported: uncached (``_causal_exported``)
         first = q_start // w
         # two groups at least: a traced graph then serves lengths below w too (one more all-padding group there)
         groups = torch.sym_max((q_start + m + w - 1) // w - first, 2)

@@ -378,7 +378,7 @@ class LongShortXLAttention(nn.Module):
         self._keep_keys(state, keys=keys, values=values)
 
         # Queries in aligned window segments: group g holds positions [g w, g w + w) and sees keys [g w - w, g w + w).
-        first, last = p0 // w, -(-end // w)
+        first, last = p0 // w, (end + w - 1) // w
         G = last - first
         skip = p0 - first * w
         q_pos = torch.arange(first * w, last * w, device=h.device).view(G, w)

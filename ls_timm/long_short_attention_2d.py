@@ -82,6 +82,7 @@ __all__ = [
     "BACKENDS_2D",
     "LongShortAttention2d",
     "WindowLayout",
+    "merged_heads",
     "plan_attention_2d",
     "validate_ls_2d_args",
     "window_keep_2d",
@@ -122,6 +123,14 @@ def window_keep_2d(q_yx: Tensor, k_yx: Tensor, window: int, size: tuple[int, int
     """
     k = k_yx.unsqueeze(-3)
     return window_rule(q_yx.unsqueeze(-2), k, window, causal=False).all(-1) & _inside(k, size)
+
+
+def merged_heads(out: Tensor) -> Tensor:
+    """SDPA's output (N, heads, L, d) as token rows (N, L, heads * d), copied before the view: an export records the
+    fused CPU kernel's layout of the output, which ONNX's decomposition of SDPA does not keep, so a ``reshape`` there
+    would be recorded as a view that no longer holds."""
+    N, heads, L, d = out.shape
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(N, L, heads * d)
 
 
 def _inside(yx: Tensor, size: tuple[int, int]) -> Tensor:
@@ -469,7 +478,7 @@ class LongShortAttention2d(nn.Module):
                 attn_mask=masks[:n] if g1 - g0 == G else mask[g0:g1],
                 dropout_p=self.attn_drop if self.training else 0.0,
             )
-            out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), out_c.transpose(1, 2).reshape(-1, C))
+            out.index_copy_(0, out_rows[b0:b1, g0:g1].flatten(), merged_heads(out_c).view(-1, C))
         return out[:-1].view(B, HW, C)
 
     def _attend_flex(
@@ -586,7 +595,7 @@ class LongShortAttention2d(nn.Module):
             attn_mask=mask.repeat(B, 1, 1, 1) if B > 1 else mask,
             dropout_p=self.attn_drop if self.training else 0.0,
         )
-        return out.transpose(1, 2).reshape(B, HW, -1)
+        return merged_heads(out).view(B, HW, -1)
 
     def _attend_sdpa(
         self,
@@ -647,7 +656,7 @@ class LongShortAttention2d(nn.Module):
             glob = F.scaled_dot_product_attention(
                 self._heads(q_g), self._heads(torch.cat([k_g, out], 1)), self._heads(torch.cat([v_g, out], 1))
             )
-            out = torch.cat([glob.transpose(1, 2).flatten(2), out], 1)
+            out = torch.cat([merged_heads(glob), out], 1)
         return self.proj_drop(self.proj(out))
 
 

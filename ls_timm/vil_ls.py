@@ -29,7 +29,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretra
 from torch import Tensor, nn
 
 from .hierarchical import HierarchicalTransformer, Stage, check_per_stage, feature_cfg
-from .long_short_attention_2d import LongShortAttention2d
+from .long_short_attention_2d import LongShortAttention2d, merged_heads
 
 __all__ = ["VilLs"]
 
@@ -101,12 +101,12 @@ class RelPosAttention(nn.Module):
                 f"for {self.feat_size}; feed images of the model's img_size or create it with img_size "
                 "set to the input size."
             )
-        B, N, C = x.shape
+        B, N = x.shape[:2]
         q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self._bias().to(q.dtype).unsqueeze(0), dropout_p=self.attn_drop if self.training else 0.0
         )
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        return self.proj_drop(self.proj(merged_heads(x)))
 
 
 class VilLs(HierarchicalTransformer):
