@@ -637,6 +637,16 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
         shift_labels (B, n): the next tokens, which scores every input position (a stream's blocks)."""
         if input_ids is None:
             raise ValueError("input_ids is required (the model embeds token ids and scales them by sqrt(d)).")
+        cache = decoding_cache(cache, past_key_values)
+        if attention_mask is not None:
+            batch, n = input_ids.shape
+            lengths = (n,) if cache is None or not cache.get_seq_length() else (n, cache.get_seq_length() + n)
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in lengths:
+                raise ValueError(
+                    f"attention_mask must be (batch, tokens) = {(batch, n)}"
+                    + (f" or (batch, cached + new tokens) = {(batch, lengths[1])}" if len(lengths) > 1 else "")
+                    + f", all ones; got {tuple(attention_mask.shape)}: one entry per token of input_ids."
+                )
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError(
                 "LongShortXLForCausalLM models unpadded streams; attention_mask must be all ones (drop "
@@ -644,7 +654,6 @@ class LongShortXLForCausalLM(LongShortXLPreTrainedModel, GenerationMixin):
             )
         scoring = labels is not None or shift_labels is not None
         use_cache = bool(self.config.use_cache if use_cache is None else use_cache) and not scoring
-        cache = decoding_cache(cache, past_key_values)
         if use_cache and cache is None:
             cache = LongShortXLCache(self.config)
         hidden, next_memory = self.long_short(input_ids, memory=memory, cache=cache, memory_length=memory_length)

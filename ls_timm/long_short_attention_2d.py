@@ -678,6 +678,14 @@ def plan_attention_2d(modules: Sequence[LongShortAttention2d], x: Tensor, feat_s
     else ``"sdpa"``, the strip or blocked layouts), whether the layers run compiled around their kernel, and the
     fused path's tile block masks."""
     module = modules[0]
+    H, W = feat_size
+    tokens = module.num_prefix_tokens + H * W
+    if x.dim() != 3 or x.shape[1] != tokens or x.shape[2] != module.proj.in_features:
+        raise ValueError(
+            f"x must be (batch, num_prefix_tokens + H * W, dim) = (batch, {module.num_prefix_tokens} + {H} * {W}, "
+            f"{module.proj.in_features}) for feat_size={tuple(feat_size)}, got {tuple(x.shape)}: pass the map's "
+            f"(H, W) with its tokens."
+        )
     if module.attn_implementation == "flex_attention":
         for layer in modules:
             check_flex_call(

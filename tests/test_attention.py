@@ -560,8 +560,12 @@ def test_layer_norm_gains_are_read_once_a_forward_pass_for_every_layer():
         norms = [layer.attention.self.dual_ln_local for layer in model.long_short.encoder.layer]
         with torch.no_grad():
             norms[1].weight[3] = 1e-4
-        counted = patch.object(long_short_plan, "recoverable_layer_norms", wraps=long_short_kernels.recoverable_layer_norms)
-        in_place = patch.object(long_short_kernels.LayerNormInPlace, "apply", wraps=long_short_kernels.LayerNormInPlace.apply)
+        counted = patch.object(
+            long_short_plan, "recoverable_layer_norms", wraps=long_short_kernels.recoverable_layer_norms
+        )
+        in_place = patch.object(
+            long_short_kernels.LayerNormInPlace, "apply", wraps=long_short_kernels.LayerNormInPlace.apply
+        )
         with counted as reads, in_place as writes:
             loss = model(input_ids=ids, labels=ids).loss
         if recompute:
@@ -1030,13 +1034,36 @@ def test_misuse_of_forward_raises():
         ((9, 16), None, r"hidden_states must be \(batch, tokens, 16\), got \(9, 16\).*x\[None\]"),
         ((2, 9, 16), (2, 8), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(2, 8\)"),
         ((2, 9, 16), (9,), r"attention_mask must be \(batch, tokens\) = \(2, 9\).*got \(9,\)"),
+        ((2, 9, 16), (2, 12), r"= \(2, 9\).*got \(2, 12\): a mask of 12 tokens for 9 tokens of hidden_states"),
     ],
 )
 def test_wrong_inputs_are_refused_clearly(shape, mask_shape, match):
+    """A mask shorter or longer than the input (a longer one was read from its last entries) is refused, naming both
+    lengths, before any work."""
     attn = LongShortSelfAttention(16, 2, window_size=4, projection_rank=2)
     mask = None if mask_shape is None else torch.ones(mask_shape)
     with pytest.raises(ValueError, match=match):
         attn(torch.randn(shape), mask)
+
+
+def test_masks_and_cls_of_another_shape_are_refused():
+    """``global_attention_mask`` of another length, ``cls_hidden`` of another batch or more than one token, and with a
+    cache an ``attention_mask`` that covers neither the new tokens nor the cached and new ones: each refused, naming
+    the shapes; with a cache both lengths are taken."""
+    attn = make(hidden=16, heads=2, window=4, rank=2)
+    x, cls = inputs(attn, 2, 10)
+    with pytest.raises(ValueError, match=r"global_attention_mask must have shape \(batch, tokens\) = \(2, 10\)"):
+        attn(x, global_attention_mask=torch.zeros(2, 12))
+    for bad in (cls[:1], torch.cat([cls, cls], 1)):
+        with pytest.raises(ValueError, match=r"cls_hidden must be \(batch, 1, 16\) = \(2, 1, 16\)"):
+            attn(x, cls_hidden=bad)
+    causal = make(hidden=16, heads=2, window=4, rank=2, causal=True, segment_length=2)
+    state = CausalState()
+    with torch.no_grad():
+        causal(x[:, :6], state=state)
+        causal(x[:, 6:], torch.ones(2, 10), state=state)  # the cached and the new tokens
+        with pytest.raises(ValueError, match=r"or \(batch, cached \+ new tokens\) = \(2, 14\).*got \(2, 12\)"):
+            causal(x[:, 6:], torch.ones(2, 12), state=state)
 
 
 def test_segment_length_needs_causal():

@@ -382,9 +382,14 @@ def test_bad_config_is_a_clear_error(overrides, match):
 
 
 def test_padding_and_odd_memory_are_refused():
+    """Padding, a mask of another length than the input (longer or shorter: it was not checked) and a memory that is
+    not whole segments are refused."""
     model = tiny_xl()
     with pytest.raises(ValueError, match="attention_mask"):
         model(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    for length in (3, 6):
+        with pytest.raises(ValueError, match=rf"= \(1, 4\), all ones; got \(1, {length}\)"):
+            model(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, length, dtype=torch.long))
     with pytest.raises(ValueError, match="memory_length"):
         model(torch.ones(1, 4, dtype=torch.long), memory_length=3)
 

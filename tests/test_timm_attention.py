@@ -322,6 +322,17 @@ def test_bad_arguments(kwargs, match):
         LongShortAttention2d(**args)
 
 
+@pytest.mark.parametrize("feat_size", [(4, 4), (2, 8), (3, 2)])
+def test_a_map_size_that_does_not_fit_the_tokens_is_refused(feat_size):
+    """x holds g + H * W tokens: a ``feat_size`` of another count is refused, naming both, before any work (the (3, 3)
+    map of these 10 tokens runs)."""
+    attention = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1)
+    x = torch.randn(2, 1 + 9, 16)
+    attention(x, (3, 3))
+    with pytest.raises(ValueError, match=rf"\(batch, 1 \+ {feat_size[0]} \* {feat_size[1]}, 16\).*got \(2, 10, 16\)"):
+        attention(x, feat_size)
+
+
 def test_compiles_without_graph_breaks():
     m = LongShortAttention2d(16, 2, 4, 2, num_prefix_tokens=1, conv_proj=True, conv_dynamic_proj=True).eval()
     x = torch.randn(1, 1 + 10 * 9, 16)
