@@ -63,7 +63,8 @@ FLEX_MIN_HEAD_DIM = 16
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The one device rule: where attn_implementation="sdpa" (the default) runs the fused FlexAttention path, its kernel
 # compiled (``flex_attend``) and, with ``compile_attention``, the rest of the layer compiled around it, the kernel
-# inside the layer's graph. Elsewhere the grouped SDPA path is faster (the CPU: bench/RESULTS.md).
+# inside the layer's graph. Elsewhere the grouped SDPA path is faster (on the CPU eager FlexAttention materialises
+# every score, and compiled it ran CvT-LS 1.5x and ViL-LS 2.7x slower than the SDPA layouts, 2026-11).
 FUSED_DEVICES = ("cuda",)
 
 

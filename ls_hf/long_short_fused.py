@@ -45,7 +45,7 @@ __all__ = [
 
 # The share of the compiled layer's activation memory (against what it keeps by default) that it keeps with
 # ``recompute_window_tiles=True``: torch's min-cut partitioner then recomputes P in the backward pass, and the
-# Linears' outputs where ``LN_L`` is not applied with the joined keys (bench/RESULTS.md).
+# Linears' outputs where ``LN_L`` is not applied with the joined keys (bench/RESULTS.md, "recompute_window_tiles").
 RECOMPUTE_MEMORY_BUDGET = 0.3
 
 

@@ -3,7 +3,8 @@ block-sparse structure, built from the tile geometry and never evaluated over al
 counterpart of ``ls_hf.long_short_blocks``.
 
 Token order. In raster order a block of 128 queries spans whole map rows and meets keys from every window along them,
-so few key blocks can be skipped (``bench/RESULTS.md``). Here the patches are laid out in window-tile order: the map,
+so few key blocks can be skipped (``cvt_ls_13`` at 224: 34-100 % of a stage's key blocks visited in raster order,
+3.9-17.8x the scores the window keeps, 2026-11). Here the patches are laid out in window-tile order: the map,
 padded to multiples of w, is cut into the w x w query blocks of the window rule ("tiles"), each tile's tokens
 contiguous (raster order inside it), the tiles in raster order; slot ``i`` holds a token of tile ``i // w^2``. The
 keys are [the patches in the same order; the extra keys (projected rows, global tokens)], which every query sees.

@@ -3,7 +3,7 @@ runs with it.
 
 The estimate is linear in what a step holds at its peak (the backward pass, from the second step on, when AdamW's
 moments exist); its ``Coefficients`` are fitted to the peak resident memory (RSS) of real training steps on the CPU
-in float32 (``bench/memory_calibration.py``; ``bench/RESULTS.md``, "Training memory"):
+in float32 (``recipes/memory_calibration.py``; ``bench/RESULTS.md``, "Training memory"):
 
 * a fixed amount that any first training step adds (the training loop's and the libraries' buffers);
 * per parameter, its float32 gradient and AdamW's two moments (the weights are loaded already);
@@ -48,7 +48,7 @@ class Coefficients:
     half: float  # share of those activation and logit bytes left under bfloat16 or float16 autocast
 
 
-# Fitted to bench/results/memory_calibration_cpu.json (python -m bench.memory_calibration --fit), rounded; see
+# Fitted to recipes/memory_calibration_cpu.json (python -m recipes.memory_calibration --fit), rounded; see
 # bench/RESULTS.md, "Training memory", for how close the estimate comes to each measured step.
 CALIBRATED = Coefficients(
     fixed=74 * 2**20,
