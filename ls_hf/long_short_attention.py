@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .long_short_fused import compiled_attention_layer, copies_of_extra_keys, joined_extra
@@ -44,7 +43,16 @@ from .long_short_rules import (
     projection_scores,
     validate_long_short_args,
 )
-from .long_short_tiles import ExtraKeys, JointInputs, pad_seq, probabilities, sdpa, take, weighted
+from .long_short_tiles import (
+    ExtraKeys,
+    JointInputs,
+    global_maps_layout,
+    pad_seq,
+    probabilities,
+    sdpa,
+    take,
+    weighted,
+)
 
 __all__ = [
     "BACKENDS",
@@ -459,7 +467,7 @@ class LongShortSelfAttention(nn.Module):
             )
             if layer.output_attentions:
                 maps = probabilities(self, g_q, g_k, g_keep)
-                *layout, global_from_maps = self._global_layout(maps, is_global, order)
+                *layout, global_from_maps = global_maps_layout(maps, is_global, order)
         inputs = JointInputs(
             q=q,
             q_start=0,
@@ -505,35 +513,6 @@ class LongShortSelfAttention(nn.Module):
         keep = valid[:, None, None, :]
         keep = keep | ~keep.any(-1, keepdim=True)  # a sample of padding only: finite, discarded
         return q_g.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep
-
-    @staticmethod
-    def _global_layout(prob: Tensor, is_global: Tensor, order: Tensor):
-        """``(to_maps, from_maps, global_from_maps)`` for ``output_attentions`` with global tokens. ``to_maps`` puts
-        the other tokens' probabilities (B, H, n, K + r + S) and the global tokens' ``prob`` (B, H, K, r + n), both
-        in ``order``, into the maps that ``forward`` documents, in position order; ``from_maps`` and
-        ``global_from_maps`` read each back from those maps, so that both kinds of output are computed from them."""
-        K, n = prob.shape[2], order.shape[1]
-        r = prob.shape[-1] - n
-        g_valid = is_global[:, n - K :]
-        g_cols = g_valid[:, None, None, :].to(prob.dtype)
-
-        def to_maps(attn):
-            tail = prob[..., r:].transpose(-1, -2) * g_cols * (~is_global)[:, None, :, None]  # (B, H, n, K)
-            own = torch.cat([prob[..., r + n - K :] * g_cols, prob[..., :r]], -1)  # (B, H, K, K + r)
-            own = torch.where(g_valid[:, None, :, None], F.pad(own, (0, attn.shape[-1] - K - r)), attn[:, :, n - K :])
-            maps = torch.cat([torch.cat([attn[:, :, : n - K], own], 2), tail], -1)
-            return torch.take_along_dim(maps, torch.argsort(order, dim=1)[:, None, :, None], dim=2)
-
-        def in_order(maps, slots=order):
-            return torch.take_along_dim(maps, slots[:, None, :, None], dim=2)
-
-        def global_from_maps(maps):  # -> (B, H, K, r + n): the global tokens' own rows and the other rows' tails
-            own = in_order(maps, order[:, n - K :])
-            tail = in_order(maps[..., -K:]).transpose(-1, -2)
-            tokens = torch.where(is_global[:, None, None, :], F.pad(own[..., :K], (n - K, 0)), tail)
-            return torch.cat([own[..., K : K + r], tokens], -1)
-
-        return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
 
     def _cls_output(self, cls_hidden, context, valid):
         """The cls token attends to its own raw key/value and to the other tokens' contexts (official post-CLS)."""

@@ -38,6 +38,7 @@ __all__ = [
     "attend_lean",
     "attend_maps",
     "attend_sdpa",
+    "global_maps_layout",
     "probabilities",
     "sdpa",
     "take",
@@ -304,3 +305,32 @@ def attend_lean(module, inputs: JointInputs, layer, layout: MapsLayout | None) -
     q = _group_queries(inputs, tiles)
     context = TiledAttention.apply(q, inputs.k, inputs.v, rows_k, rows_v, tiles.index, tiles.keep)
     return context[:, tiles.skip : tiles.skip + m], None
+
+
+def global_maps_layout(prob: Tensor, is_global: Tensor, order: Tensor):
+    """``(to_maps, from_maps, global_from_maps)`` for ``output_attentions`` with global tokens. ``to_maps`` puts
+    the other tokens' probabilities (B, H, n, K + r + S) and the global tokens' ``prob`` (B, H, K, r + n), both
+    in ``order``, into the maps that ``LongShortSelfAttention.forward`` documents, in position order; ``from_maps`` and
+    ``global_from_maps`` read each back from those maps, so that both kinds of output are computed from them."""
+    K, n = prob.shape[2], order.shape[1]
+    r = prob.shape[-1] - n
+    g_valid = is_global[:, n - K :]
+    g_cols = g_valid[:, None, None, :].to(prob.dtype)
+
+    def to_maps(attn):
+        tail = prob[..., r:].transpose(-1, -2) * g_cols * (~is_global)[:, None, :, None]  # (B, H, n, K)
+        own = torch.cat([prob[..., r + n - K :] * g_cols, prob[..., :r]], -1)  # (B, H, K, K + r)
+        own = torch.where(g_valid[:, None, :, None], F.pad(own, (0, attn.shape[-1] - K - r)), attn[:, :, n - K :])
+        maps = torch.cat([torch.cat([attn[:, :, : n - K], own], 2), tail], -1)
+        return torch.take_along_dim(maps, torch.argsort(order, dim=1)[:, None, :, None], dim=2)
+
+    def in_order(maps, slots=order):
+        return torch.take_along_dim(maps, slots[:, None, :, None], dim=2)
+
+    def global_from_maps(maps):  # -> (B, H, K, r + n): the global tokens' own rows and the other rows' tails
+        own = in_order(maps, order[:, n - K :])
+        tail = in_order(maps[..., -K:]).transpose(-1, -2)
+        tokens = torch.where(is_global[:, None, None, :], F.pad(own[..., :K], (n - K, 0)), tail)
+        return torch.cat([own[..., K : K + r], tokens], -1)
+
+    return to_maps, lambda maps: in_order(maps)[..., :-K], global_from_maps
