@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv (pip resolves torch with torchvision), then
 #   bash run.sh demo        runs the main job on built-in small data
-#   bash run.sh test        runs the test suite
+#   bash run.sh test        runs the quick tier of the test suite (every module, recipe and attention path);
+#                           bash run.sh test --all adds the slow tests (marked slow: compiling, ONNX export)
 #   bash run.sh gpu-check   on a CUDA machine: the tests that take the device (tests/device_tests.txt) on CUDA in
 #                           float32 and in bfloat16, then each benchmark in bench/ on CUDA in bfloat16, each printing
 #                           its table (JSON in bench/results/). Without a GPU it says so and exits 0
@@ -35,8 +36,20 @@ if ! "$VENV/bin/python" -c "import ls_hf, ls_timm, pytest, matplotlib, psutil" >
 fi
 case "${1:-}" in
     demo) shift; exec "$VENV/bin/python" -m recipes.demo "$@" ;;
-    # two pytest workers, one thread each: the two cores without oversubscription
-    test) shift; OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" exec "$VENV/bin/python" -m pytest -q -n 2 "$@" ;;
+    test)
+        shift
+        tier=(-m "not slow")  # a later -m of the caller's takes its place
+        if [ "${1:-}" = --all ]; then
+            shift
+            tier=()
+            echo "run.sh test: every test, the slow ones too: about 12 minutes on 2 cores" >&2
+        else
+            echo "run.sh test: the quick tier, about 4 minutes on 2 cores; 'bash run.sh test --all' adds the slow" \
+                 "tests (about 12 minutes in all)" >&2
+        fi
+        # two pytest workers, one thread each: the two cores without oversubscription
+        OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" exec "$VENV/bin/python" -m pytest -q -n 2 ${tier[@]+"${tier[@]}"} "$@"
+        ;;
     gpu-check)
         if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
             echo "run.sh gpu-check: nvidia-smi sees a GPU but torch in $VENV/ has no CUDA; install a CUDA build of" \

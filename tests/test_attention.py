@@ -828,6 +828,8 @@ def test_joined_projected_keys_under_autocast():
             torch.testing.assert_close(got, expected, rtol=0, atol=8 * eps * float(expected.abs().max()))
 
 
+@pytest.mark.slow
+@pytest.mark.compiled
 def test_joined_projected_keys_compile():
     """``JoinedProjectedKeys`` traces whole under ``torch.compile`` (``fullgraph=True``: forward and backward), as the
     compiled attention layer takes it on CUDA, and gives what it gives uncompiled."""

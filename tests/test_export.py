@@ -75,12 +75,13 @@ def assert_matches(got, expected):
     "model_class, overrides",
     [
         (LongShortModel, {}),
-        (LongShortForMaskedLM, {}),
         (LongShortForSequenceClassification, {}),
-        (LongShortForTokenClassification, {}),
-        (LongShortForQuestionAnswering, {}),
-        (LongShortForMultipleChoice, {}),
         (LongShortForCausalLM, {"is_decoder": True}),
+        # the other heads over the same encoder: the deeper tier
+        pytest.param(LongShortForMaskedLM, {}, marks=pytest.mark.slow),
+        pytest.param(LongShortForTokenClassification, {}, marks=pytest.mark.slow),
+        pytest.param(LongShortForQuestionAnswering, {}, marks=pytest.mark.slow),
+        pytest.param(LongShortForMultipleChoice, {}, marks=pytest.mark.slow),
     ],
     ids=lambda value: value.__name__.removeprefix("LongShortFor") if isinstance(value, type) else "",
 )
@@ -96,7 +97,10 @@ def test_exported_program_matches_eager(model_class, overrides):
         assert_matches(got.numpy(), expected.numpy())
 
 
-@pytest.mark.parametrize("model_class", [LongShortForSequenceClassification, LongShortForCausalLM])
+@pytest.mark.parametrize(
+    "model_class",
+    [LongShortForSequenceClassification, pytest.param(LongShortForCausalLM, marks=pytest.mark.slow)],
+)
 def test_onnx_runtime_matches_pytorch(model_class, tmp_path):
     """``export_onnx``, then ONNX Runtime on the CPU at three other shapes (batch 1-4; lengths below w, not a multiple
     of w, and above 2,048), with padding and global tokens: PyTorch's output to 1e-4 of its magnitude."""
@@ -160,8 +164,10 @@ def test_compile_fullgraph_runs_the_default_cpu_path():
 
 @pytest.mark.parametrize(
     "name, kwargs",
-    [("cvt_ls_13", {"depths": (1, 1, 1)}), ("vil_ls_small", {"depths": (1, 1, 1, 1), "img_size": 64})],
-    ids=["cvt", "vil"],
+    [
+        pytest.param("cvt_ls_13", {"depths": (1, 1, 1)}, id="cvt"),
+        pytest.param("vil_ls_small", {"depths": (1, 1, 1, 1), "img_size": 64}, id="vil", marks=pytest.mark.slow),
+    ],
 )
 def test_timm_entries_export_with_a_dynamic_batch(name, kwargs, tmp_path):
     """timm's own export (``timm.utils.onnx.onnx_export(use_dynamo=True)``) of a reduced ``cvt_ls_13`` and

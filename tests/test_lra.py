@@ -467,6 +467,7 @@ def test_synthetic_only_the_projection_reaches_the_second_half():
         assert (delta.item() > 1e-4) == reaches, (attention, global_first_token, delta)
 
 
+@pytest.mark.slow
 def test_synthetic_long_range_is_learned():
     """Long-Short learns the marker of the second half at n = 512 with no global token (only its projected rows can
     carry it): seed 0 reaches 1.0 by step 100 (about 12 s of one core); 600 steps leave room for other machines."""

@@ -1,6 +1,6 @@
 """``bash run.sh``: an unknown command is refused before anything is created or installed, the installation shows
-pip's progress rather than running silently for minutes, and ``gpu-check`` runs the device tests and then the
-benchmarks on CUDA, or says that there is no GPU."""
+pip's progress rather than running silently for minutes, ``test`` runs the quick tier unless ``--all`` is given, and
+``gpu-check`` runs the device tests and then the benchmarks on CUDA, or says that there is no GPU."""
 
 import os
 import shutil
@@ -75,6 +75,20 @@ def test_gpu_check_takes_no_arguments(tmp_path):
     done = run_sh("gpu-check", "bench", env={"VENV": str(tmp_path / "venv")})
     assert done.returncode == 2 and "gpu-check (no arguments), got 'bench'" in done.stderr
     assert not (tmp_path / "venv").exists()
+
+
+@pytest.mark.parametrize(
+    "args, tier", [(["tests/x.py"], "-m not slow tests/x.py"), (["--all", "tests/x.py"], "tests/x.py")]
+)
+def test_test_runs_the_quick_tier_unless_all_is_asked(tmp_path, args, tier):
+    """``bash run.sh test`` leaves out the slow-marked tests and says so, with how long each tier takes; ``--all``
+    runs them too; the other arguments go to pytest after the tier's."""
+    log = tmp_path / "calls"
+    done = run_sh("test", *args, env={"VENV": str(stand_ins(tmp_path, log))})
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines()[-1].startswith(f"python -m pytest -q -n 2 {tier} [")
+    said = "the slow ones too" if args[0] == "--all" else "'bash run.sh test --all' adds the slow tests"
+    assert said in done.stderr and "minutes on 2 cores" in done.stderr
 
 
 @pytest.mark.parametrize("tests_fail", [False, True])

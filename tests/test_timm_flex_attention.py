@@ -49,6 +49,7 @@ def test_flex_matches_sdpa(H, W, dim, heads, w, r, g, kwargs, strips, use_dual_l
         assert_close(flex(x, (H, W)), sdpa(x, (H, W)), atol=EXACT)
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 @pytest.mark.parametrize(
     "case",
@@ -72,6 +73,7 @@ def test_compiled_flex_matches_sdpa(case, device, monkeypatch):
         torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 def test_callers_compile_matches_sdpa():
     """A caller's torch.compile of a module on the FlexAttention path (ViL-LS bias, a cls token, partial tiles),
@@ -95,6 +97,7 @@ def built(case, *, seed=2, **kwargs):
     return module, x
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 def test_compiled_layer_matches_sdpa_and_is_shared(monkeypatch):
     """The fused path's whole layer compiled (``compiled_attention_layer``; the CPU standing in for CUDA,
@@ -219,8 +222,10 @@ def test_compiled_layer_runs_where_it_can(monkeypatch):
 @pytest.mark.compiled_layer
 @pytest.mark.parametrize(
     "case",
-    [(19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), (20, 18, 16, 1, 4, 4, 1, CASES[3][-1])],
-    ids=["vil_bias_cls", "cvt_one_head"],
+    [
+        pytest.param((19, 23, 16, 2, 7, 2, 1, CASES[2][-1]), id="vil_bias_cls"),
+        pytest.param((20, 18, 16, 1, 4, 4, 1, CASES[3][-1]), id="cvt_one_head", marks=pytest.mark.slow),
+    ],
 )
 def test_default_matches_the_portable_path_on_the_test_device(case, device, dtype, monkeypatch):
     """The default (attn_implementation="sdpa": on CUDA the fused FlexAttention path in tile order, the rest of the

@@ -231,6 +231,7 @@ def test_timm_model_takes_the_kernels(kernel_calls, monkeypatch):
         assert_close(p.grad, reference.grad, atol=EXACT)
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 @pytest.mark.parametrize("compiled_by", ["package", "caller"])
 def test_compiled_layer_calls_the_kernels(compiled_by, monkeypatch):
@@ -331,6 +332,7 @@ def test_operator_names_what_it_lacks(monkeypatch):
         window_attention_2d(q, q, q, q[:, :0], q[:, :0], **sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 def test_triton_compiles_the_kernels_for_gpus(tmp_path):
     """Triton's compiler builds the forward and backward kernels' cubins for Hopper (the H100 and H200 of the GPU
