@@ -160,6 +160,7 @@ def test_model_flex_matches_sdpa(causal):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_compiled_flex_matches_sdpa(causal):
@@ -199,6 +200,7 @@ def lowered_as_for_cuda(monkeypatch):
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 @pytest.mark.parametrize("kind", ["cls", "causal"])
 def test_compiled_layer_as_lowered_for_cuda(kind, lowered_as_for_cuda, monkeypatch):
@@ -349,6 +351,7 @@ def test_compiled_layer_compiles_once_for_any_number_of_extra_key_copies(monkeyp
     assert _graphs_compiled_per_length(monkeypatch, layer, range(40, 60), "right") == [1, 1] + [0] * 18
 
 
+@pytest.mark.slow
 @pytest.mark.compiled
 def test_compiled_layer_backward_matches_sdpa_and_recomputes_on_request(monkeypatch):
     """The compiled layer's backward pass (the CPU standing in for CUDA, FlexAttention computed densely there, float64,
