@@ -43,7 +43,7 @@ case "${1:-}" in
             shift
             tier=()
             echo "run.sh test: every test, the slow ones too: about 12 minutes on 2 cores" >&2
-        else
+        elif [[ " $* " != *" -m "* ]]; then
             echo "run.sh test: the quick tier, about 4 minutes on 2 cores; 'bash run.sh test --all' adds the slow" \
                  "tests (about 12 minutes in all)" >&2
         fi
