@@ -152,6 +152,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for PyTorch and ONNX Runtime")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 layers, short lengths, not saved")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/export_cpu.json)")
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.lengths) or args.batch < 1 or args.repeats < 1 or args.layers < 1:
         parser.error("--lengths must be >= 2 and --batch, --repeats, --layers >= 1")
@@ -161,7 +162,7 @@ def main(argv=None) -> None:
     meta = run_meta("bench.bench_export", argv, layers=args.layers, batch=args.batch, repeats=args.repeats)
     rows = measure(args.peers, args.lengths, args.layers, args.batch, args.repeats, args.threads)
     print(table(rows, args.lengths))
-    write_json(results_path("export_cpu", args.quick), {"meta": meta, "rows": rows})
+    write_json(args.out or results_path("export_cpu", args.quick), {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":
