@@ -498,37 +498,53 @@ def test_lean_path_gradients_match_default_causal(config, n, batch, mask_kind, p
     assert_lean_matches_default(module, x, attention_mask=make_mask(mask_kind, batch, n, pad, seed))
 
 
+def tiny_mlm(*, recompute_window_tiles: bool, num_hidden_layers: int = 2):
+    """A float64 masked LM in training mode (16 wide, w = 4, r = 2, no dropout), the same weights for both settings of
+    ``recompute_window_tiles``; and token ids (2, 23)."""
+    from ls_hf import LongShortConfig, LongShortForMaskedLM
+
+    config = LongShortConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        intermediate_size=32,
+        window_size=4,
+        projection_rank=2,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        recompute_window_tiles=recompute_window_tiles,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    return LongShortForMaskedLM(config).double().train(), ids
+
+
+def assert_same_loss_and_gradients(got: tuple, expected: tuple) -> None:
+    """``(loss, {name: gradient})`` pairs equal in float64."""
+    (loss, grads), (loss_expected, grads_expected) = got, expected
+    torch.testing.assert_close(loss, loss_expected, atol=1e-12, rtol=0)
+    for name in grads_expected:
+        torch.testing.assert_close(grads[name], grads_expected[name], atol=1e-12, rtol=1e-10, msg=name)
+
+
+def loss_and_gradients(model, loss) -> tuple:
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
 def test_config_recompute_window_tiles_reaches_every_layer():
     """``LongShortConfig(recompute_window_tiles=True)`` trains through ``TiledAttention`` in every layer, with the
     default model's loss and gradients (float64)."""
-    from ls_hf import LongShortConfig, LongShortForMaskedLM
-
-    config = {
-        "vocab_size": 40,
-        "hidden_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 32,
-        "window_size": 4,
-        "projection_rank": 2,
-        "max_position_embeddings": 40,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-    }
-    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
     results = []
     for recompute in (True, False):
-        torch.manual_seed(0)
-        model = LongShortForMaskedLM(LongShortConfig(**config, recompute_window_tiles=recompute)).double().train()
+        model, ids = tiny_mlm(recompute_window_tiles=recompute)
         assert all(layer.attention.self.recompute_window_tiles == recompute for layer in model.long_short.encoder.layer)
         loss = model(input_ids=ids, labels=ids).loss
         assert ("TiledAttentionBackward" in _graph_names(loss)) == recompute
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (loss_default, grads_default) = results
-    torch.testing.assert_close(loss, loss_default, atol=1e-12, rtol=0)
-    for name in grads_default:
-        torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
+        results.append(loss_and_gradients(model, loss))
+    assert_same_loss_and_gradients(*results)
 
 
 def test_layer_norm_gains_are_read_once_a_forward_pass_for_every_layer():
@@ -537,26 +553,11 @@ def test_layer_norm_gains_are_read_once_a_forward_pass_for_every_layer():
     ``LN_L`` over its input (the lean path: training on the CPU with ``recompute_window_tiles``). A layer whose gain
     is too small keeps ``LN_L``'s input (plain ``LayerNorm``), the others write over it; without gradients nothing
     is read. The loss and gradients are the default model's either way (float64)."""
-    from ls_hf import LongShortConfig, LongShortForMaskedLM, long_short_plan
+    from ls_hf import long_short_plan
 
-    config = LongShortConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=32,
-        window_size=4,
-        projection_rank=2,
-        max_position_embeddings=40,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
     results = []
     for recompute in (True, False):
-        torch.manual_seed(0)
-        model = LongShortForMaskedLM(LongShortConfig(**{**config.to_dict(), "recompute_window_tiles": recompute}))
-        model = model.double().train()
+        model, ids = tiny_mlm(recompute_window_tiles=recompute, num_hidden_layers=3)
         norms = [layer.attention.self.dual_ln_local for layer in model.long_short.encoder.layer]
         with torch.no_grad():
             norms[1].weight[3] = 1e-4
@@ -573,15 +574,11 @@ def test_layer_norm_gains_are_read_once_a_forward_pass_for_every_layer():
             assert writes.call_count == 2 * 2  # keys and values of layers 0 and 2
         else:
             assert reads.call_count == 0 and writes.call_count == 0
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+        results.append(loss_and_gradients(model, loss))
         with counted as reads, torch.no_grad():
             model(input_ids=ids)
         assert reads.call_count == 0
-    (loss, grads), (loss_default, grads_default) = results
-    torch.testing.assert_close(loss, loss_default, atol=1e-12, rtol=0)
-    for name in grads_default:
-        torch.testing.assert_close(grads[name], grads_default[name], atol=1e-12, rtol=1e-10, msg=name)
+    assert_same_loss_and_gradients(*results)
     assert long_short_kernels.recoverable_layer_norms(norms) == frozenset([norms[0], norms[2]])
 
 
